@@ -1,0 +1,1 @@
+"""Cluster-wide atomic recipe switch: coordinator, per-rank participant, transports."""

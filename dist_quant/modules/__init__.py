@@ -1,0 +1,1 @@
+"""FP8 modules that emit quantizer roles."""

@@ -1,0 +1,1 @@
+"""FP8 kernels: Triton implementations and the PyTorch reference they match bit for bit."""

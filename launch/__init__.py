@@ -1,0 +1,1 @@
+"""Launchers, the `dist-quant` command line and the demo training job."""
