@@ -1,0 +1,67 @@
+"""``gemm(a, b, out_dtype=...) = a @ b.T`` over plain tensors and FP8 ``GemmOperand``s.
+
+Both operands are contracted along their last dim: ``a`` is ``(M, K)``, ``b`` is ``(N, K)``, the
+result ``(M, N)``. Paths, in order:
+
+1. both plain tensors of one dtype: ``torch.matmul`` in that dtype (the high-precision path);
+2. CUDA sm89+, both operands per-tensor FP8, not both E5M2 (no such cuBLASLt kernel), ``K`` and
+   ``N`` divisible by 16 (cuBLASLt FP8 alignment): ``torch._scaled_mm`` with fp32 accumulation;
+3. otherwise the exact emulation: dequantize both to fp32, ``torch.matmul`` in fp32, cast to
+   ``out_dtype``. This is what CPUs and block-scaled operands use.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dist_quant.tensor import GemmOperand
+
+_SCALED_MM_ALIGN = 16
+
+
+def gemm(a: Tensor | GemmOperand, b: Tensor | GemmOperand, *, out_dtype: torch.dtype) -> Tensor:
+    """``a @ b.T`` for ``a`` ``(M, K)`` and ``b`` ``(N, K)``: ``(M, N)`` in ``out_dtype``."""
+    for name, op in (("a", a), ("b", b)):
+        if not isinstance(op, (Tensor, GemmOperand)):
+            raise TypeError(
+                f"gemm: operand {name} must be a torch.Tensor or GemmOperand, "
+                f"got {type(op).__name__}"
+            )
+    if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(
+            f"gemm: computes a @ b.T and needs a (M, K) and b (N, K); got a {tuple(a.shape)} "
+            f"and b {tuple(b.shape)}"
+        )
+    if isinstance(a, Tensor) and isinstance(b, Tensor) and a.dtype == b.dtype:
+        return torch.matmul(a, b.t()).to(out_dtype)
+    if _can_use_scaled_mm(a, b):
+        # cuBLASLt wants a row-major and b column-major: b.data is (N, K) row-major, so b.data.t()
+        # is (K, N) column-major without a copy. Scales as 0-dim fp32 (torch checks numel == 1).
+        return torch._scaled_mm(
+            a.data.contiguous(),
+            b.data.contiguous().t(),
+            scale_a=a.scale_inv.float().reshape(()),
+            scale_b=b.scale_inv.float().reshape(()),
+            out_dtype=out_dtype,
+        )
+    a_hp = a.dequantize(torch.float32) if isinstance(a, GemmOperand) else a.float()
+    b_hp = b.dequantize(torch.float32) if isinstance(b, GemmOperand) else b.float()
+    return torch.matmul(a_hp, b_hp.t()).to(out_dtype)
+
+
+def _can_use_scaled_mm(a: Tensor | GemmOperand, b: Tensor | GemmOperand) -> bool:
+    if not (isinstance(a, GemmOperand) and isinstance(b, GemmOperand)):
+        return False
+    if a.scaling != "tensor" or b.scaling != "tensor":
+        return False
+    if a.fp8_dtype == b.fp8_dtype == torch.float8_e5m2:
+        return False
+    if a.data.device.type != "cuda" or b.data.device != a.data.device:
+        return False
+    if torch.cuda.get_device_capability(a.data.device) < (8, 9):
+        return False
+    m, k, n = a.shape[0], a.shape[1], b.shape[0]
+    if min(m, k, n) == 0:  # nothing to multiply; the emulation handles empty shapes
+        return False
+    return k % _SCALED_MM_ALIGN == 0 and n % _SCALED_MM_ALIGN == 0

@@ -1,0 +1,268 @@
+"""Quantizers: turn a high-precision tensor into a ``QuantizedTensor`` under one scaling scheme.
+
+Numerics live in the kernels (``kernels/reference.py`` defines them bit for bit); a quantizer only
+picks the scale, calls the kernels and packs the result. Quantizers never talk to other ranks
+themselves: delayed-scaling amaxes are reduced by ``dist_quant.amax`` after the fact, and a
+current-scaling quantizer given a group hands its amax to ``dist_quant.amax`` before scaling.
+
+Usage flags (``set_usage``) say which GEMM operands the caller needs: ``rowwise`` for the tensor as
+the left/right operand contracted along its last dim, ``columnwise`` for its transpose.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+# The quantizer-facing kernels; the kernels engineer switches this to the dispatchers.
+from dist_quant.kernels import reference as fp8_kernels
+from dist_quant.tensor import Float8BlockwiseTensor, Float8Tensor, MXFP8Tensor, QuantizedTensor
+
+_HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class Quantizer(abc.ABC):
+    """Base of every quantizer: ``quantize(x)``, ``set_usage``, ``scaling`` and ``fp8_dtype``."""
+
+    scaling: str = ""
+
+    def __init__(self, fp8_dtype: torch.dtype) -> None:
+        if fp8_dtype not in fp8_kernels.FP8_DTYPES:
+            raise ValueError(
+                f"{type(self).__name__}: fp8_dtype must be torch.float8_e4m3fn or "
+                f"torch.float8_e5m2, got {fp8_dtype!r}"
+            )
+        self.fp8_dtype: torch.dtype | None = fp8_dtype
+        self.rowwise_usage = True
+        self.columnwise_usage = True
+
+    def set_usage(self, rowwise: bool = True, columnwise: bool = True) -> None:
+        """Which copies the next ``quantize`` calls produce; at least one must be requested."""
+        if not isinstance(rowwise, bool) or not isinstance(columnwise, bool):
+            raise ValueError(
+                f"{type(self).__name__}.set_usage: rowwise and columnwise must be bool, "
+                f"got rowwise={rowwise!r}, columnwise={columnwise!r}"
+            )
+        if not (rowwise or columnwise):
+            raise ValueError(
+                f"{type(self).__name__}.set_usage: at least one of rowwise/columnwise must be True"
+            )
+        self.rowwise_usage = rowwise
+        self.columnwise_usage = columnwise
+
+    @abc.abstractmethod
+    def quantize(self, x: Tensor) -> QuantizedTensor | Tensor:
+        """Quantize ``x`` (fp32, bf16 or fp16)."""
+
+    def _check_input(self, x: object) -> Tensor:
+        if not isinstance(x, Tensor) or x.dtype not in _HP_DTYPES:
+            what = x.dtype if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(
+                f"{type(self).__name__}.quantize: expects a float32/bfloat16/float16 tensor, "
+                f"got {what}"
+            )
+        return x
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(fp8_dtype={self.fp8_dtype})"
+
+
+class Float8Quantizer(Quantizer):
+    """Delayed scaling: casts with a scale computed from earlier steps' amaxes.
+
+    ``scale`` and ``amax`` are 1-element fp32 views into buffers owned by a recipe state:
+    ``scale`` into its scale vector, ``amax`` into row 0 of its amax history. Each ``quantize``
+    folds ``max(|x|)`` into ``amax`` (a running max over the step; NaN propagates so a bad step is
+    visible to the update) and casts with the current ``scale``. The update that turns history into
+    a new scale happens elsewhere (``dist_quant.amax``), after the amax reduction.
+    """
+
+    scaling = "delayed"
+
+    def __init__(self, scale: Tensor, amax: Tensor, fp8_dtype: torch.dtype) -> None:
+        super().__init__(fp8_dtype)
+        for name, buf in (("scale", scale), ("amax", amax)):
+            if not isinstance(buf, Tensor) or buf.dtype != torch.float32 or buf.numel() != 1:
+                got = f"{buf.dtype} {tuple(buf.shape)}" if isinstance(buf, Tensor) else repr(buf)
+                raise ValueError(
+                    f"Float8Quantizer: {name} must be a 1-element float32 tensor, got {got}"
+                )
+        if scale.device != amax.device:
+            raise ValueError(
+                f"Float8Quantizer: scale ({scale.device}) and amax ({amax.device}) must share a "
+                "device"
+            )
+        self.scale = scale
+        self.amax = amax
+
+    def quantize(self, x: Tensor) -> Float8Tensor:
+        x = self._check_input(x)
+        x_amax = fp8_kernels.amax(x)  # fp32 0-dim
+        self.amax.copy_(torch.maximum(self.amax, x_amax))  # running max; maximum keeps NaN
+        scale_inv = torch.ones_like(self.scale) / self.scale  # a snapshot: scale changes later
+        return _per_tensor(self, x, self.scale, scale_inv)
+
+
+class Float8CurrentScalingQuantizer(Quantizer):
+    """Current scaling: the scale comes from this tensor's own amax.
+
+    ``amax_epsilon`` floors the amax; ``use_power_2_scales`` rounds the scale down to a power of
+    two. With ``amax_reduction_group`` the amax is first all-reduced (MAX) over that group, so
+    every rank of a sequence-parallel group uses one scale and a quantized all-gather of the shards
+    equals quantizing the gathered tensor. That choice changes numerics: set it only where shards
+    of one logical tensor are quantized.
+    """
+
+    scaling = "current"
+
+    def __init__(
+        self,
+        fp8_dtype: torch.dtype,
+        use_power_2_scales: bool = False,
+        amax_epsilon: float = 0.0,
+        amax_reduction_group: Any = None,
+    ) -> None:
+        super().__init__(fp8_dtype)
+        if not (isinstance(amax_epsilon, (int, float)) and amax_epsilon >= 0.0):
+            raise ValueError(
+                f"Float8CurrentScalingQuantizer: amax_epsilon must be a number >= 0, "
+                f"got {amax_epsilon!r}"
+            )
+        self.use_power_2_scales = bool(use_power_2_scales)
+        self.amax_epsilon = float(amax_epsilon)
+        self.amax_reduction_group = amax_reduction_group
+
+    def quantize(self, x: Tensor) -> Float8Tensor:
+        x = self._check_input(x)
+        x_amax = fp8_kernels.amax(x).reshape(1)  # (1,): a plain 1-element buffer to all-reduce
+        if self.amax_reduction_group is not None:
+            # Imported here: amax.py is the only core module that talks to other ranks.
+            # Contract: allreduce_current_amax(amax, group) all-reduces the fp32 tensor `amax` in
+            # place with MAX over `group` (a no-op for a group of one rank) and returns None.
+            from dist_quant.amax import allreduce_current_amax
+
+            allreduce_current_amax(x_amax, self.amax_reduction_group)
+        scale, scale_inv = fp8_kernels.current_scale(
+            x_amax,
+            self.fp8_dtype,
+            amax_epsilon=self.amax_epsilon,
+            use_power_2_scales=self.use_power_2_scales,
+        )
+        return _per_tensor(self, x, scale, scale_inv)
+
+
+class MXFP8Quantizer(Quantizer):
+    """MXFP8: 32-element blocks with a shared E8M0 power-of-two scale (RCEIL exponent).
+
+    The rowwise copy (blocks along the last dim) and the columnwise copy (blocks along the first
+    dim of the 2D view, stored transposed) are both quantized from the original tensor, as the
+    usage flags ask: the transpose of a rowwise copy would have the wrong blocks.
+    """
+
+    scaling = "mxfp8"
+
+    def __init__(self, fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> None:
+        super().__init__(fp8_dtype)
+
+    def quantize(self, x: Tensor) -> MXFP8Tensor:
+        x = self._check_input(x)
+        rowwise = fp8_kernels.mxfp8_cast(x, self.fp8_dtype) if self.rowwise_usage else None
+        columnwise = (
+            fp8_kernels.mxfp8_cast(x, self.fp8_dtype, columnwise=True)
+            if self.columnwise_usage
+            else None
+        )
+        return MXFP8Tensor(
+            shape=x.shape,
+            dtype=x.dtype,
+            fp8_dtype=self.fp8_dtype,
+            rowwise=rowwise,
+            columnwise=columnwise,
+        )
+
+
+class Float8BlockQuantizer(Quantizer):
+    """Float8 block scaling: one fp32 scale per 1x128 tile (``block_scaling_dim=1``, activations
+    and gradients) or per 128x128 block (``block_scaling_dim=2``, weights); power-of-two scales by
+    default. 1x128 copies for each usage are quantized from the original; a 128x128 grid's
+    columnwise copy is the exact transpose of its rowwise copy."""
+
+    scaling = "block"
+
+    def __init__(
+        self,
+        fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+        block_scaling_dim: int = 1,
+        use_power_2_scales: bool = True,
+    ) -> None:
+        super().__init__(fp8_dtype)
+        if block_scaling_dim not in (1, 2):
+            raise ValueError(
+                "Float8BlockQuantizer: block_scaling_dim must be 1 (1x128 tiles) or 2 "
+                f"(128x128 blocks), got {block_scaling_dim!r}"
+            )
+        self.block_scaling_dim = block_scaling_dim
+        self.use_power_2_scales = bool(use_power_2_scales)
+
+    def quantize(self, x: Tensor) -> Float8BlockwiseTensor:
+        x = self._check_input(x)
+        dim, pow2 = self.block_scaling_dim, self.use_power_2_scales
+        rowwise = columnwise = None
+        if self.rowwise_usage or dim == 2:  # a 128x128 columnwise copy derives from the rowwise
+            rowwise = fp8_kernels.block_cast(
+                x, self.fp8_dtype, block_dim=dim, use_power_2_scales=pow2
+            )
+        if self.columnwise_usage and dim == 1:
+            if x.dim() == 0:
+                raise ValueError("Float8BlockQuantizer: a 0-dim tensor has no columnwise copy")
+            x_t = x.reshape(math.prod(x.shape[:-1]), x.shape[-1]).t()  # (cols, rows)
+            columnwise = fp8_kernels.block_cast(
+                x_t, self.fp8_dtype, block_dim=1, use_power_2_scales=pow2
+            )
+        return Float8BlockwiseTensor(
+            shape=x.shape,
+            dtype=x.dtype,
+            fp8_dtype=self.fp8_dtype,
+            block_dim=dim,
+            rowwise=rowwise,
+            columnwise=columnwise,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Float8BlockQuantizer(fp8_dtype={self.fp8_dtype}, "
+            f"block_scaling_dim={self.block_scaling_dim}, "
+            f"use_power_2_scales={self.use_power_2_scales})"
+        )
+
+
+class IdentityQuantizer(Quantizer):
+    """High precision: ``quantize(x)`` returns ``x`` itself."""
+
+    scaling = "identity"
+
+    def __init__(self) -> None:
+        # No FP8 dtype to validate, so the base initialiser (which requires one) is skipped.
+        self.fp8_dtype = None
+        self.rowwise_usage = True
+        self.columnwise_usage = True
+
+    def quantize(self, x: Tensor) -> Tensor:
+        return x
+
+    def __repr__(self) -> str:
+        return "IdentityQuantizer()"
+
+
+def _per_tensor(q: Quantizer, x: Tensor, scale: Tensor, scale_inv: Tensor) -> Float8Tensor:
+    """Cast with one scale; with columnwise usage the fused cast+transpose fills the cached
+    transpose now, otherwise ``Float8Tensor`` builds it on first use."""
+    if q.columnwise_usage and x.dim() >= 1:
+        data, data_t = fp8_kernels.cast_transpose(x, scale, q.fp8_dtype)
+    else:
+        data, data_t = fp8_kernels.cast_to_fp8(x, scale, q.fp8_dtype), None
+    return Float8Tensor(data, scale_inv, dtype=x.dtype, data_t=data_t)

@@ -1,0 +1,303 @@
+"""Quantized tensors: containers of FP8 data and scales, plus the GEMM operands they hand out.
+
+A ``QuantizedTensor`` is not a ``torch.Tensor`` subclass: it holds FP8 bytes and their scales and
+knows how to dequantize and how to present itself to a GEMM. A GEMM contracts its operands along
+their last dim, so each tensor offers two 2D operands (docs/INTERNALS.md):
+
+- ``rowwise_operand()``: the ``(rows, cols)`` view, quantized along ``cols``;
+- ``columnwise_operand()``: the transpose ``(cols, rows)``, quantized along ``rows``.
+
+Per-tensor FP8 gets its transpose by transposing bytes (one scale fits both), built on first use and
+cached unless the quantizer already produced it. MXFP8 and 1x128 blocks have scales along one
+direction only, so their columnwise copy is quantized from the original high-precision tensor at
+quantize time. A 128x128 block grid is symmetric: its transpose is an exact transpose of the bytes
+and of the scale grid.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from dataclasses import dataclass
+from typing import NoReturn
+
+import torch
+from torch import Tensor
+
+# The quantizer-facing kernels; the kernels engineer switches this to the dispatchers.
+from dist_quant.kernels import reference as fp8_kernels
+
+SCALINGS = ("tensor", "mxfp8", "block1d", "block2d")
+
+
+@dataclass(frozen=True)
+class GemmOperand:
+    """A 2D FP8 matrix ``(rows, K)`` quantized along its last dim, ready for ``gemm``.
+
+    ``scale_inv`` is the fp32 per-tensor scale inverse (``"tensor"``), the uint8 E8M0 block
+    exponents (``"mxfp8"``), or the fp32 tile scale inverses (``"block1d"``: 1x128,
+    ``"block2d"``: 128x128).
+    """
+
+    data: Tensor
+    scale_inv: Tensor
+    scaling: str
+    fp8_dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        if self.scaling not in SCALINGS:
+            raise ValueError(f"GemmOperand.scaling must be one of {SCALINGS}, got {self.scaling!r}")
+        if self.data.dim() != 2 or self.data.dtype != self.fp8_dtype:
+            raise ValueError(
+                f"GemmOperand.data must be a 2D {self.fp8_dtype} tensor, "
+                f"got {self.data.dtype} of shape {tuple(self.data.shape)}"
+            )
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The 2D matrix this operand stands for, computed in fp32 and cast to ``dtype``."""
+        if self.scaling == "tensor":
+            return fp8_kernels.dequantize(self.data, self.scale_inv, dtype)
+        if self.scaling == "mxfp8":
+            return fp8_kernels.mxfp8_dequantize(self.data, self.scale_inv, dtype=dtype)
+        block_dim = 1 if self.scaling == "block1d" else 2
+        return fp8_kernels.block_dequantize(
+            self.data, self.scale_inv, block_dim=block_dim, dtype=dtype
+        )
+
+
+class QuantizedTensor(abc.ABC):
+    """FP8 data with its scales. ``dtype`` is the high-precision dtype it was quantized from."""
+
+    _scaling: str = ""
+
+    def __init__(
+        self, *, shape: torch.Size, dtype: torch.dtype, device: torch.device, fp8_dtype: torch.dtype
+    ) -> None:
+        self.shape = torch.Size(shape)
+        self.dtype = dtype
+        self.device = device
+        self.fp8_dtype = fp8_dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def size(self, dim: int | None = None) -> torch.Size | int:
+        return self.shape if dim is None else self.shape[dim]
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    @abc.abstractmethod
+    def data(self) -> Tensor:
+        """The rowwise FP8 bytes, in the original shape."""
+
+    @property
+    @abc.abstractmethod
+    def scale_inv(self) -> Tensor:
+        """The rowwise scale inverse (per-tensor fp32, E8M0 uint8, or per-tile fp32)."""
+
+    @abc.abstractmethod
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The high-precision tensor (original shape), computed in fp32 and cast to ``dtype``."""
+
+    @abc.abstractmethod
+    def rowwise_operand(self) -> GemmOperand:
+        """The ``(rows, cols)`` view quantized along ``cols``."""
+
+    @abc.abstractmethod
+    def columnwise_operand(self) -> GemmOperand:
+        """The transpose ``(cols, rows)`` quantized along ``rows``."""
+
+    def _rows_cols(self) -> tuple[int, int]:
+        if self.ndim == 0:
+            raise ValueError(f"{type(self).__name__}: a 0-dim tensor has no 2D GEMM view")
+        return math.prod(self.shape[:-1]), self.shape[-1]
+
+    def _no_arithmetic(self, *args: object) -> NoReturn:
+        raise TypeError(
+            f"{type(self).__name__} has no FP8 meaning for arithmetic; call .dequantize() first"
+        )
+
+    __add__ = __radd__ = __iadd__ = __sub__ = __rsub__ = __isub__ = _no_arithmetic
+    __mul__ = __rmul__ = __imul__ = __truediv__ = __rtruediv__ = __itruediv__ = _no_arithmetic
+    __matmul__ = __rmatmul__ = __imatmul__ = __floordiv__ = __rfloordiv__ = _no_arithmetic
+    __mod__ = __rmod__ = __pow__ = __rpow__ = __neg__ = __pos__ = __abs__ = _no_arithmetic
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.dtype}, "
+            f"fp8_dtype={self.fp8_dtype}, scaling={self._scaling!r}, device={self.device})"
+        )
+
+
+class Float8Tensor(QuantizedTensor):
+    """Per-tensor FP8: ``data`` in the original shape and one fp32 ``scale_inv``."""
+
+    _scaling = "tensor"
+
+    def __init__(
+        self, data: Tensor, scale_inv: Tensor, *, dtype: torch.dtype, data_t: Tensor | None = None
+    ) -> None:
+        super().__init__(shape=data.shape, dtype=dtype, device=data.device, fp8_dtype=data.dtype)
+        self._data = data
+        self._scale_inv = scale_inv
+        self._data_t = data_t  # (cols, rows) contiguous, cached once built
+
+    @property
+    def data(self) -> Tensor:
+        return self._data
+
+    @property
+    def scale_inv(self) -> Tensor:
+        return self._scale_inv
+
+    def transpose_data(self) -> Tensor:
+        """The 2D transpose ``(cols, rows)`` of the bytes; built on first call, then cached."""
+        if self._data_t is None:
+            rows, cols = self._rows_cols()
+            self._data_t = self._data.reshape(rows, cols).t().contiguous()
+        return self._data_t
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        return fp8_kernels.dequantize(self._data, self._scale_inv, dtype)
+
+    def rowwise_operand(self) -> GemmOperand:
+        rows, cols = self._rows_cols()
+        return GemmOperand(
+            self._data.reshape(rows, cols), self._scale_inv, "tensor", self.fp8_dtype
+        )
+
+    def columnwise_operand(self) -> GemmOperand:
+        return GemmOperand(self.transpose_data(), self._scale_inv, "tensor", self.fp8_dtype)
+
+
+class _TwoCopyTensor(QuantizedTensor):
+    """Block-scaled FP8 whose scales run along one direction, so each GEMM usage has its own copy:
+    ``rowwise = (data in the original shape, scales)`` and ``columnwise = (data (cols, rows),
+    scales)``. At least one is present; the quantizer's usage flags decide which."""
+
+    def __init__(
+        self,
+        *,
+        shape: torch.Size,
+        dtype: torch.dtype,
+        fp8_dtype: torch.dtype,
+        rowwise: tuple[Tensor, Tensor] | None,
+        columnwise: tuple[Tensor, Tensor] | None,
+    ) -> None:
+        if rowwise is None and columnwise is None:
+            raise ValueError(
+                f"{type(self).__name__}: needs rowwise or columnwise data, got neither"
+            )
+        device = (rowwise or columnwise)[0].device
+        super().__init__(shape=shape, dtype=dtype, device=device, fp8_dtype=fp8_dtype)
+        self._rowwise = rowwise
+        self._columnwise = columnwise
+
+    @property
+    def data(self) -> Tensor:
+        return self._rowwise_pair()[0]
+
+    @property
+    def scale_inv(self) -> Tensor:
+        return self._rowwise_pair()[1]
+
+    @property
+    def columnwise_data(self) -> Tensor:
+        return self._columnwise_pair()[0]
+
+    @property
+    def columnwise_scale_inv(self) -> Tensor:
+        return self._columnwise_pair()[1]
+
+    def _rowwise_pair(self) -> tuple[Tensor, Tensor]:
+        if self._rowwise is None:
+            self._missing("rowwise")
+        return self._rowwise
+
+    def _columnwise_pair(self) -> tuple[Tensor, Tensor]:
+        if self._columnwise is None:
+            self._missing("columnwise")
+        return self._columnwise
+
+    def _missing(self, usage: str) -> NoReturn:
+        raise ValueError(
+            f"{type(self).__name__}: no {usage} data; the quantizer ran with {usage}=False. "
+            f"Call quantizer.set_usage({usage}=True) before quantize()."
+        )
+
+    def rowwise_operand(self) -> GemmOperand:
+        data, scale = self._rowwise_pair()
+        rows, cols = self._rows_cols()
+        return GemmOperand(data.reshape(rows, cols), scale, self._scaling, self.fp8_dtype)
+
+    def columnwise_operand(self) -> GemmOperand:
+        data_t, scale_t = self._columnwise_pair()
+        return GemmOperand(data_t, scale_t, self._scaling, self.fp8_dtype)
+
+
+class MXFP8Tensor(_TwoCopyTensor):
+    """MXFP8: 32-element blocks with uint8 E8M0 exponents, scales ``(rows, ceil(cols/32))``
+    rowwise and ``(cols, ceil(rows/32))`` columnwise; each copy quantized from the original."""
+
+    _scaling = "mxfp8"
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        if self._rowwise is not None:
+            return fp8_kernels.mxfp8_dequantize(*self._rowwise, dtype=dtype)
+        data_t, scale_t = self._columnwise
+        out = fp8_kernels.mxfp8_dequantize(data_t, scale_t, columnwise=True, dtype=dtype)
+        return out.reshape(self.shape)
+
+
+class Float8BlockwiseTensor(_TwoCopyTensor):
+    """Float8 block scaling with fp32 tile scale inverses.
+
+    ``block_dim=1`` (1x128 tiles): each direction is quantized from the original, like MXFP8.
+    ``block_dim=2`` (128x128 tiles): only the rowwise copy is stored; the columnwise copy is the
+    exact transpose of the bytes and of the scale grid, built on first use and cached.
+    """
+
+    def __init__(
+        self,
+        *,
+        shape: torch.Size,
+        dtype: torch.dtype,
+        fp8_dtype: torch.dtype,
+        block_dim: int,
+        rowwise: tuple[Tensor, Tensor] | None,
+        columnwise: tuple[Tensor, Tensor] | None = None,
+    ) -> None:
+        if block_dim not in (1, 2):
+            raise ValueError(f"Float8BlockwiseTensor: block_dim must be 1 or 2, got {block_dim!r}")
+        if block_dim == 2 and (rowwise is None or columnwise is not None):
+            raise ValueError(
+                "Float8BlockwiseTensor: 128x128 blocks store the rowwise copy only; "
+                "the columnwise copy is its exact transpose"
+            )
+        super().__init__(
+            shape=shape, dtype=dtype, fp8_dtype=fp8_dtype, rowwise=rowwise, columnwise=columnwise
+        )
+        self.block_dim = block_dim
+        self._scaling = f"block{block_dim}d"
+
+    def _columnwise_pair(self) -> tuple[Tensor, Tensor]:
+        if self.block_dim == 2 and self._columnwise is None:
+            data, scale = self._rowwise
+            rows, cols = self._rows_cols()
+            self._columnwise = (data.reshape(rows, cols).t().contiguous(), scale.t().contiguous())
+        return super()._columnwise_pair()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        if self._rowwise is not None:
+            data, scale = self._rowwise
+            return fp8_kernels.block_dequantize(data, scale, block_dim=self.block_dim, dtype=dtype)
+        data_t, scale_t = self._columnwise  # only 1x128 tensors can lack the rowwise copy
+        out = fp8_kernels.block_dequantize(data_t, scale_t, block_dim=1, dtype=dtype)
+        return out.t().reshape(self.shape)
