@@ -245,9 +245,10 @@ def _block_input(rows: int, cols: int) -> torch.Tensor:
 @pytest.mark.parametrize("shape", [(3, 300), (131, 260), (256, 128), (0, 10), (4, 0)])
 @pytest.mark.parametrize("block_dim", [1, 2])
 @pytest.mark.parametrize("pow2", [True, False])
-def test_block_cast_scales_per_tile_match_float64_derivation(shape, block_dim, pow2):
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_block_cast_scales_per_tile_match_float64_derivation(shape, block_dim, pow2, in_dtype):
     fp8_dtype, fmt = FORMATS[0] if block_dim == 1 else FORMATS[1]
-    x = _block_input(*shape)
+    x = _block_input(*shape).to(in_dtype)
     q, scale_inv = ref.block_cast(x, fp8_dtype, block_dim=block_dim, use_power_2_scales=pow2)
     rows, cols = shape
     height = 1 if block_dim == 1 else 128
