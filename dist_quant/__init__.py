@@ -3,6 +3,7 @@
 Public names are listed in API.md; each is importable from here.
 """
 
+from dist_quant.factory_keys import quantizer_factory
 from dist_quant.formats import Format
 from dist_quant.quantizers import (
     Float8BlockQuantizer,
@@ -12,18 +13,43 @@ from dist_quant.quantizers import (
     MXFP8Quantizer,
     Quantizer,
 )
+from dist_quant.recipes import (
+    CustomRecipe,
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    MXFP8BlockScaling,
+    Recipe,
+    recipe_from_dict,
+    recipe_from_json,
+)
+from dist_quant.roles import DelayedScalingRequest, QuantizerRequest, QuantizerRole
+from dist_quant.state import RecipeState
 from dist_quant.tensor import Float8BlockwiseTensor, Float8Tensor, MXFP8Tensor, QuantizedTensor
 
 __all__ = [
+    "CustomRecipe",
+    "DelayedScaling",
+    "DelayedScalingRequest",
     "Float8BlockQuantizer",
+    "Float8BlockScaling",
     "Float8BlockwiseTensor",
+    "Float8CurrentScaling",
     "Float8CurrentScalingQuantizer",
     "Float8Quantizer",
     "Float8Tensor",
     "Format",
     "IdentityQuantizer",
+    "MXFP8BlockScaling",
     "MXFP8Quantizer",
     "MXFP8Tensor",
     "QuantizedTensor",
     "Quantizer",
+    "QuantizerRequest",
+    "QuantizerRole",
+    "Recipe",
+    "RecipeState",
+    "quantizer_factory",
+    "recipe_from_dict",
+    "recipe_from_json",
 ]

@@ -1,0 +1,116 @@
+"""Reference quantizer factories for `CustomRecipe`, each with an explicit semantic key.
+
+A factory maps a `QuantizerRole` to a quantizer or a `DelayedScalingRequest`. The five basic ones
+reproduce the built-in recipes slot by slot; `bf16_first_last` and
+`attention_current_linear_block` show dispatch by module name and by module type. Bump a key's
+version suffix whenever the behaviour behind it changes, so running jobs see a new recipe key.
+
+Roles the modules emit: linear slots "input", "weight", "grad_output" (module_type "linear" or
+"grouped_linear"); attention slots "qkv", "o", "s", "do", "dp", "dqkv" (module_type "dpa"). Output
+and grad-input slots carry whatever role the module was given, often none: factories receive a
+bare `QuantizerRole()` there and should treat it as "nothing known".
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import torch
+
+from dist_quant.factory_keys import quantizer_factory
+from dist_quant.formats import Format, bwd_dtype, fwd_dtype
+from dist_quant.quantizers import (
+    Float8BlockQuantizer,
+    Float8CurrentScalingQuantizer,
+    IdentityQuantizer,
+    MXFP8Quantizer,
+    Quantizer,
+)
+from dist_quant.roles import DelayedScalingRequest, QuantizerRole
+
+GRADIENT_TENSOR_TYPES = frozenset({"grad_output", "grad_input", "do", "dp", "dqkv"})
+"""Tensor types of backward-pass gradients: E5M2 under HYBRID."""
+LINEAR_MODULE_TYPES = frozenset({"linear", "grouped_linear"})
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+
+
+def _tensor_type(role: QuantizerRole | None) -> str:
+    return role.tensor_type if role is not None else ""
+
+
+@quantizer_factory(key="dist_quant.factories.high_precision.v1")
+def high_precision(role: QuantizerRole | None) -> Quantizer:
+    """Every slot in high precision (the "bf16" built-in recipe)."""
+    return IdentityQuantizer()
+
+
+@quantizer_factory(key="dist_quant.factories.delayed_scaling.v1")
+def delayed_scaling(role: QuantizerRole | None) -> DelayedScalingRequest:
+    """Delayed scaling with the API defaults (HYBRID, margin 0, history 1024, "max")."""
+    return DelayedScalingRequest()
+
+
+@quantizer_factory(key="dist_quant.factories.current_scaling.v1")
+def current_scaling(role: QuantizerRole | None) -> Quantizer:
+    """Current scaling under HYBRID: E5M2 for gradient roles, E4M3 for everything else."""
+    if _tensor_type(role) in GRADIENT_TENSOR_TYPES:
+        return Float8CurrentScalingQuantizer(bwd_dtype(Format.HYBRID))
+    return Float8CurrentScalingQuantizer(fwd_dtype(Format.HYBRID))
+
+
+@quantizer_factory(key="dist_quant.factories.mxfp8.v1")
+def mxfp8(role: QuantizerRole | None) -> Quantizer:
+    """MXFP8 (E4M3 data, E8M0 scales per 32 elements) for every slot."""
+    return MXFP8Quantizer(torch.float8_e4m3fn)
+
+
+@quantizer_factory(key="dist_quant.factories.float8_block_scaling.v1")
+def float8_block_scaling(role: QuantizerRole | None) -> Quantizer:
+    """Float8 block scaling: 128x128 blocks for weights, 1x128 tiles for everything else."""
+    dim = 2 if _tensor_type(role) == "weight" else 1
+    return Float8BlockQuantizer(torch.float8_e4m3fn, block_scaling_dim=dim)
+
+
+def layer_index(role: QuantizerRole | None) -> int | None:
+    """N from a `layers.N` component of the role's module name, or None."""
+    match = _LAYER_INDEX.search(role.name) if role is not None else None
+    return int(match.group(1)) if match else None
+
+
+def bf16_first_last(num_layers: int) -> Callable[[QuantizerRole | None], Quantizer]:
+    """First and last transformer layer in high precision, the layers between on current scaling.
+
+    The layer comes from `layers.N` in the role's name. Slots outside the layer stack (embedding,
+    head, roles without a name) stay in high precision too; a layer index >= `num_layers` means
+    the factory was built for another model and raises ValueError.
+    """
+    if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
+        raise ValueError(f"bf16_first_last: num_layers must be an int >= 1, got {num_layers!r}")
+
+    @quantizer_factory(key=f"dist_quant.factories.bf16_first_last.v1(num_layers={num_layers})")
+    def factory(role: QuantizerRole | None) -> Quantizer:
+        index = layer_index(role)
+        if index is not None and index >= num_layers:
+            raise ValueError(
+                f"bf16_first_last: role {role} is in layer {index}, but the factory was built "
+                f"for num_layers={num_layers}"
+            )
+        if index is None or index in (0, num_layers - 1):
+            return high_precision(role)
+        return current_scaling(role)
+
+    return factory
+
+
+@quantizer_factory(key="dist_quant.factories.attention_current_linear_block.v1")
+def attention_current_linear_block(role: QuantizerRole | None) -> Quantizer:
+    """Attention ("dpa") on current scaling, linears on float8 block scaling, the rest (slots
+    whose role says nothing about the module) in high precision."""
+    module_type = role.module_type if role is not None else ""
+    if module_type == "dpa":
+        return current_scaling(role)
+    if module_type in LINEAR_MODULE_TYPES:
+        return float8_block_scaling(role)
+    return high_precision(role)

@@ -1,0 +1,411 @@
+"""Recipes: frozen descriptions of how every GEMM operand is quantized, and their semantic keys.
+
+A recipe is a frozen dataclass validated at construction. `key()` is derived from the dataclass
+fields themselves (never from a second, hand-kept list), so a field added later is part of the key
+automatically; it is recomputed from the current values on every call, so even an
+`object.__setattr__` bypass of the freeze shows up as a new key. Callables inside a recipe (a
+`CustomRecipe` factory, a `DelayedScaling` algorithm) enter the key through `callable_key()`.
+
+`to_dict()` / `recipe_from_dict()` / `recipe_from_json()` round-trip recipes through JSON, with
+callables written as their import path `"pkg.module:qualname"`. Importing that path runs the
+module's top-level code: only load recipes from people allowed to run code in the job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import importlib
+import json
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from dist_quant.factory_keys import callable_key, quantizer_factory
+from dist_quant.formats import Format
+
+__all__ = [
+    "AMAX_COMPUTE_ALGOS",
+    "BUILTIN_RECIPE_NAMES",
+    "CustomRecipe",
+    "DelayedScaling",
+    "Float8BlockScaling",
+    "Float8CurrentScaling",
+    "MXFP8BlockScaling",
+    "Recipe",
+    "builtin_recipe",
+    "quantizer_factory",
+    "recipe_from_dict",
+    "recipe_from_json",
+]
+
+AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+"""Transformer Engine's names: max over the whole history, or the newest entry only."""
+
+BUILTIN_RECIPE_NAMES = ("delayed", "current", "mxfp8", "block", "bf16")
+
+# Field kinds for (de)serialisation, kept in each field's metadata next to its default.
+_FORMAT = {"kind": "format"}
+_CALLABLE = {"kind": "callable"}  # a callable, written as "pkg.module:qualname"
+_ALGO = {"kind": "algo"}  # one of AMAX_COMPUTE_ALGOS or a callable
+
+
+# ---- field checks, shared with roles.py (DelayedScalingRequest) -----------------------------
+
+
+def check_format(
+    owner: str, field: str, value: object, allowed: tuple[Format, ...], why: str = ""
+) -> None:
+    if not isinstance(value, Format):
+        raise ValueError(
+            f"{owner}.{field} must be a dist_quant.Format "
+            f"({', '.join(f.name for f in Format)}), got {value!r}"
+        )
+    if value not in allowed:
+        raise ValueError(
+            f"{owner}.{field}={value.name} is not supported; "
+            f"valid: {', '.join(f.name for f in allowed)}{why}"
+        )
+
+
+def check_int(owner: str, field: str, value: object, minimum: int) -> None:
+    # bool is an int subclass; True as a margin is a bug, not 1
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{owner}.{field} must be an int >= {minimum}, got {value!r}")
+
+
+def check_bool(owner: str, field: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{owner}.{field} must be True or False, got {value!r}")
+
+
+def check_amax_algo(owner: str, field: str, value: object) -> None:
+    if callable(value):
+        return
+    if value not in AMAX_COMPUTE_ALGOS:
+        raise ValueError(
+            f"{owner}.{field} must be one of {', '.join(map(repr, AMAX_COMPUTE_ALGOS))} "
+            f"or a callable(amax_history) -> amax, got {value!r}"
+        )
+
+
+def _check_fp8_attention(owner: str, fp8_dpa: object, fp8_mha: object) -> None:
+    check_bool(owner, "fp8_dpa", fp8_dpa)
+    check_bool(owner, "fp8_mha", fp8_mha)
+    if fp8_mha and not fp8_dpa:
+        raise ValueError(f"{owner}.fp8_mha=True needs fp8_dpa=True (FP8 attention inside FP8 MHA)")
+
+
+# Pure E5M2 would quantize forward activations and weights in E5M2 (2 mantissa bits); Transformer
+# Engine rejects it for per-tensor recipes, and so do we.
+_PER_TENSOR_FORMATS = (Format.HYBRID, Format.E4M3)
+_NO_E5M2_FORWARD = " (E5M2 would quantize the forward pass; HYBRID uses E5M2 for gradients only)"
+_E4M3_ONLY = " (block-scaled recipes use E4M3 in both directions)"
+
+
+class Recipe:
+    """Base of every recipe: a frozen dataclass with a semantic `key()` and JSON round trip."""
+
+    def key(self) -> tuple:
+        """`(type name, normalised field values)`: equal keys <=> identical quantization.
+
+        Enums become their value, callables their factory key (`callable_key`).
+        """
+        values = tuple(
+            self._key_value(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
+        )
+        return (type(self).__name__, values)
+
+    def _key_value(self, name: str, value: Any) -> Any:
+        if isinstance(value, enum.Enum):
+            return value.value
+        if callable(value):
+            return callable_key(value)
+        return value
+
+    def to_dict(self) -> dict[str, Any]:
+        """`{"type": ClassName, field: value, ...}`, JSON-serialisable.
+
+        Formats are written by name, callables as `"pkg.module:qualname"`; a callable that cannot
+        be imported back by that path (lambda, closure, bound method, partial) raises ValueError.
+        """
+        out: dict[str, Any] = {"type": type(self).__name__}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, enum.Enum):
+                out[f.name] = value.name
+            elif callable(value):
+                out[f.name] = _import_path(value, f"{type(self).__name__}.{f.name}")
+            else:
+                out[f.name] = value
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedScaling(Recipe):
+    """Per-tensor FP8 with scales from an amax history (Transformer Engine's default recipe)."""
+
+    margin: int = 0
+    """Scales are divided by 2**margin, leaving headroom for amax growth."""
+    fp8_format: Format = dataclasses.field(default=Format.HYBRID, metadata=_FORMAT)
+    """HYBRID: E4M3 forward, E5M2 backward; E4M3: E4M3 both ways."""
+    amax_history_len: int = 1024
+    """Steps of amax kept per slot."""
+    amax_compute_algo: str | Callable = dataclasses.field(default="max", metadata=_ALGO)
+    """"max" over the history, "most_recent", or `f(amax_history (L, n)) -> amax (n,)`."""
+    scaling_factor_compute_algo: Callable | None = dataclasses.field(
+        default=None, metadata=_CALLABLE
+    )
+    """None for `fp8_max / amax / 2**margin`, or `f(amax, scale, fp8_max, recipe) -> scale`."""
+    reduce_amax: bool = True
+    """All-reduce(MAX) the step's amaxes over the amax-reduction group before the update."""
+    fp8_dpa: bool = False
+    """Run dot-product attention in FP8."""
+    fp8_mha: bool = False
+    """Keep FP8 across the attention block's projections (needs fp8_dpa)."""
+
+    def __post_init__(self) -> None:
+        owner = "DelayedScaling"
+        check_int(owner, "margin", self.margin, 0)
+        check_format(owner, "fp8_format", self.fp8_format, _PER_TENSOR_FORMATS, _NO_E5M2_FORWARD)
+        check_int(owner, "amax_history_len", self.amax_history_len, 1)
+        check_amax_algo(owner, "amax_compute_algo", self.amax_compute_algo)
+        if self.scaling_factor_compute_algo is not None and not callable(
+            self.scaling_factor_compute_algo
+        ):
+            raise ValueError(
+                f"{owner}.scaling_factor_compute_algo must be None or a callable, "
+                f"got {self.scaling_factor_compute_algo!r}"
+            )
+        check_bool(owner, "reduce_amax", self.reduce_amax)
+        _check_fp8_attention(owner, self.fp8_dpa, self.fp8_mha)
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8CurrentScaling(Recipe):
+    """Per-tensor FP8 with the scale computed from each tensor's own amax."""
+
+    fp8_format: Format = dataclasses.field(default=Format.HYBRID, metadata=_FORMAT)
+    """HYBRID: E4M3 forward, E5M2 backward; E4M3: E4M3 both ways."""
+    use_power_2_scales: bool = False
+    """Round each scale down to a power of two."""
+    amax_epsilon: float = 0.0
+    """Floor for the amax before the scale is computed."""
+    fp8_dpa: bool = False
+    """Run dot-product attention in FP8."""
+    fp8_mha: bool = False
+    """Keep FP8 across the attention block's projections (needs fp8_dpa)."""
+
+    def __post_init__(self) -> None:
+        owner = "Float8CurrentScaling"
+        check_format(owner, "fp8_format", self.fp8_format, _PER_TENSOR_FORMATS, _NO_E5M2_FORWARD)
+        check_bool(owner, "use_power_2_scales", self.use_power_2_scales)
+        eps = self.amax_epsilon
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 <= eps < math.inf):
+            raise ValueError(f"{owner}.amax_epsilon must be a finite float >= 0, got {eps!r}")
+        # 0 and 0.0 must give the same key *and* the same JSON
+        object.__setattr__(self, "amax_epsilon", float(eps))
+        _check_fp8_attention(owner, self.fp8_dpa, self.fp8_mha)
+
+
+@dataclasses.dataclass(frozen=True)
+class MXFP8BlockScaling(Recipe):
+    """MXFP8: blocks of 32 elements sharing a power-of-two E8M0 scale."""
+
+    fp8_format: Format = dataclasses.field(default=Format.E4M3, metadata=_FORMAT)
+    """E4M3 only (as in Transformer Engine), forward and backward."""
+
+    def __post_init__(self) -> None:
+        check_format("MXFP8BlockScaling", "fp8_format", self.fp8_format, (Format.E4M3,), _E4M3_ONLY)
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8BlockScaling(Recipe):
+    """FP8 with one fp32 scale per 1x128 tile (activations, gradients) or 128x128 block (weight)."""
+
+    fp8_format: Format = dataclasses.field(default=Format.E4M3, metadata=_FORMAT)
+    """E4M3 only (as in Transformer Engine), forward and backward."""
+    use_power_2_scales: bool = True
+    """Round each tile scale down to a power of two."""
+
+    def __post_init__(self) -> None:
+        owner = "Float8BlockScaling"
+        check_format(owner, "fp8_format", self.fp8_format, (Format.E4M3,), _E4M3_ONLY)
+        check_bool(owner, "use_power_2_scales", self.use_power_2_scales)
+
+
+@dataclasses.dataclass(frozen=True)
+class CustomRecipe(Recipe):
+    """Per-slot choice: `qfactory(role)` returns a quantizer or a `DelayedScalingRequest`.
+
+    The factory's key is `qfactory_key` when given, else its `@quantizer_factory(key=...)`, else a
+    fallback digest of its code and captured values (see `dist_quant.factory_keys`).
+    """
+
+    qfactory: Callable = dataclasses.field(metadata=_CALLABLE)
+    """`f(role: QuantizerRole) -> Quantizer | DelayedScalingRequest`, called once per slot."""
+    qfactory_key: str | None = None
+    """Stable semantic key of `qfactory`; overrides the factory's own key."""
+    fp8_format: Format = dataclasses.field(default=Format.HYBRID, metadata=_FORMAT)
+    """Informational, as in Transformer Engine: the factory picks each slot's format."""
+    fp8_dpa: bool = False
+    """Run dot-product attention in FP8."""
+    fp8_mha: bool = False
+    """Keep FP8 across the attention block's projections (needs fp8_dpa)."""
+
+    def __post_init__(self) -> None:
+        owner = "CustomRecipe"
+        if not callable(self.qfactory):
+            raise ValueError(f"{owner}.qfactory must be callable, got {self.qfactory!r}")
+        if self.qfactory_key is not None and not (
+            isinstance(self.qfactory_key, str) and self.qfactory_key
+        ):
+            raise ValueError(
+                f"{owner}.qfactory_key must be None or a non-empty str, got {self.qfactory_key!r}"
+            )
+        check_format(owner, "fp8_format", self.fp8_format, tuple(Format))
+        _check_fp8_attention(owner, self.fp8_dpa, self.fp8_mha)
+
+    def _key_value(self, name: str, value: Any) -> Any:
+        if name == "qfactory" and self.qfactory_key is not None:
+            return self.qfactory_key  # the user's explicit key; no fallback digest, no warning
+        return super()._key_value(name, value)
+
+
+_RECIPE_TYPES: dict[str, type[Recipe]] = {
+    cls.__name__: cls
+    for cls in (DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, Float8BlockScaling)
+}
+_RECIPE_TYPES["CustomRecipe"] = CustomRecipe
+
+
+def builtin_recipe(name: str) -> Recipe:
+    """ "delayed", "current", "mxfp8", "block" (each with API defaults) or "bf16" (all identity)."""
+    choice = name.strip().lower()
+    if choice == "delayed":
+        return DelayedScaling()
+    if choice == "current":
+        return Float8CurrentScaling()
+    if choice == "mxfp8":
+        return MXFP8BlockScaling()
+    if choice == "block":
+        return Float8BlockScaling()
+    if choice == "bf16":
+        # imported here: factories needs quantizers, which recipes itself never does
+        from dist_quant.factories import high_precision
+
+        return CustomRecipe(qfactory=high_precision)
+    raise ValueError(
+        f"unknown built-in recipe {name!r}; valid: {', '.join(BUILTIN_RECIPE_NAMES)}, "
+        'or a dict / JSON object with a "type" field'
+    )
+
+
+def recipe_from_dict(d: Mapping[str, Any] | str) -> Recipe:
+    """Inverse of `Recipe.to_dict()`; also accepts a built-in name (see `builtin_recipe`).
+
+    Fields with defaults may be left out; unknown fields, a missing required field or a missing or
+    unknown "type" raise ValueError naming it and listing the valid ones. Callable fields take
+    `"pkg.module:qualname"`, which is imported.
+    """
+    if isinstance(d, str):
+        return builtin_recipe(d)
+    if not isinstance(d, Mapping):
+        raise ValueError(
+            f"a recipe must be a dict or a built-in name, got {type(d).__name__}: {d!r}"
+        )
+    valid_types = ", ".join(_RECIPE_TYPES)
+    if "type" not in d:
+        raise ValueError(f'recipe dict has no "type" field; valid types: {valid_types}')
+    cls = _RECIPE_TYPES.get(d["type"]) if isinstance(d["type"], str) else None
+    if cls is None:
+        raise ValueError(f"unknown recipe type {d['type']!r}; valid types: {valid_types}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - set(fields) - {"type"}, key=str)
+    if unknown:
+        raise ValueError(
+            f"{cls.__name__} has no field {', '.join(map(repr, unknown))}; "
+            f"valid fields: {', '.join(fields)}"
+        )
+    kwargs: dict[str, Any] = {}
+    for name, f in fields.items():
+        if name in d:
+            kwargs[name] = _decode(f"{cls.__name__}.{name}", f.metadata.get("kind"), d[name])
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ValueError(
+                f"{cls.__name__}.{name} is required and missing; valid fields: {', '.join(fields)}"
+            )
+    return cls(**kwargs)
+
+
+def recipe_from_json(text: str) -> Recipe:
+    """A recipe from JSON text (an object, or a quoted built-in name) or a bare built-in name."""
+    stripped = text.strip()
+    if not stripped:
+        raise ValueError(f"empty recipe; give JSON or one of {', '.join(BUILTIN_RECIPE_NAMES)}")
+    try:
+        value = json.loads(stripped)
+    except json.JSONDecodeError as e:
+        if stripped[0] in '{["':
+            raise ValueError(f"recipe is not valid JSON: {e}") from e
+        return builtin_recipe(stripped)
+    return recipe_from_dict(value)
+
+
+def _decode(where: str, kind: str | None, value: Any) -> Any:
+    """One JSON field value -> the constructor argument (the constructor validates the rest)."""
+    if kind == "format" and isinstance(value, str):
+        try:
+            return Format[value]
+        except KeyError:
+            raise ValueError(
+                f"{where}: unknown format {value!r}; valid: {', '.join(f.name for f in Format)}"
+            ) from None
+    if kind in ("callable", "algo") and isinstance(value, str):
+        if kind == "algo" and ":" not in value:
+            return value  # "max" / "most_recent"; the recipe checks the choice
+        return _import_callable(where, value)
+    return value
+
+
+def _import_callable(where: str, path: str) -> Callable:
+    module_name, sep, qualname = path.partition(":")
+    if not (sep and module_name and qualname):
+        raise ValueError(f'{where}: expected an import path "pkg.module:name", got {path!r}')
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"{where}: cannot import module {module_name!r} of {path!r}: {e}") from e
+    for part in qualname.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ValueError(
+                f"{where}: {path!r} does not exist ({module_name!r} has no {qualname!r})"
+            ) from None
+    if not callable(obj):
+        raise ValueError(f"{where}: {path!r} is a {type(obj).__name__}, not a callable")
+    return obj
+
+
+def _import_path(fn: Callable, where: str) -> str:
+    """`"pkg.module:qualname"` for a callable that importing that path gives back."""
+    module_name = getattr(fn, "__module__", None)
+    qualname = getattr(fn, "__qualname__", None)
+    if not (isinstance(module_name, str) and isinstance(qualname, str)) or "<" in qualname:
+        raise ValueError(
+            f"{where}: {fn!r} cannot be serialised: only module-level functions (or class "
+            'attributes) can be written as "pkg.module:name"; lambdas, closures, local '
+            "functions, partials and bound methods cannot. Define it at module level."
+        )
+    path = f"{module_name}:{qualname}"
+    try:
+        resolved = _import_callable(where, path)
+    except ValueError as e:
+        raise ValueError(f"{where}: {fn!r} cannot be serialised as {path!r}: {e}") from e
+    if resolved is not fn and resolved != fn:
+        raise ValueError(
+            f"{where}: {path!r} names a different object than {fn!r} (shadowed or rebound); "
+            "serialise a callable reachable by its own name"
+        )
+    return path

@@ -1,0 +1,445 @@
+"""Recipe states: the quantizers of one module in one direction, and the buffers they persist.
+
+`RecipeState.create(recipe, mode=..., num_quantizers=..., roles=...)` picks the subclass for the
+recipe. A state owns its persistent buffers (delayed scaling's scale `(n,)` and amax history
+`(L, n)`), hands out fresh quantizer objects from `make_quantizers()` (delayed ones are views into
+those buffers), exposes the buffers to the amax reduction as `DelayedGroup`s, and can take over
+another state's buffers across a rebuild (`inherit_state_from`) so that no history is lost.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from dist_quant.formats import Format, bwd_dtype, fwd_dtype
+from dist_quant.kernels import reference
+from dist_quant.quantizers import (
+    Float8BlockQuantizer,
+    Float8CurrentScalingQuantizer,
+    Float8Quantizer,
+    MXFP8Quantizer,
+    Quantizer,
+)
+from dist_quant.recipes import (
+    CustomRecipe,
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    MXFP8BlockScaling,
+    Recipe,
+)
+from dist_quant.roles import DelayedScalingRequest, QuantizerRequest, QuantizerRole
+
+MODES = ("forward", "backward")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DelayedGroup:
+    """Delayed-scaling slots sharing one scale / amax history: the unit `amax.py` packs,
+    reduces and updates. The tensors are the state's own buffers; `update()` works in place."""
+
+    scale: Tensor  # (n,) fp32
+    amax_history: Tensor  # (L, n) fp32; row 0 is this step's accumulator
+    fp8_max: Tensor  # (n,) fp32, the largest value of each slot's FP8 dtype
+    margin: int
+    algo: str | Callable
+    """"max" / "most_recent", or TE's `amax_compute_algo(amax_history (L, n)) -> amax (n,)`."""
+    reduce_amax: bool
+    scaling_factor_compute_algo: Callable | None = None
+    """TE's `f(amax (n,), scale (n,), fp8_max (n,), recipe) -> new scale (n,)`; None: default."""
+    recipe: Recipe | None = None
+    """Passed to `scaling_factor_compute_algo` (it may read the margin from it)."""
+
+    def update(self) -> None:
+        """One step: amax from the history, new scale, history rolled; all in place.
+
+        The step's amax row must already be reduced across ranks (`amax.py` does it).
+        """
+        if isinstance(self.algo, str) and self.scaling_factor_compute_algo is None:
+            reference.delayed_scaling_update(
+                self.amax_history, self.scale, self.fp8_max, margin=self.margin, algo=self.algo
+            )
+            return
+        n = self.scale.shape[0]
+        if callable(self.algo):
+            amax = _per_slot(self.algo(self.amax_history), n, "amax_compute_algo")
+        elif self.algo == "max":
+            amax = self.amax_history.amax(0)
+        else:
+            amax = self.amax_history[0].clone()
+        if self.scaling_factor_compute_algo is None:
+            # the reference formula applied to this amax: a one-row history holding it
+            reference.delayed_scaling_update(
+                amax.reshape(1, n).clone(), self.scale, self.fp8_max, margin=self.margin, algo="max"
+            )
+        else:
+            new = self.scaling_factor_compute_algo(amax, self.scale, self.fp8_max, self.recipe)
+            self.scale.copy_(_per_slot(new, n, "scaling_factor_compute_algo"))
+        # the same roll as the reference, in place so quantizers' views stay valid
+        self.amax_history.copy_(self.amax_history.roll(-1, 0))
+        self.amax_history[0].zero_()
+
+
+def _per_slot(value: object, n: int, what: str) -> Tensor:
+    if not isinstance(value, Tensor) or tuple(value.shape) != (n,):
+        got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+        raise ValueError(f"{what} must return a tensor of shape ({n},), got {got}")
+    return value.to(torch.float32)
+
+
+class RecipeState(abc.ABC):
+    """Quantizers and persistent buffers of one module in one direction under one recipe."""
+
+    recipe: Recipe
+
+    def __init__(
+        self,
+        recipe: Recipe,
+        *,
+        mode: str,
+        num_quantizers: int,
+        roles: tuple[QuantizerRole | None, ...],
+        device: torch.device,
+        module_name: str,
+    ) -> None:
+        # arguments are checked by create(); construct states through it
+        self.recipe = recipe
+        self.mode = mode
+        self.num_quantizers = num_quantizers
+        self.roles = roles
+        self.device = device
+        self.module_name = module_name
+
+    @staticmethod
+    def create(
+        recipe: Recipe,
+        *,
+        mode: str = "forward",
+        num_quantizers: int = 1,
+        roles: Sequence[QuantizerRole | None] | None = None,
+        device: torch.device | str | None = None,
+        module_name: str | None = None,
+    ) -> RecipeState:
+        """The state for `recipe`; `roles` (one per slot, None allowed) default to all None.
+
+        `module_name` names the module in error messages where a slot's role has no name.
+        """
+        if not isinstance(recipe, Recipe):
+            raise TypeError(f"RecipeState.create: expected a Recipe, got {type(recipe).__name__}")
+        cls = _STATE_CLASSES.get(type(recipe))
+        if cls is None:
+            raise NotImplementedError(f"RecipeState.create: no state for {type(recipe).__name__}")
+        if mode not in MODES:
+            raise ValueError(f"RecipeState.create: mode must be one of {MODES}, got {mode!r}")
+        n = num_quantizers
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"RecipeState.create: num_quantizers must be an int >= 0, got {n!r}")
+        if roles is None:
+            roles = (None,) * num_quantizers
+        if isinstance(roles, (str, bytes)) or not isinstance(roles, Sequence):
+            raise ValueError(f"RecipeState.create: roles must be a list, got {roles!r}")
+        if len(roles) != num_quantizers:
+            raise ValueError(
+                f"RecipeState.create: {len(roles)} roles for num_quantizers={num_quantizers}"
+                f"{f' (module {module_name!r})' if module_name else ''}"
+            )
+        for i, role in enumerate(roles):
+            if role is not None and not isinstance(role, QuantizerRole):
+                raise ValueError(
+                    f"RecipeState.create: roles[{i}] must be a QuantizerRole or None, got {role!r}"
+                )
+        try:
+            dev = torch.device("cpu" if device is None else device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"RecipeState.create: bad device {device!r}: {e}") from e
+        return cls(
+            recipe,
+            mode=mode,
+            num_quantizers=num_quantizers,
+            roles=tuple(roles),
+            device=dev,
+            module_name=module_name or "",
+        )
+
+    @abc.abstractmethod
+    def make_quantizers(self) -> list[Quantizer]:
+        """One new quantizer object per slot, in slot order."""
+
+    def persistent_buffers(self) -> dict[str, Tensor]:
+        """The tensors that carry state across steps (and into checkpoints); empty if none."""
+        return {}
+
+    def delayed_groups(self) -> list[DelayedGroup]:
+        """The delayed-scaling groups the amax reduction updates; empty if none."""
+        return []
+
+    def inherit_state_from(self, other: RecipeState) -> bool:
+        """Re-bind this state's persistent buffers to `other`'s tensor objects (nothing copied).
+
+        Only when both are the same class and every buffer matches in name, shape, dtype and
+        device; otherwise returns False and changes neither. Whether the buffers *mean* the same
+        (same roles, formats) is the caller's decision. Quantizers made before this call keep
+        viewing the old buffers: call `make_quantizers()` again.
+        """
+        if type(other) is not type(self):
+            return False
+        mine, theirs = self.persistent_buffers(), other.persistent_buffers()
+        if mine.keys() != theirs.keys():
+            return False
+        for name, t in mine.items():
+            o = theirs[name]
+            if (t.shape, t.dtype, t.device) != (o.shape, o.dtype, o.device):
+                return False
+        for name, o in theirs.items():
+            setattr(self, name, o)
+        return True
+
+    def _fp8_dtype(self, fmt: Format) -> torch.dtype:
+        return fwd_dtype(fmt) if self.mode == "forward" else bwd_dtype(fmt)
+
+    def _module_of(self, role: QuantizerRole | None) -> str:
+        name = role.name if role is not None and role.name else self.module_name
+        return f"module {name!r}" if name else "unnamed module"
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({type(self.recipe).__name__}, mode={self.mode!r}, "
+            f"num_quantizers={self.num_quantizers}, module={self.module_name!r})"
+        )
+
+
+def _fp8_max_tensor(fp8_dtype: torch.dtype, n: int, device: torch.device) -> Tensor:
+    return torch.full((n,), reference.fp8_max(fp8_dtype), dtype=torch.float32, device=device)
+
+
+class DelayedScalingRecipeState(RecipeState):
+    """Per-tensor delayed scaling: one scale `(n,)` and one amax history `(L, n)` for all slots."""
+
+    recipe: DelayedScaling
+
+    def __init__(self, recipe: DelayedScaling, **kwargs) -> None:
+        super().__init__(recipe, **kwargs)
+        n = self.num_quantizers
+        self.fp8_dtype = self._fp8_dtype(recipe.fp8_format)
+        self.scale = torch.ones(n, dtype=torch.float32, device=self.device)
+        self.amax_history = torch.zeros(
+            recipe.amax_history_len, n, dtype=torch.float32, device=self.device
+        )
+        self._fp8_max = _fp8_max_tensor(self.fp8_dtype, n, self.device)
+
+    def make_quantizers(self) -> list[Quantizer]:
+        return [
+            Float8Quantizer(self.scale[i : i + 1], self.amax_history[0, i : i + 1], self.fp8_dtype)
+            for i in range(self.num_quantizers)
+        ]
+
+    def persistent_buffers(self) -> dict[str, Tensor]:
+        return {"scale": self.scale, "amax_history": self.amax_history}
+
+    def delayed_groups(self) -> list[DelayedGroup]:
+        r = self.recipe
+        return [
+            DelayedGroup(
+                self.scale,
+                self.amax_history,
+                self._fp8_max,
+                r.margin,
+                r.amax_compute_algo,
+                r.reduce_amax,
+                r.scaling_factor_compute_algo,
+                r,
+            )
+        ]
+
+
+class Float8CurrentScalingRecipeState(RecipeState):
+    """Per-tensor current scaling: stateless quantizers, the dtype set by the direction."""
+
+    recipe: Float8CurrentScaling
+
+    def make_quantizers(self) -> list[Quantizer]:
+        r = self.recipe
+        dtype = self._fp8_dtype(r.fp8_format)
+        return [
+            Float8CurrentScalingQuantizer(
+                dtype, use_power_2_scales=r.use_power_2_scales, amax_epsilon=r.amax_epsilon
+            )
+            for _ in range(self.num_quantizers)
+        ]
+
+
+class MXFP8BlockScalingRecipeState(RecipeState):
+    """MXFP8: E4M3 data with E8M0 scales per 32 elements, both directions."""
+
+    recipe: MXFP8BlockScaling
+
+    def make_quantizers(self) -> list[Quantizer]:
+        dtype = self._fp8_dtype(self.recipe.fp8_format)
+        return [MXFP8Quantizer(fp8_dtype=dtype) for _ in range(self.num_quantizers)]
+
+
+class Float8BlockScalingRecipeState(RecipeState):
+    """Float8 block scaling: 128x128 blocks for weights, 1x128 tiles for everything else.
+
+    A slot is a weight when its role's tensor_type is "weight"; without roles, Transformer
+    Engine's slot convention applies: forward slots are (input, weight, output) per GEMM, so
+    slot 3k+1 is a weight, and backward slots hold no weights.
+    """
+
+    recipe: Float8BlockScaling
+
+    def __init__(self, recipe: Float8BlockScaling, **kwargs) -> None:
+        super().__init__(recipe, **kwargs)
+        if all(role is None for role in self.roles):
+            weights = [self.mode == "forward" and i % 3 == 1 for i in range(self.num_quantizers)]
+        else:
+            weights = [role is not None and role.tensor_type == "weight" for role in self.roles]
+        self.block_scaling_dims = tuple(2 if w else 1 for w in weights)
+
+    def make_quantizers(self) -> list[Quantizer]:
+        dtype = self._fp8_dtype(self.recipe.fp8_format)
+        return [
+            Float8BlockQuantizer(
+                fp8_dtype=dtype,
+                block_scaling_dim=dim,
+                use_power_2_scales=self.recipe.use_power_2_scales,
+            )
+            for dim in self.block_scaling_dims
+        ]
+
+
+class CustomRecipeState(RecipeState):
+    """Per-slot quantizers from `CustomRecipe.qfactory(role)` (a bare `QuantizerRole()` for a slot
+    without one).
+
+    The factory is called once per slot here, so a bad answer fails while planning, and those
+    answers serve the first `make_quantizers()`; each later call asks the factory again, so every
+    call returns new objects. `DelayedScalingRequest` slots become `Float8Quantizer`s viewing one
+    shared scale `(n_ds,)` / amax history `(L, n_ds)`; the requests must agree (see the class).
+    """
+
+    recipe: CustomRecipe
+
+    def __init__(self, recipe: CustomRecipe, **kwargs) -> None:
+        super().__init__(recipe, **kwargs)
+        answers = [self._ask(i) for i in range(self.num_quantizers)]
+        self._first_answers: list[Quantizer | DelayedScalingRequest] | None = answers
+        self._requests = {
+            i: a for i, a in enumerate(answers) if isinstance(a, DelayedScalingRequest)
+        }
+        self._ds_index = {slot: j for j, slot in enumerate(self._requests)}
+        self.scale: Tensor | None = None
+        self.amax_history: Tensor | None = None
+        if not self._requests:
+            return
+        first_slot, first = next(iter(self._requests.items()))
+        self.fp8_dtype = self._fp8_dtype(first.fp8_format)
+        for slot, req in self._requests.items():
+            self._check_agrees(first_slot, first, slot, req)
+        n = len(self._requests)
+        self.scale = torch.ones(n, dtype=torch.float32, device=self.device)
+        self.amax_history = torch.zeros(
+            first.amax_history_len, n, dtype=torch.float32, device=self.device
+        )
+        self._fp8_max = _fp8_max_tensor(self.fp8_dtype, n, self.device)
+
+    def _role(self, slot: int) -> QuantizerRole:
+        role = self.roles[slot]
+        return role if role is not None else QuantizerRole()
+
+    def _ask(self, slot: int) -> Quantizer | DelayedScalingRequest:
+        role, factory = self._role(slot), self.recipe.qfactory
+        where = f"{self._module_of(self.roles[slot])}, role {role} (slot {slot})"
+        try:
+            answer = factory(role)
+        except Exception as e:
+            raise ValueError(
+                f"{where}: quantizer factory {factory!r} raised {type(e).__name__}: {e}"
+            ) from e
+        if answer is None:
+            raise ValueError(
+                f"{where}: quantizer factory {factory!r} returned None; return a quantizer "
+                "(IdentityQuantizer() for high precision) or a DelayedScalingRequest"
+            )
+        if isinstance(answer, DelayedScalingRequest) or isinstance(answer, Quantizer):
+            return answer
+        if isinstance(answer, QuantizerRequest):
+            raise NotImplementedError(f"{where}: unsupported request {answer!r}")
+        raise TypeError(
+            f"{where}: quantizer factory {factory!r} returned a {type(answer).__name__}, not a "
+            "Quantizer or DelayedScalingRequest"
+        )
+
+    def _check_agrees(
+        self, slot0: int, req0: DelayedScalingRequest, slot: int, req: DelayedScalingRequest
+    ) -> None:
+        mine = {f.name: getattr(req, f.name) for f in dataclasses.fields(req)}
+        mine["fp8_format"] = self._fp8_dtype(req.fp8_format)  # HYBRID resolves per direction
+        for name, value in mine.items():
+            ref = self._fp8_dtype(req0.fp8_format) if name == "fp8_format" else getattr(req0, name)
+            if value != ref:
+                raise ValueError(
+                    f"{self._module_of(self.roles[slot])}: the delayed-scaling requests of one "
+                    f"{self.mode} state share one scale/amax history and must agree, but role "
+                    f"{self._role(slot0)} (slot {slot0}) has {name}={ref!r} and role "
+                    f"{self._role(slot)} (slot {slot}) has {name}={value!r}"
+                )
+
+    def make_quantizers(self) -> list[Quantizer]:
+        answers, self._first_answers = self._first_answers, None
+        out: list[Quantizer] = []
+        for slot in range(self.num_quantizers):
+            answer = answers[slot] if answers is not None else self._ask(slot)
+            if slot in self._requests:
+                if answer != self._requests[slot]:
+                    raise ValueError(
+                        f"{self._module_of(self.roles[slot])}, role {self._role(slot)}: the "
+                        f"factory answered {self._requests[slot]!r} when the state was built and "
+                        f"{answer!r} now; a factory must answer the same kind for a role"
+                    )
+                j = self._ds_index[slot]
+                answer = Float8Quantizer(
+                    self.scale[j : j + 1], self.amax_history[0, j : j + 1], self.fp8_dtype
+                )
+            elif not isinstance(answer, Quantizer):
+                raise ValueError(
+                    f"{self._module_of(self.roles[slot])}, role {self._role(slot)}: the factory "
+                    f"returned a quantizer when the state was built and {answer!r} now"
+                )
+            out.append(answer)
+        return out
+
+    def persistent_buffers(self) -> dict[str, Tensor]:
+        if self.scale is None:
+            return {}
+        return {"scale": self.scale, "amax_history": self.amax_history}
+
+    def delayed_groups(self) -> list[DelayedGroup]:
+        if self.scale is None:
+            return []
+        req = next(iter(self._requests.values()))
+        return [
+            DelayedGroup(
+                self.scale,
+                self.amax_history,
+                self._fp8_max,
+                req.margin,
+                req.amax_compute_algo,
+                req.reduce_amax,
+                recipe=self.recipe,
+            )
+        ]
+
+
+_STATE_CLASSES: dict[type[Recipe], type[RecipeState]] = {
+    DelayedScaling: DelayedScalingRecipeState,
+    Float8CurrentScaling: Float8CurrentScalingRecipeState,
+    MXFP8BlockScaling: MXFP8BlockScalingRecipeState,
+    Float8BlockScaling: Float8BlockScalingRecipeState,
+    CustomRecipe: CustomRecipeState,
+}
