@@ -1,0 +1,367 @@
+"""Tensor and sequence parallelism: the collectives of TP/SP layers and their autograd rules.
+
+Layout (Megatron-LM's, as in Transformer Engine): activations are `(sequence, ..., hidden)`;
+sequence parallelism shards dim 0 over the tensor-parallel group. A column-parallel GEMM shards its
+weight's output features, a row-parallel one its input features:
+
+    column:  x (replicated, or SP shard -> all-gather)  @ W[rows of rank]^T -> y sharded on features
+    row:     x sharded on features @ W[:, cols of rank]^T -> partial sums -> all-reduce, or
+             reduce-scatter to SP shards; the bias is added once, after the reduction
+
+Each collective below says what it produces. FP8 tensors travel as uint8 (gloo cannot move
+float8) together with their scale_inv; the quantizer must give every rank the same scale (current
+scaling: amax reduced over the TP group; delayed: amax_reduction_group covering TP), and the gather
+checks that it did.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dist_quant.quantizers import Float8CurrentScalingQuantizer, Quantizer
+from dist_quant.tensor import Float8Tensor, QuantizedTensor
+
+PARALLEL_MODES = ("column", "row")
+_PER_TENSOR = ("delayed", "current")
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    """How one GEMM is split over a tensor-parallel group of more than one rank."""
+
+    group: Any
+    mode: str
+    """"column": weight rows (output features) sharded; "row": weight columns (input features)."""
+    sequence_parallel: bool
+    """Activations outside the GEMM are sharded along dim 0 (the sequence)."""
+    name: str
+    """The owning module, for errors."""
+
+    @property
+    def size(self) -> int:
+        return group_size(self.group)
+
+    def gathers_input(self) -> bool:
+        return self.mode == "column" and self.sequence_parallel
+
+    def gathers_grad_output(self) -> bool:
+        return self.mode == "row" and self.sequence_parallel
+
+    def shard_quantizers(self, input_q: Quantizer, weight_q: Quantizer, grad_output_q: Quantizer):
+        """The slots' quantizers, with current-scaling ones reducing their amax over the TP group
+        wherever the local operand is a shard of a larger tensor: the all-gathered SP operands
+        (required for an exact quantized all-gather) and every sharded weight, feature-sharded
+        input (row) and grad_output (column), so that TP quantizes each tensor with exactly the
+        scale a single rank would use. Replicated operands (a column GEMM's input without SP, a
+        row GEMM's grad_output without SP) are already whole and need no reduction."""
+        g = self.group
+        column, sp = self.mode == "column", self.sequence_parallel
+        return (
+            tp_amax_quantizer(input_q, g) if (sp or not column) else input_q,
+            tp_amax_quantizer(weight_q, g),
+            tp_amax_quantizer(grad_output_q, g) if (sp or column) else grad_output_q,
+        )
+
+
+def group_size(group: Any) -> int:
+    """Ranks in `group`; 1 without a group or without torch.distributed."""
+    if group is None or not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_rank(group: Any) -> int:
+    if group is None or not dist.is_available() or not dist.is_initialized():
+        return 0
+    return dist.get_rank(group)
+
+
+# ---- sharding of parameters ----------------------------------------------------------------------
+def mark_tp_split(param: nn.Parameter, dim: int, parts: int = 1) -> None:
+    """Record how `param` is a TP shard: the full tensor is cut along `dim` into `parts` equal
+    pieces (3 for fused QKV, 2 for SwiGLU's gate/up) and each piece is split over the ranks; the
+    rank's shard is its chunk of every piece, concatenated. Read by `load_full_state_dict_into_shards`."""
+    param.tp_split = (dim, parts)
+
+
+def mark_sequence_parallel(param: nn.Parameter) -> None:
+    """`param`'s gradient is a partial sum over this rank's sequence shard (norm weights, the bias of
+    a row-parallel GEMM under SP): `allreduce_sequence_parallel_grads` completes it."""
+    param.sequence_parallel = True
+
+
+def shard_of(full: torch.Tensor, dim: int, parts: int, rank: int, size: int) -> torch.Tensor:
+    """The rank's shard of `full` under `mark_tp_split(dim, parts)`."""
+    if full.shape[dim] % (parts * size):
+        raise ValueError(
+            f"cannot shard a tensor of shape {tuple(full.shape)} along dim {dim} into {parts} "
+            f"piece(s) x {size} ranks: {full.shape[dim]} is not divisible by {parts * size}"
+        )
+    pieces = full.chunk(parts, dim=dim)
+    return torch.cat([p.chunk(size, dim=dim)[rank] for p in pieces], dim=dim)
+
+
+def load_full_state_dict_into_shards(
+    model: nn.Module, full_state_dict: Mapping[str, torch.Tensor], tp_group: Any
+) -> None:
+    """Copy a single-rank (unsharded) state dict into a tensor-parallel model on this rank.
+
+    Parameters marked with `mark_tp_split` receive their shard; every other parameter and buffer
+    receives the full tensor. Strict: a missing or unexpected key, or a shard whose shape differs
+    from the parameter, raises ValueError naming it, before anything is copied.
+    """
+    rank, size = group_rank(tp_group), group_size(tp_group)
+    targets = dict(model.named_parameters())
+    targets.update(model.named_buffers())
+    missing = sorted(targets.keys() - full_state_dict.keys())
+    unexpected = sorted(full_state_dict.keys() - targets.keys())
+    if missing or unexpected:
+        raise ValueError(
+            f"load_full_state_dict_into_shards: missing keys {missing}, unexpected keys {unexpected}"
+        )
+    staged = []
+    for name, target in targets.items():
+        full = full_state_dict[name]
+        split = getattr(target, "tp_split", None)
+        try:
+            value = full if split is None else shard_of(full, split[0], split[1], rank, size)
+        except ValueError as e:
+            raise ValueError(f"load_full_state_dict_into_shards: {name!r}: {e}") from e
+        if value.shape != target.shape:
+            raise ValueError(
+                f"load_full_state_dict_into_shards: {name!r} is {tuple(target.shape)} on TP rank "
+                f"{rank} of {size}, the state dict gives {tuple(value.shape)}"
+            )
+        staged.append((target, value))
+    with torch.no_grad():
+        for target, value in staged:
+            target.copy_(value)
+
+
+def allreduce_sequence_parallel_grads(model: nn.Module, tp_group: Any) -> None:
+    """Sum the gradients of parameters marked `sequence_parallel` over the TP group, in one
+    all-reduce. Call after backward and before the optimizer step when sequence parallelism is on
+    (Megatron-LM does the same for its norm weights)."""
+    if group_size(tp_group) == 1:
+        return
+    grads = [
+        p.grad
+        for p in model.parameters()
+        if getattr(p, "sequence_parallel", False) and p.grad is not None
+    ]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1).float() for g in grads])
+    dist.all_reduce(flat, group=tp_group)  # per-shard partial grads -> full grads
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+# ---- raw collectives along dim 0 (the sequence) ---------------------------------------------------
+def _all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
+    # torch 2.13 renamed all_gather_into_tensor to all_gather_single; 2.11 has only the old name
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)
+
+
+def _reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, inp, group=group)
+
+
+def all_gather_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """(s/tp, ...) on each rank -> (s, ...) on every rank, rank order along dim 0."""
+    size = group_size(group)
+    if size == 1:
+        return x
+    x = x.contiguous()
+    out = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _all_gather_into(out, x, group)  # sequence shards -> full sequence
+    return out
+
+
+def reduce_scatter_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """(s, ...) partial sums on each rank -> (s/tp, ...): this rank's rows, summed over ranks."""
+    size = group_size(group)
+    if size == 1:
+        return x
+    if x.shape[0] % size:
+        raise ValueError(
+            f"reduce-scatter along the sequence: dim 0 ({x.shape[0]}) is not divisible by the "
+            f"tensor-parallel size {size}"
+        )
+    x = x.contiguous()
+    out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _reduce_scatter_into(out, x, group)  # full-sequence partial sums -> own shard, summed
+    return out
+
+
+def all_reduce_sum(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Partial sums on each rank -> the full sum on every rank (a new tensor)."""
+    if group_size(group) == 1:
+        return x
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=group)  # partial sums -> full sums
+    return out
+
+
+def split_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """(s, ...) replicated -> this rank's (s/tp, ...) rows (no communication)."""
+    size = group_size(group)
+    if size == 1:
+        return x
+    if x.shape[0] % size:
+        raise ValueError(
+            f"sequence split: dim 0 ({x.shape[0]}) is not divisible by the tensor-parallel size "
+            f"{size}"
+        )
+    return x.chunk(size, dim=0)[group_rank(group)].contiguous()
+
+
+# ---- autograd primitives -------------------------------------------------------------------------
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        return all_reduce_sum(dy, ctx.group), None  # each rank's partial input grad -> full grad
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        return all_reduce_sum(x, group)  # partial sums -> full output
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        return dy, None
+
+
+class _GatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, reduce_grad: bool) -> torch.Tensor:
+        ctx.group, ctx.reduce_grad = group, reduce_grad
+        return all_gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        if ctx.reduce_grad:  # every rank's grad covers the full sequence: sum, keep own rows
+            return reduce_scatter_seq(dy, ctx.group), None, None
+        return split_seq(dy, ctx.group), None, None  # the grad is replicated: keep own rows
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        return all_gather_seq(dy, ctx.group), None  # shard grads -> full-sequence grad
+
+
+class _ScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return split_seq(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        return all_gather_seq(dy, ctx.group), None  # shard grads -> full-sequence grad
+
+
+def copy_to_tp_region(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Enter a column-parallel GEMM with a replicated input: identity; backward sums the ranks'
+    partial input gradients."""
+    return _CopyToTP.apply(x, group) if group_size(group) > 1 else x
+
+
+def reduce_from_tp_region(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Leave a row-parallel GEMM: sum the partial outputs; backward passes the gradient through."""
+    return _ReduceFromTP.apply(x, group) if group_size(group) > 1 else x
+
+
+def gather_from_sequence_parallel_region(
+    x: torch.Tensor, group: Any, *, reduce_grad: bool = True
+) -> torch.Tensor:
+    """Sequence shards -> the full sequence. Backward: reduce-scatter (`reduce_grad`, when each
+    rank's consumer produced a partial gradient, e.g. a column-parallel GEMM), or keep this rank's
+    rows of a replicated gradient (e.g. a loss computed identically on every rank)."""
+    return _GatherSeq.apply(x, group, reduce_grad) if group_size(group) > 1 else x
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Leave a row-parallel GEMM under SP: partial sums -> this rank's summed sequence shard."""
+    return _ReduceScatterSeq.apply(x, group) if group_size(group) > 1 else x
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Enter an SP region from a replicated tensor: keep this rank's rows; backward all-gathers."""
+    return _ScatterSeq.apply(x, group) if group_size(group) > 1 else x
+
+
+# ---- quantized all-gather ------------------------------------------------------------------------
+def tp_amax_quantizer(q: Quantizer, group: Any) -> Quantizer:
+    """`q` itself, or for a current-scaling quantizer without a group a copy that all-reduces its
+    amax over `group`, so every rank casts its shard with the scale of the whole tensor. A copy,
+    because a factory may hand one quantizer object to several slots."""
+    if (
+        isinstance(q, Float8CurrentScalingQuantizer)
+        and q.amax_reduction_group is None
+        and group_size(group) > 1
+    ):
+        q = copy.copy(q)
+        q.amax_reduction_group = group
+    return q
+
+
+def all_gather_quantized(
+    x: torch.Tensor, quantizer: Quantizer, group: Any, *, columnwise: bool, what: str
+) -> QuantizedTensor | torch.Tensor:
+    """Quantize this rank's sequence shard `x` (s/tp, ...) and all-gather it: (s, ...) quantized.
+
+    Per-tensor FP8 (delayed or current scaling) is quantized locally and its bytes gathered as
+    uint8, with each rank's scale_inv in the same message; the scales must agree bit for bit (else
+    ValueError naming `what`, on every rank), so the result is exactly the quantization of the
+    gathered tensor. Other quantizers (MXFP8, block, identity) gather the high-precision shards and
+    quantize the whole tensor, which is exact by construction.
+    """
+    size = group_size(group)
+    quantizer = tp_amax_quantizer(quantizer, group)
+    if quantizer.scaling not in _PER_TENSOR or size == 1:
+        full = all_gather_seq(x, group)
+        quantizer.set_usage(rowwise=True, columnwise=columnwise)
+        return quantizer.quantize(full)
+    quantizer.set_usage(rowwise=True, columnwise=False)  # the transpose is built from the whole
+    q = quantizer.quantize(x.contiguous())
+    data_u8 = q.data.reshape(-1).view(torch.uint8)
+    scale_u8 = q.scale_inv.reshape(1).view(torch.uint8)  # fp32 -> 4 bytes
+    packed = torch.cat([data_u8, scale_u8])
+    out = torch.empty(size * packed.numel(), dtype=torch.uint8, device=x.device)
+    _all_gather_into(out, packed, group)  # (bytes + scale_inv) of each shard -> of every shard
+    rows = out.view(size, packed.numel())
+    scales = rows[:, data_u8.numel() :]
+    if not bool((scales == scales[:1]).all()):
+        got = rows[:, data_u8.numel() :].contiguous().view(torch.float32).reshape(-1).tolist()
+        raise ValueError(
+            f"{what}: the tensor-parallel ranks quantized their shards with different scales "
+            f"(scale_inv per rank {got}); a quantized all-gather needs one scale. Reduce the amax "
+            "over the TP group: autocast(amax_reduction_group=...) covering the TP ranks for "
+            "delayed scaling, amax_reduction_group on the quantizer for current scaling."
+        )
+    data = rows[:, : data_u8.numel()].reshape(size * x.shape[0], *x.shape[1:])
+    return Float8Tensor(data.view(q.data.dtype), q.scale_inv, dtype=x.dtype)
