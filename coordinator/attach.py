@@ -1,0 +1,235 @@
+"""`attach(model)`: join a job's switch protocol; rank 0 also hosts the coordinator.
+
+One collective, at attach time only: an all-gather over the process group that carries each
+rank's tensor-parallel peers to everyone and rank 0's endpoint (transport, address, token) to the
+other ranks. It works however the group was initialised (env://, tcp://, file://, Ray actors):
+nothing else is taken from the process group. After attach, no collective is ever issued by the
+coordinator code.
+
+- transport "store" (torchrun): rank 0 starts a TCPStore server of its own on 127.0.0.1 (or
+  `host`) and the coordinator thread beside it;
+- transport "ray": rank 0 creates the named actor "dist_quant.coordinator" in a namespace of the
+  job's own, on its node;
+- "auto": "ray" when this process runs inside an initialised Ray, else "store".
+
+Rank 0 writes `<run_dir>/coordinator.json` (mode 0600: address and token) and the decision log
+`<run_dir>/decisions.jsonl`.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from dist_quant.coordinator.coordinator import Coordinator
+from dist_quant.coordinator.endpoint import (
+    LOG_FILE,
+    remove_endpoint,
+    resolve_run_dir,
+    write_endpoint,
+)
+from dist_quant.coordinator.faults import Fault
+from dist_quant.coordinator.log import DecisionLog
+from dist_quant.coordinator.participant import Participant
+from dist_quant.coordinator.transport import Transport, TransportError
+
+TRANSPORTS = ("auto", "store", "ray")
+
+
+def attach(
+    model: Any,
+    *,
+    group: dist.ProcessGroup | None = None,
+    tp_group: dist.ProcessGroup | Sequence[int] | None = None,
+    transport: str = "auto",
+    run_dir: str | os.PathLike[str] | None = None,
+    host: str | None = None,
+    planner: Callable[[Any, Any], Any] | None = None,
+    recipe_loader: Callable[[dict | str], Any] | None = None,
+    describe: Callable[[Any], str] | None = None,
+    faults: Sequence[Fault] = (),
+    decision_grace_s: float = 1.0,
+) -> Participant:
+    """Attach this rank's `model` to the job's coordinator; call on every rank of `group`.
+
+    `tp_group`: this rank's tensor/sequence-parallel group (a process group, or its ranks within
+    `group`); ranks of one TP group must plan identical digests to commit. None: the rank alone.
+    `planner` / `recipe_loader` / `describe` default to `dist_quant.runtime.plan_model`,
+    `dist_quant.recipes.recipe_from_dict` and `dist_quant.runtime.recipe_key_of`.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            "attach: torch.distributed is not initialised; call init_process_group first"
+        )
+    if transport not in TRANSPORTS:
+        raise ValueError(f"attach: transport {transport!r} is not one of {TRANSPORTS}")
+    kind = _resolve_transport(transport)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if rank < 0:
+        raise ValueError(f"attach: global rank {dist.get_rank()} is not a member of `group`")
+    tp = _tp_ranks(group, tp_group, rank)
+
+    host_side: _Host | None = None
+    endpoint: dict[str, Any]
+    if rank == 0:
+        try:
+            host_side = _Host.start(kind, host or "127.0.0.1", world)
+            endpoint = host_side.endpoint
+        except Exception as e:  # noqa: BLE001 - reported to every rank after the gather
+            endpoint = {"error": f"rank 0 could not start the coordinator: {type(e).__name__}: {e}"}
+    else:
+        endpoint = {}
+    gathered: list[Any] = [None] * world
+    # The one collective: everyone's TP peers, and rank 0's endpoint.
+    dist.all_gather_object(gathered, {"tp": tp, "endpoint": endpoint}, group=group)
+    endpoint = gathered[0]["endpoint"]
+    try:
+        if "error" in endpoint:
+            raise RuntimeError(endpoint["error"])
+        tp_groups = check_tp_groups([g["tp"] for g in gathered])
+        on_close: list[Callable[[], None]] = []
+        if host_side is not None:
+            host_side.run_coordinator(tp_groups, resolve_run_dir(run_dir), tuple(faults))
+            on_close.append(host_side.close)
+        rank_transport = _connect(endpoint)
+    except BaseException:
+        if host_side is not None:
+            host_side.close()
+        raise
+    participant = Participant(
+        model,
+        rank=rank,
+        transport=rank_transport,
+        token=endpoint["token"],
+        address=endpoint["address"],
+        planner=planner,
+        recipe_loader=recipe_loader,
+        describe=describe,
+        faults=faults,
+        decision_grace_s=decision_grace_s,
+        on_close=on_close,
+    )
+    return participant.start()
+
+
+def check_tp_groups(claims: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    """Each rank's claimed TP peers -> the TP groups; every member must claim the same group."""
+    world = len(claims)
+    groups: dict[tuple[int, ...], None] = {}
+    for r, claim in enumerate(claims):
+        members = tuple(sorted(claim))
+        if r not in members:
+            raise ValueError(f"attach: rank {r}'s tp_group {list(members)} does not contain it")
+        for m in members:
+            if not 0 <= m < world:
+                raise ValueError(f"attach: rank {r}'s tp_group names rank {m}, not in [0, {world})")
+            if tuple(sorted(claims[m])) != members:
+                raise ValueError(
+                    f"attach: rank {r} puts rank {m} in tp_group {list(members)}, but rank {m} "
+                    f"says its tp_group is {sorted(claims[m])}"
+                )
+        groups[members] = None
+    return tuple(groups)
+
+
+def _resolve_transport(transport: str) -> str:
+    if transport != "auto":
+        return transport
+    ray = sys.modules.get("ray")
+    return "ray" if ray is not None and ray.is_initialized() else "store"
+
+
+def _tp_ranks(
+    group: dist.ProcessGroup | None, tp_group: dist.ProcessGroup | Sequence[int] | None, rank: int
+) -> tuple[int, ...]:
+    if tp_group is None:
+        return (rank,)
+    if isinstance(tp_group, dist.ProcessGroup):
+        global_ranks = dist.get_process_group_ranks(tp_group)
+        if group is None:
+            return tuple(sorted(global_ranks))
+        try:
+            return tuple(sorted(dist.get_group_rank(group, g) for g in global_ranks))
+        except ValueError as e:
+            raise ValueError(f"attach: tp_group has a rank outside `group`: {e}") from None
+    return tuple(sorted(int(r) for r in tp_group))
+
+
+def _connect(endpoint: dict[str, Any]) -> Transport:
+    if endpoint["transport"] == "ray":
+        from dist_quant.coordinator.transport_ray import RayTransport
+
+        return RayTransport.connect(endpoint["address"])
+    from dist_quant.coordinator.transport_store import StoreTransport
+
+    return StoreTransport(endpoint["address"])
+
+
+class _Host:
+    """What rank 0 runs for the job: the server side of the transport and the coordinator."""
+
+    def __init__(self, kind: str, endpoint: dict[str, Any], server: Any) -> None:
+        self.kind = kind
+        self.endpoint = endpoint
+        self._server = server
+        self._coordinator: Coordinator | None = None
+        self._run_dir: Path | None = None
+
+    @classmethod
+    def start(cls, kind: str, host: str, world: int) -> _Host:
+        token = secrets.token_hex(32)
+        if kind == "ray":
+            from dist_quant.coordinator.transport_ray import create_coordinator_actor
+
+            actor, address = create_coordinator_actor(world)
+            return cls(kind, {"transport": "ray", "address": address, "token": token}, actor)
+        from dist_quant.coordinator.transport_store import StoreServer
+
+        server = StoreServer(host)
+        return cls(kind, {"transport": "store", "address": server.address, "token": token}, server)
+
+    def run_coordinator(
+        self, tp_groups: tuple[tuple[int, ...], ...], run_dir: Path, faults: tuple[Fault, ...]
+    ) -> None:
+        world = sum(len(g) for g in tp_groups)  # the groups partition the ranks
+        token = self.endpoint["token"]
+        run_dir.mkdir(parents=True, exist_ok=True)
+        log_path = run_dir / LOG_FILE
+        if self.kind == "ray":
+            from dist_quant.coordinator.transport_ray import start_coordinator_in_actor
+
+            start_coordinator_in_actor(self._server, token, world, tp_groups, str(log_path), faults)
+        else:
+            from dist_quant.coordinator.transport_store import StoreTransport
+
+            self._coordinator = Coordinator(
+                StoreTransport(self.endpoint["address"]),
+                token=token,
+                world_size=world,
+                tp_groups=tp_groups,
+                log=DecisionLog(log_path),
+                faults=faults,
+            )
+            self._coordinator.start()
+        write_endpoint(run_dir, {**self.endpoint, "world_size": world, "log": str(log_path)})
+        self._run_dir = run_dir
+
+    def close(self) -> None:
+        if self._run_dir is not None:
+            remove_endpoint(self._run_dir, self.endpoint["token"])
+        if self._coordinator is not None:
+            self._coordinator.stop()
+        try:
+            if self.kind == "ray":
+                from dist_quant.coordinator.transport_ray import stop_coordinator_actor
+
+                stop_coordinator_actor(self._server)
+            else:
+                self._server.close()
+        except TransportError:
+            pass  # already gone

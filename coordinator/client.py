@@ -1,0 +1,182 @@
+"""Requesting a switch, and asking for status, from any process (a rank, a notebook, the CLI).
+
+The client finds the job through `<run_dir>/coordinator.json`, or through `address` plus `token`
+(or `$DIST_QUANT_TOKEN`). An aborted switch is a normal result (`committed=False`, with each
+rank's reason); problems reaching or using the coordinator raise `SwitchRequestError`, and a
+request refused because another switch is open raises `SwitchBusyError` naming that switch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import secrets
+from typing import Any
+
+from dist_quant.coordinator.endpoint import read_endpoint, resolve_run_dir
+from dist_quant.coordinator.errors import SwitchBusyError, SwitchRequestError
+from dist_quant.coordinator.protocol import (
+    ProtocolError,
+    Reply,
+    StatusQuery,
+    SwitchRequest,
+    SwitchResult,
+)
+from dist_quant.coordinator.transport import Transport, TransportError
+from dist_quant.coordinator.wire import INBOX, reply_queue, seal, unseal
+
+# How long to wait for the coordinator to accept a request, and how much longer than the switch
+# timeout to wait for its result (the decision is due at the deadline; this covers the fsync).
+ACCEPT_TIMEOUT_S = 10.0
+RESULT_SLACK_S = 10.0
+
+
+def request_switch(
+    recipe: Any,
+    *,
+    at_step: int | None = None,
+    timeout_s: float = 60.0,
+    run_dir: str | os.PathLike[str] | None = None,
+    address: str | None = None,
+    token: str | None = None,
+    transport: Transport | None = None,
+) -> SwitchResult:
+    """Switch every rank of the job to `recipe` (a Recipe, its `to_dict()`, or a built-in name).
+
+    Returns once the coordinator has decided (and logged) the outcome; with COMMIT every rank
+    publishes at the boundary of `result.step`. `at_step` asks for that step; `timeout_s` bounds
+    the vote (ranks that have not voted by then count as NO).
+    """
+    payload = _recipe_payload(recipe)
+    if at_step is not None and (not isinstance(at_step, int) or at_step < 0):
+        raise SwitchRequestError(f"at_step must be a non-negative int or None, got {at_step!r}")
+    if not isinstance(timeout_s, (int, float)) or not (0 < timeout_s < math.inf):
+        raise SwitchRequestError(f"timeout_s must be a positive number, got {timeout_s!r}")
+    tx, key, where = _connect(run_dir, address, token, transport)
+    try:
+        request_id = secrets.token_hex(8)
+        tx.push(INBOX, seal(SwitchRequest(request_id, payload, at_step, float(timeout_s)), key))
+        accepted = _await(tx, request_id, key, ACCEPT_TIMEOUT_S, where)
+        if accepted.status == "refused":
+            if accepted.switch_id is not None:
+                raise SwitchBusyError(accepted.error, accepted.switch_id)
+            raise SwitchRequestError(accepted.error)
+        result = _await(tx, request_id, key, timeout_s + RESULT_SLACK_S, where, accepted.switch_id)
+        return SwitchResult.from_dict(result.body)
+    except TransportError as e:
+        raise SwitchRequestError(f"lost the coordinator at {where}: {e}") from e
+    except ProtocolError as e:
+        raise SwitchRequestError(f"unreadable result from the coordinator at {where}: {e}") from e
+    finally:
+        if transport is None:
+            tx.close()
+
+
+def status(
+    *,
+    run_dir: str | os.PathLike[str] | None = None,
+    address: str | None = None,
+    token: str | None = None,
+    transport: Transport | None = None,
+    timeout_s: float = ACCEPT_TIMEOUT_S,
+) -> dict[str, Any]:
+    """The coordinator's view: phase, open switch, each rank's recipe key, recent decisions."""
+    tx, key, where = _connect(run_dir, address, token, transport)
+    try:
+        request_id = secrets.token_hex(8)
+        tx.push(INBOX, seal(StatusQuery(request_id), key))
+        reply = _await(tx, request_id, key, timeout_s, where)
+        if reply.status == "refused":
+            raise SwitchRequestError(reply.error)
+        return reply.body
+    except TransportError as e:
+        raise SwitchRequestError(f"lost the coordinator at {where}: {e}") from e
+    except ProtocolError as e:
+        raise SwitchRequestError(f"unreadable status from the coordinator at {where}: {e}") from e
+    finally:
+        if transport is None:
+            tx.close()
+
+
+def _recipe_payload(recipe: Any) -> dict | str:
+    payload = recipe.to_dict() if hasattr(recipe, "to_dict") else recipe
+    if not isinstance(payload, (dict, str)):
+        raise SwitchRequestError(
+            "recipe must be a Recipe, a recipe dict or a built-in name, "
+            f"got {type(recipe).__name__}"
+        )
+    try:
+        json.dumps(payload)
+    except (TypeError, ValueError) as e:
+        raise SwitchRequestError(f"recipe is not JSON-serialisable: {e}") from None
+    return payload
+
+
+def _connect(
+    run_dir: str | os.PathLike[str] | None,
+    address: str | None,
+    token: str | None,
+    transport: Transport | None,
+) -> tuple[Transport, str, str]:
+    """(transport, token, a description of where) for the job the arguments point at."""
+    if transport is not None or address is not None:
+        key = token or os.environ.get("DIST_QUANT_TOKEN")
+        if not key:
+            raise SwitchRequestError(
+                "a token is needed with address=: pass token= or set DIST_QUANT_TOKEN"
+            )
+        if transport is not None:
+            return transport, key, "the given transport"
+        return _open(address, {}), key, address
+    directory = resolve_run_dir(run_dir)
+    try:
+        info = read_endpoint(directory)
+    except FileNotFoundError:
+        raise SwitchRequestError(
+            f"no coordinator found: {directory}/coordinator.json does not exist (is the job "
+            "running with attach()? pass run_dir= or set DIST_QUANT_RUN_DIR)"
+        ) from None
+    except (OSError, ValueError) as e:
+        raise SwitchRequestError(f"cannot read the coordinator endpoint: {e}") from None
+    return _open(info["address"], info), token or info["token"], info["address"]
+
+
+def _open(address: str, info: dict[str, Any]) -> Transport:
+    try:
+        if address.startswith("ray://"):
+            from dist_quant.coordinator.transport_ray import RayTransport
+
+            return RayTransport.connect(address, ray_address=info.get("ray_address"))
+        from dist_quant.coordinator.transport_store import StoreTransport
+
+        return StoreTransport(address, connect_timeout_s=ACCEPT_TIMEOUT_S)
+    except (TransportError, ValueError) as e:
+        raise SwitchRequestError(str(e)) from e
+
+
+def _await(
+    tx: Transport,
+    request_id: str,
+    token: str,
+    timeout: float,
+    where: str,
+    switch_id: int | None = None,
+) -> Reply:
+    data = tx.pop(reply_queue(request_id), timeout)
+    if data is None:
+        what = "an answer" if switch_id is None else f"the result of switch {switch_id}"
+        raise SwitchRequestError(
+            f"no {what} from the coordinator at {where} within {timeout:g} s; is the job alive? "
+            "(`dist-quant status` shows the open switch)"
+        )
+    try:
+        reply = unseal(data, token)
+    except ProtocolError as e:
+        unverified = getattr(e, "unverified", None)
+        if isinstance(unverified, Reply) and unverified.status == "refused":
+            raise SwitchRequestError(f"{unverified.error} (reply not verifiable)") from None
+        raise
+    if not isinstance(reply, Reply) or reply.request_id != request_id:
+        raise ProtocolError(f"expected the reply to request {request_id}, got {reply.kind}")
+    return reply

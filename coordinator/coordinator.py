@@ -1,0 +1,353 @@
+"""The coordinator: one explicit state machine over the switch phases of `protocol.Phase`.
+
+One thread runs `run()`. A pump thread is the only reader of the transport's inbox and hands each
+message to a local queue, so the state machine can wait for "the next message or the vote
+deadline" without store timeouts. `_on_message` records votes, acks and requests; `_advance`
+dispatches on the current phase and moves the switch on; `_transition` is the only place the phase
+changes. The decision is appended to the durable log before any rank or client can read it.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from dist_quant.coordinator.faults import CoordinatorKilled, Fault, inject
+from dist_quant.coordinator.log import DecisionLog, DecisionLogError
+from dist_quant.coordinator.logfmt import SwitchLog
+from dist_quant.coordinator.protocol import (
+    TRANSITIONS,
+    Ack,
+    Decision,
+    Hello,
+    Message,
+    Phase,
+    Prepare,
+    ProtocolError,
+    Reply,
+    StatusQuery,
+    Stop,
+    SwitchRequest,
+    SwitchResult,
+    Vote,
+    decide,
+)
+from dist_quant.coordinator.transport import Transport, TransportError
+from dist_quant.coordinator.wire import INBOX, rank_queue, reply_queue, seal, unseal
+
+_HISTORY = 16  # decisions kept for `status`
+
+
+@dataclass
+class _Switch:
+    """Book-keeping of the open (or last) switch; only the coordinator thread touches it."""
+
+    prepare: Prepare
+    request_id: str
+    opened_at: float
+    deadline: float
+    votes: dict[int, Vote] = field(default_factory=dict)
+    acks: dict[int, Ack] = field(default_factory=dict)
+    decision: Decision | None = None
+    decided_at: float | None = None
+    log_s: float = 0.0
+
+
+class Coordinator:
+    """Runs the switch protocol for `world_size` ranks whose TP groups are `tp_groups`."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        token: str,
+        world_size: int,
+        tp_groups: Sequence[Sequence[int]],
+        log: DecisionLog,
+        faults: Sequence[Fault] = (),
+    ) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self._out = transport
+        self._inbox = transport.clone()
+        self._token = token
+        self._ranks = tuple(range(world_size))
+        self._tp_groups = tuple(tuple(g) for g in tp_groups)
+        self._log = log
+        self._faults = tuple(faults)
+        self._events: queue.Queue[Message | ProtocolError | TransportError] = queue.Queue()
+        self._phase = Phase.IDLE
+        self._switch: _Switch | None = None
+        self._next_id = 1
+        self._seen_requests: set[str] = set()
+        self._recipe_keys: dict[int, str] = {}
+        self._history: deque[dict[str, Any]] = deque(maxlen=_HISTORY)
+        self._say = SwitchLog(None)
+        self._threads: list[threading.Thread] = []
+
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    def start(self) -> None:
+        """Recover the log, then start the pump and state-machine threads (daemons)."""
+        dangling = self._log.recover_open_switch()
+        if dangling is not None:
+            self._say.warning("closed as aborted after a restart", switch_id=dangling)
+        self._next_id = self._log.last_switch_id() + 1
+        for target, name in ((self._pump, "pump"), (self.run, "main")):
+            t = threading.Thread(target=target, name=f"dist_quant.coordinator.{name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Ask both threads to end (through the inbox, which wakes the pump) and join them."""
+        try:
+            self._out.push(INBOX, seal(Stop("coordinator"), self._token))
+        except TransportError:
+            self._events.put(Stop("coordinator"))
+        for t in self._threads:
+            t.join(timeout)
+
+    # -- threads ---------------------------------------------------------------------------------
+
+    def _pump(self) -> None:
+        while True:
+            try:
+                data = self._inbox.pop(INBOX)
+            except TransportError as e:
+                self._events.put(e)
+                return
+            try:
+                msg: Message | ProtocolError = unseal(data, self._token)
+            except ProtocolError as e:
+                msg = e
+            self._events.put(msg)
+            if isinstance(msg, Stop):
+                return
+
+    def run(self) -> None:
+        try:
+            while True:
+                event = self._next_event()
+                if isinstance(event, (Stop, TransportError)):
+                    if isinstance(event, TransportError):
+                        self._say.error(f"inbox lost, coordinator stops: {event}")
+                    return
+                if event is not None:
+                    self._on_message(event)
+                self._advance()
+        except CoordinatorKilled as e:
+            self._say.warning(str(e), phase=self._phase.value)
+
+    def _next_event(self) -> Message | ProtocolError | TransportError | None:
+        """The next message, or None once the open switch's vote deadline has passed."""
+        timeout = None
+        if self._phase is Phase.PREPARING and self._switch is not None:
+            timeout = max(self._switch.deadline - time.monotonic(), 0.0)
+        try:
+            return self._events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    # -- the state machine -----------------------------------------------------------------------
+
+    def _transition(self, new: Phase) -> None:
+        """The only place the phase changes."""
+        if new not in TRANSITIONS[self._phase]:
+            raise RuntimeError(f"coordinator bug: illegal transition {self._phase} -> {new}")
+        switch_id = self._switch.prepare.switch_id if self._switch else None
+        self._say.info(f"{self._phase.value} -> {new.value}", switch_id=switch_id, phase=new.value)
+        self._phase = new
+
+    def _advance(self) -> None:
+        """Dispatch on the phase until it stops changing."""
+        while True:
+            before = self._phase
+            sw = self._switch
+            switch_id = sw.prepare.switch_id if sw is not None else None
+            if self._phase is Phase.PREPARING and sw is not None:
+                passed = time.monotonic() >= sw.deadline
+                decision = decide(sw.prepare, sw.votes, self._ranks, self._tp_groups, passed)
+                if decision is not None:
+                    sw.decision, sw.decided_at = decision, time.monotonic()
+                    self._transition(Phase.DECIDING)
+            elif self._phase is Phase.DECIDING and sw is not None:
+                self._record_and_announce(sw)
+            elif self._phase is Phase.COMMITTED and sw is not None:
+                if all(r in sw.acks for r in self._ranks):
+                    self._transition(Phase.PUBLISHED)
+                    self._history[-1]["published"] = True
+                    self._append_best_effort({"event": "published", "switch_id": switch_id})
+            if self._phase is before:
+                return
+
+    def _record_and_announce(self, sw: _Switch) -> None:
+        """Log the decision durably, then make it visible to ranks and the client."""
+        decision = sw.decision
+        switch_id = decision.switch_id
+        inject(self._faults, "decide", rank=None, switch_id=switch_id)
+        t0 = time.monotonic()
+        try:
+            self._log.append({"event": "decision", **decision.to_dict()})
+        except DecisionLogError as e:
+            self._say.error(f"cannot record the decision, aborting: {e}", switch_id=switch_id)
+            decision = Decision(switch_id, False, None, dict(decision.reasons), f"{e}")
+            self._append_best_effort({"event": "decision", **decision.to_dict()})
+        sw.log_s = time.monotonic() - t0
+        sw.decision = decision
+        inject(self._faults, "publish", rank=None, switch_id=switch_id)
+        self._transition(Phase.COMMITTED if decision.commit else Phase.ABORTED)
+        self._history.append({**decision.to_dict(), "published": False})
+        self._broadcast(decision)
+        self._reply(sw.request_id, "result", switch_id, body=self._result(sw).to_dict())
+
+    def _append_best_effort(self, record: dict[str, Any]) -> None:
+        """Records whose loss is harmless: the ABORT after a failed COMMIT record (a switch
+        without a readable COMMIT recovers as aborted anyway) and the "published" marker."""
+        try:
+            self._log.append(record)
+        except DecisionLogError as e:
+            self._say.warning(
+                f"could not log {record['event']}: {e}", switch_id=record["switch_id"]
+            )
+
+    # -- messages --------------------------------------------------------------------------------
+
+    def _on_message(self, msg: Message | ProtocolError) -> None:
+        if isinstance(msg, ProtocolError):
+            self._on_refused(msg)
+        elif isinstance(msg, SwitchRequest):
+            self._on_request(msg)
+        elif isinstance(msg, StatusQuery):
+            self._reply(msg.request_id, "status", None, body=self._status())
+        elif isinstance(msg, Vote):
+            self._on_vote(msg)
+        elif isinstance(msg, Ack):
+            self._on_ack(msg)
+        elif isinstance(msg, Hello):
+            self._recipe_keys[msg.rank] = msg.recipe_key
+        else:
+            self._say.warning(f"ignored unexpected {msg.kind} message")
+
+    def _on_refused(self, err: ProtocolError) -> None:
+        unverified = getattr(err, "unverified", None)
+        self._say.warning(f"refused: {err}")
+        if isinstance(unverified, (SwitchRequest, StatusQuery)):
+            # Sealed with our token, which the client lacks; it reads the refusal unverified.
+            self._reply(unverified.request_id, "refused", None, error=f"refused: {err}")
+
+    def _on_request(self, req: SwitchRequest) -> None:
+        sw = self._switch
+        if req.request_id in self._seen_requests:
+            self._say.warning(f"ignored replayed request {req.request_id}")
+            return
+        self._seen_requests.add(req.request_id)
+        if self._phase.open and sw is not None:
+            open_id = sw.prepare.switch_id
+            self._reply(
+                req.request_id,
+                "refused",
+                open_id,
+                error=f"switch {open_id} is still open ({self._phase.value}); retry after it ends",
+            )
+            return
+        problem = _request_problem(req)
+        if problem:
+            self._reply(req.request_id, "refused", None, error=problem)
+            return
+        switch_id, self._next_id = self._next_id, self._next_id + 1
+        prepare = Prepare(switch_id, req.recipe, req.at_step, req.timeout_s)
+        now = time.monotonic()
+        self._switch = sw = _Switch(prepare, req.request_id, now, now + req.timeout_s)
+        self._transition(Phase.PREPARING)
+        self._reply(req.request_id, "accepted", switch_id)
+        inject(self._faults, "open", rank=None, switch_id=switch_id)
+        try:
+            self._log.append({"event": "open", "request_id": req.request_id, **prepare.to_dict()})
+        except DecisionLogError as e:
+            self._say.error(f"cannot open the switch: {e}", switch_id=switch_id)
+            sw.decision, sw.decided_at = Decision(switch_id, False, None, {}, str(e)), now
+            self._transition(Phase.DECIDING)
+            return
+        self._broadcast(prepare)
+
+    def _on_vote(self, vote: Vote) -> None:
+        sw = self._switch
+        where = {"switch_id": vote.switch_id, "phase": self._phase.value}
+        current = sw is not None and vote.switch_id == sw.prepare.switch_id
+        if not current or self._phase is not Phase.PREPARING:
+            self._say.info(f"ignored vote of rank {vote.rank}: stale or too late", **where)
+        elif vote.rank not in self._ranks:
+            self._say.warning(f"ignored vote from unknown rank {vote.rank}", **where)
+        elif vote.rank in sw.votes:
+            self._say.info(f"ignored repeated vote of rank {vote.rank}", **where)
+        else:
+            sw.votes[vote.rank] = vote
+            self._say.info(f"rank {vote.rank} votes {'yes' if vote.yes else 'no'}", **where)
+
+    def _on_ack(self, ack: Ack) -> None:
+        sw = self._switch
+        if sw is None or ack.switch_id != sw.prepare.switch_id or ack.rank in sw.acks:
+            return
+        sw.acks[ack.rank] = ack
+        self._recipe_keys[ack.rank] = ack.recipe_key
+        if not ack.ok:
+            self._say.error(
+                f"rank {ack.rank} failed to publish: {ack.error}",
+                switch_id=ack.switch_id,
+                phase=self._phase.value,
+                step=ack.step,
+            )
+
+    # -- outputs ---------------------------------------------------------------------------------
+
+    def _broadcast(self, msg: Message) -> None:
+        data = seal(msg, self._token)
+        for r in self._ranks:
+            self._out.push(rank_queue(r), data)
+
+    def _reply(
+        self, request_id: str, status: str, switch_id: int | None, *, error: str = "", body=None
+    ) -> None:
+        reply = Reply(request_id, status, switch_id, error, body or {})
+        self._out.push(reply_queue(request_id), seal(reply, self._token))
+
+    def _result(self, sw: _Switch) -> SwitchResult:
+        d = sw.decision
+        decided = sw.decided_at if sw.decided_at is not None else sw.opened_at
+        votes_s = decided - sw.opened_at
+        return SwitchResult(
+            switch_id=d.switch_id,
+            committed=d.commit,
+            step=d.step,
+            reasons=dict(d.reasons),
+            timings={"votes_s": votes_s, "log_s": sw.log_s, "total_s": votes_s + sw.log_s},
+            prepare_s={r: v.prepare_s for r, v in sorted(sw.votes.items())},
+            summary=d.summary,
+        )
+
+    def _status(self) -> dict[str, Any]:
+        sw = self._switch
+        return {
+            "phase": self._phase.value,
+            "open_switch": sw.prepare.switch_id if sw and self._phase.open else None,
+            "world_size": len(self._ranks),
+            "tp_groups": [list(g) for g in self._tp_groups],
+            "recipe_keys": {str(r): k for r, k in sorted(self._recipe_keys.items())},
+            "decisions": list(self._history),
+            "log": str(self._log.path),
+        }
+
+
+def _request_problem(req: SwitchRequest) -> str:
+    if not (0 < req.timeout_s < float("inf")):
+        return f"timeout_s must be a positive number of seconds, got {req.timeout_s}"
+    if req.at_step is not None and req.at_step < 0:
+        return f"at_step must be >= 0, got {req.at_step}"
+    return ""

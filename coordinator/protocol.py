@@ -1,0 +1,346 @@
+"""The switch protocol: phases, messages and the pure `decide()`.
+
+Everything here is free of threads, clocks and I/O, so it can be tested as tables. The coordinator
+(`coordinator.py`) drives the phases; participants (`participant.py`) send votes and acks; the
+wire format (`wire.py`) seals these messages with the job's token.
+
+Message flow of one switch (see README.md for the diagram):
+
+    client      -> coordinator : SwitchRequest
+    coordinator -> every rank  : Prepare
+    every rank  -> coordinator : Vote   (cast by the rank's background listener)
+    coordinator -> decision log: Decision (flushed and fsynced first)
+    coordinator -> every rank  : Decision
+    coordinator -> client      : Reply(result)
+    every rank  -> coordinator : Ack    (after publishing at step S)
+"""
+
+from __future__ import annotations
+
+import json
+import types
+import typing
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from enum import Enum
+from typing import Any, ClassVar, Union
+
+
+class ProtocolError(ValueError):
+    """A message that is malformed, of an unknown kind, or not sealed with the job's token."""
+
+
+class Phase(Enum):
+    """Phases of the coordinator; the current switch's phase, or IDLE before the first switch."""
+
+    IDLE = "idle"
+    PREPARING = "preparing"  # Prepare sent; collecting votes until all voted or the deadline
+    DECIDING = "deciding"  # outcome known; being written to the decision log
+    COMMITTED = "committed"  # COMMIT logged and sent; ranks publish at step S and ack
+    PUBLISHED = "published"  # every rank acked the publish
+    ABORTED = "aborted"  # ABORT sent (or logging failed); every rank dropped its candidate
+
+    @property
+    def terminal(self) -> bool:
+        """A terminal phase closes its switch: a new request may open the next one."""
+        return self in (Phase.PUBLISHED, Phase.ABORTED)
+
+    @property
+    def open(self) -> bool:
+        return self in (Phase.PREPARING, Phase.DECIDING, Phase.COMMITTED)
+
+
+# Allowed transitions; anything else is a bug in the coordinator and raises.
+TRANSITIONS: dict[Phase, frozenset[Phase]] = {
+    Phase.IDLE: frozenset({Phase.PREPARING}),
+    Phase.PREPARING: frozenset({Phase.DECIDING}),
+    Phase.DECIDING: frozenset({Phase.COMMITTED, Phase.ABORTED}),
+    Phase.COMMITTED: frozenset({Phase.PUBLISHED}),
+    Phase.PUBLISHED: frozenset({Phase.PREPARING}),
+    Phase.ABORTED: frozenset({Phase.PREPARING}),
+}
+
+RecipePayload = dict | str
+
+
+@dataclass(frozen=True)
+class Message:
+    """Base of all protocol messages: a frozen dataclass with a `kind` tag and JSON round trip."""
+
+    kind: ClassVar[str] = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, **asdict(self)}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> Message:
+        if not isinstance(d, Mapping):
+            raise ProtocolError(f"message must be a JSON object, got {type(d).__name__}")
+        kind = d.get("kind")
+        cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
+        if cls is None:
+            raise ProtocolError(f"unknown message kind {kind!r}; known: {sorted(MESSAGE_TYPES)}")
+        hints = typing.get_type_hints(cls)
+        names = {f.name for f in fields(cls)}
+        extra = set(d) - names - {"kind"}
+        if extra:
+            raise ProtocolError(f"{kind}: unexpected fields {sorted(extra)}")
+        values = {}
+        for f in fields(cls):
+            if f.name not in d:
+                raise ProtocolError(f"{kind}: missing field {f.name!r}")
+            values[f.name] = _coerce(d[f.name], hints[f.name], f"{kind}.{f.name}")
+        return cls(**values)
+
+    @staticmethod
+    def from_json(text: str | bytes) -> Message:
+        try:
+            d = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ProtocolError(f"message is not valid JSON: {e}") from None
+        return Message.from_dict(d)
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    """Check `value` (decoded JSON) against a field's type hint; converts dict keys to int."""
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        for option in typing.get_args(hint):
+            try:
+                return _coerce(value, option, where)
+            except ProtocolError:
+                continue
+        raise ProtocolError(f"{where}: {value!r} does not match {hint}")
+    if hint is type(None):
+        if value is None:
+            return None
+    elif hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+    elif hint is dict or origin is dict:
+        if isinstance(value, dict):
+            if hint is dict:
+                return value
+            key_t, val_t = typing.get_args(hint)
+            out = {}
+            for k, v in value.items():
+                try:
+                    key = int(k) if key_t is int else k
+                except ValueError:
+                    raise ProtocolError(f"{where}: key {k!r} is not an integer") from None
+                out[key] = _coerce(v, val_t, f"{where}[{k}]")
+            return out
+    elif origin is tuple:
+        if isinstance(value, (list, tuple)):
+            (item_t, _) = typing.get_args(hint)
+            return tuple(_coerce(v, item_t, f"{where}[]") for v in value)
+    raise ProtocolError(f"{where}: expected {getattr(hint, '__name__', hint)}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SwitchRequest(Message):
+    """Client -> coordinator: switch every rank to `recipe` (a recipe dict or built-in name)."""
+
+    kind: ClassVar[str] = "request"
+    request_id: str
+    recipe: RecipePayload
+    at_step: int | None
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class StatusQuery(Message):
+    """Client -> coordinator: report the open switch, recent decisions and each rank's recipe."""
+
+    kind: ClassVar[str] = "status"
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Hello(Message):
+    """Rank -> coordinator at attach: the rank is listening; `recipe_key` is what it runs now."""
+
+    kind: ClassVar[str] = "hello"
+    rank: int
+    recipe_key: str
+
+
+@dataclass(frozen=True)
+class Prepare(Message):
+    """Coordinator -> rank: plan and validate `recipe`, then vote."""
+
+    kind: ClassVar[str] = "prepare"
+    switch_id: int
+    recipe: RecipePayload
+    at_step: int | None
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class Vote(Message):
+    """Rank -> coordinator. YES carries the plan digest and the last step the rank passed."""
+
+    kind: ClassVar[str] = "vote"
+    switch_id: int
+    rank: int
+    yes: bool
+    digest: str
+    last_step: int | None
+    reason: str
+    prepare_s: float
+
+
+@dataclass(frozen=True)
+class Decision(Message):
+    """Coordinator -> log, ranks: COMMIT at `step`, or ABORT with per-rank `reasons`."""
+
+    kind: ClassVar[str] = "decision"
+    switch_id: int
+    commit: bool
+    step: int | None
+    reasons: dict[int, str] = field(default_factory=dict)
+    summary: str = ""
+
+
+@dataclass(frozen=True)
+class Ack(Message):
+    """Rank -> coordinator after step S: `ok` if the candidate was published."""
+
+    kind: ClassVar[str] = "ack"
+    switch_id: int
+    rank: int
+    step: int
+    ok: bool
+    error: str
+    recipe_key: str
+
+
+@dataclass(frozen=True)
+class Reply(Message):
+    """Coordinator -> client. `status` is "accepted", "refused", "result" or "status"."""
+
+    kind: ClassVar[str] = "reply"
+    request_id: str
+    status: str
+    switch_id: int | None
+    error: str
+    body: dict
+
+
+@dataclass(frozen=True)
+class Stop(Message):
+    """Wakes a blocked reader (listener or coordinator inbox) so it can exit."""
+
+    kind: ClassVar[str] = "stop"
+    target: str
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    cls.kind: cls
+    for cls in (SwitchRequest, StatusQuery, Hello, Prepare, Vote, Decision, Ack, Reply, Stop)
+}
+
+
+def decide(
+    prepare: Prepare,
+    votes: Mapping[int, Vote],
+    expected_ranks: Sequence[int],
+    tp_groups: Sequence[Sequence[int]],
+    deadline_passed: bool,
+) -> Decision | None:
+    """The outcome of one switch from the votes so far; None while it is still open.
+
+    The switch stays open until every expected rank voted or the deadline passed. It commits only
+    if every expected rank voted YES, digests agree within each tensor-parallel group, and (with a
+    requested `at_step`) no rank has already passed that step. Votes from ranks that are not
+    expected are ignored. The commit step is the requested one, else one past the largest step any
+    rank reported, so every rank can still reach it.
+    """
+    missing = [r for r in expected_ranks if r not in votes]
+    if missing and not deadline_passed:
+        return None
+    reasons: dict[int, str] = {
+        r: f"no vote before the deadline ({prepare.timeout_s:g} s)" for r in missing
+    }
+    for r in expected_ranks:
+        vote = votes.get(r)
+        if vote is not None and not vote.yes:
+            reasons[r] = vote.reason or "voted no"
+    for group in tp_groups:
+        reasons.update(_digest_mismatches(group, votes, reasons))
+    yes_steps = {r: votes[r].last_step for r in expected_ranks if r in votes and r not in reasons}
+    if prepare.at_step is not None:
+        for r, last in yes_steps.items():
+            if last is not None and last >= prepare.at_step:
+                reasons[r] = (
+                    f"already passed step {last}, at or after the requested step {prepare.at_step}"
+                )
+    if reasons:
+        summary = "; ".join(f"rank {r}: {reasons[r]}" for r in sorted(reasons))
+        return Decision(prepare.switch_id, False, None, dict(sorted(reasons.items())), summary)
+    if prepare.at_step is not None:
+        step = prepare.at_step
+    else:
+        step = max((s for s in yes_steps.values() if s is not None), default=-1) + 1
+    return Decision(prepare.switch_id, True, step, {}, f"commit at step {step}")
+
+
+def _digest_mismatches(
+    group: Sequence[int], votes: Mapping[int, Vote], reasons: Mapping[int, str]
+) -> dict[int, str]:
+    """Ranks of a TP group whose YES digest differs from the group's strict majority."""
+    yes = {r: votes[r].digest for r in group if r in votes and r not in reasons}
+    if len(set(yes.values())) <= 1:
+        return {}
+    top, count = Counter(yes.values()).most_common(1)[0]
+    members = sorted(group)
+    if count * 2 > len(yes):
+        return {
+            r: f"plan digest {d[:12]} differs from TP group {members} majority {top[:12]}"
+            for r, d in yes.items()
+            if d != top
+        }
+    return {
+        r: f"plan digests disagree within TP group {members} with no majority (this rank: {d[:12]})"
+        for r, d in yes.items()
+    }
+
+
+@dataclass(frozen=True)
+class SwitchResult:
+    """What `request_switch` returns. An aborted switch is a result too (`committed=False`)."""
+
+    switch_id: int
+    committed: bool
+    step: int | None  # the step at whose boundary every rank publishes (None if aborted)
+    reasons: dict[int, str]  # rank -> why it could not switch (empty on commit)
+    timings: dict[str, float]  # "votes_s" (open -> decided), "log_s" (fsync), "total_s"
+    prepare_s: dict[int, float] = field(default_factory=dict)  # rank -> its plan + validate time
+    summary: str = ""  # one line: "commit at step 12", or why it aborted
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> SwitchResult:
+        hints = typing.get_type_hints(SwitchResult)
+        try:
+            values = {
+                f.name: _coerce(d[f.name], hints[f.name], f.name) for f in fields(SwitchResult)
+            }
+        except KeyError as e:
+            raise ProtocolError(f"switch result is missing field {e}") from None
+        return SwitchResult(**values)

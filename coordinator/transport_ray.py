@@ -1,0 +1,154 @@
+"""Ray transport: the coordinator runs inside a named Ray actor that also holds the queues.
+
+The actor ("dist_quant.coordinator", in a namespace of the job's own) keeps a `MemoryHub`; its
+`push` / `pop` methods are the transport, and the coordinator thread inside it reads the hub
+directly, so the protocol code is the same as under torchrun. The actor is threaded
+(`max_concurrency`) because every rank's listener keeps one `pop` call blocked in it. It is placed
+on the node of the rank that creates it (rank 0) so the decision log and `coordinator.json` share
+one filesystem. Ray is imported only here, and only when this transport is used.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from typing import Any
+
+from dist_quant.coordinator.coordinator import Coordinator
+from dist_quant.coordinator.faults import Fault
+from dist_quant.coordinator.log import DecisionLog
+from dist_quant.coordinator.transport import TransportError
+from dist_quant.coordinator.transport_memory import MemoryHub, MemoryTransport
+
+ACTOR_NAME = "dist_quant.coordinator"
+_SCHEME = "ray://"
+
+
+class _CoordinatorActor:
+    """The actor's body (wrapped with `ray.remote` on first use)."""
+
+    def __init__(self) -> None:
+        self._hub = MemoryHub()
+        self._coordinator: Coordinator | None = None
+
+    def start(
+        self,
+        token: str,
+        world_size: int,
+        tp_groups: Sequence[Sequence[int]],
+        log_path: str,
+        faults: Sequence[Fault],
+    ) -> None:
+        self._coordinator = Coordinator(
+            MemoryTransport(self._hub),
+            token=token,
+            world_size=world_size,
+            tp_groups=tp_groups,
+            log=DecisionLog(log_path),
+            faults=faults,
+        )
+        self._coordinator.start()
+
+    def push(self, queue: str, data: bytes) -> None:
+        self._hub.push(queue, data)
+
+    def pop(self, queue: str, timeout: float | None) -> bytes | None:
+        return self._hub.pop(queue, timeout)
+
+    def stop(self) -> None:
+        if self._coordinator is not None:
+            self._coordinator.stop()
+        self._hub.close()
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError as e:
+        raise TransportError("the Ray transport needs Ray: pip install 'dist-quant[ray]'") from e
+    return ray
+
+
+def create_coordinator_actor(world_size: int) -> tuple[Any, str]:
+    """Create the job's coordinator actor on this node; returns (handle, "ray://<namespace>")."""
+    ray = _ray()
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    namespace = f"dist_quant-{secrets.token_hex(6)}"
+    here = ray.get_runtime_context().get_node_id()
+    actor = (
+        ray.remote(_CoordinatorActor)
+        .options(
+            name=ACTOR_NAME,
+            namespace=namespace,
+            num_cpus=0,
+            # one blocked pop per rank listener, plus the coordinator's pump and clients
+            max_concurrency=2 * world_size + 16,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
+        )
+        .remote()
+    )
+    return actor, _SCHEME + namespace
+
+
+def start_coordinator_in_actor(
+    actor: Any,
+    token: str,
+    world_size: int,
+    tp_groups: Sequence[Sequence[int]],
+    log_path: str,
+    faults: Sequence[Fault],
+) -> None:
+    groups = [list(g) for g in tp_groups]
+    _ray().get(actor.start.remote(token, world_size, groups, log_path, faults))
+
+
+def stop_coordinator_actor(actor: Any) -> None:
+    ray = _ray()
+    try:
+        ray.get(actor.stop.remote(), timeout=10)
+    except ray.exceptions.RayError:
+        pass  # already dead
+    ray.kill(actor)
+
+
+class RayTransport:
+    """Queues in the coordinator actor; handles are thread-safe, so `clone` shares one."""
+
+    def __init__(self, actor: Any, address: str) -> None:
+        self._actor = actor
+        self.address = address
+
+    @classmethod
+    def connect(cls, address: str, *, ray_address: str | None = None) -> RayTransport:
+        """Find the actor of `address` ("ray://<namespace>"), joining the Ray cluster if needed."""
+        if not address.startswith(_SCHEME):
+            raise ValueError(f"Ray coordinator address {address!r} must start with {_SCHEME}")
+        namespace = address[len(_SCHEME) :]
+        ray = _ray()
+        if not ray.is_initialized():
+            ray.init(address=ray_address or "auto", namespace=namespace, log_to_driver=False)
+        try:
+            actor = ray.get_actor(ACTOR_NAME, namespace=namespace)
+        except ValueError as e:
+            raise TransportError(f"no coordinator actor at {address}: {e}") from e
+        return cls(actor, address)
+
+    def _call(self, method: Any, *args: Any) -> Any:
+        ray = _ray()
+        try:
+            return ray.get(method.remote(*args))
+        except ray.exceptions.RayError as e:
+            raise TransportError(f"coordinator actor {self.address}: {e}") from e
+
+    def push(self, queue: str, data: bytes) -> None:
+        self._call(self._actor.push, queue, data)
+
+    def pop(self, queue: str, timeout: float | None = None) -> bytes | None:
+        return self._call(self._actor.pop, queue, timeout)
+
+    def clone(self) -> RayTransport:
+        return RayTransport(self._actor, self.address)
+
+    def close(self) -> None:
+        """The handle owns nothing; the actor lives until rank 0 stops it."""

@@ -1,0 +1,133 @@
+"""`decide()` as a table: vote sets -> outcome (commit step, or the ranks that block the switch)."""
+
+import pytest
+from dist_quant.coordinator.protocol import Prepare, Vote, decide
+
+RANKS = (0, 1, 2, 3)
+TP = ((0, 1), (2, 3))
+
+
+def yes(rank, step, digest="d"):
+    return Vote(7, rank, True, digest, step, "", 0.01)
+
+
+def no(rank, reason="boom"):
+    return Vote(7, rank, False, "", 3, reason, 0.01)
+
+
+def votes(*vs):
+    return {v.rank: v for v in vs}
+
+
+# (name, votes, at_step, deadline_passed, expected): expected is None (still open),
+# ("commit", step) or ("abort", {rank: substring of its reason}).
+CASES = [
+    (
+        "all yes -> one past the largest step",
+        votes(*(yes(r, 10 + r) for r in RANKS)),
+        None,
+        False,
+        ("commit", 14),
+    ),
+    ("all yes, equal steps", votes(*(yes(r, 5) for r in RANKS)), None, False, ("commit", 6)),
+    ("requested step in the future", votes(*(yes(r, 5) for r in RANKS)), 40, False, ("commit", 40)),
+    (
+        "requested step just after the largest",
+        votes(*(yes(r, 5) for r in RANKS)),
+        6,
+        False,
+        ("commit", 6),
+    ),
+    (
+        "requested step already passed by one rank",
+        votes(yes(0, 5), yes(1, 5), yes(2, 9), yes(3, 5)),
+        9,
+        False,
+        ("abort", {2: "already passed step 9"}),
+    ),
+    (
+        "one missing before the deadline -> still open",
+        votes(yes(0, 1), yes(1, 1), yes(2, 1)),
+        None,
+        False,
+        None,
+    ),
+    (
+        "one missing at the deadline",
+        votes(yes(0, 1), yes(1, 1), yes(2, 1)),
+        None,
+        True,
+        ("abort", {3: "no vote before the deadline"}),
+    ),
+    ("nobody voted at the deadline", {}, None, True, ("abort", {r: "no vote" for r in RANKS})),
+    ("a NO waits for the others before deciding", votes(no(3)), None, False, None),
+    (
+        "one NO",
+        votes(yes(0, 1), yes(1, 1), yes(2, 1), no(3, "factory raised")),
+        None,
+        False,
+        ("abort", {3: "factory raised"}),
+    ),
+    (
+        "every rank NO",
+        votes(*(no(r, f"bad {r}") for r in RANKS)),
+        None,
+        False,
+        ("abort", {r: f"bad {r}" for r in RANKS}),
+    ),
+    (
+        "digests differ across TP groups (allowed)",
+        votes(yes(0, 1, "a"), yes(1, 1, "a"), yes(2, 1, "b"), yes(3, 1, "b")),
+        None,
+        False,
+        ("commit", 2),
+    ),
+    (
+        "digests differ inside a TP group of two: no majority, both named",
+        votes(yes(0, 1), yes(1, 1), yes(2, 1, "x"), yes(3, 1, "y")),
+        None,
+        False,
+        ("abort", {2: "no majority", 3: "no majority"}),
+    ),
+    (
+        "a vote from an unexpected rank is ignored",
+        votes(*(yes(r, 1) for r in RANKS), yes(9, 50)),
+        None,
+        False,
+        ("commit", 2),
+    ),
+]
+
+
+@pytest.mark.parametrize("name,vs,at_step,passed,expected", CASES, ids=[c[0] for c in CASES])
+def test_decide_table(name, vs, at_step, passed, expected):
+    d = decide(Prepare(7, {"name": "B"}, at_step, 2.5), vs, RANKS, TP, passed)
+    if expected is None:
+        assert d is None
+        return
+    assert d is not None and d.switch_id == 7
+    outcome, detail = expected
+    if outcome == "commit":
+        assert (d.commit, d.step, d.reasons) == (True, detail, {})
+    else:
+        assert d.commit is False and d.step is None
+        assert set(d.reasons) == set(detail)
+        for rank, text in detail.items():
+            assert text in d.reasons[rank], d.reasons
+            assert f"rank {rank}: " in d.summary
+
+
+def test_majority_digest_names_only_the_odd_rank():
+    groups = ((0, 1, 2),)
+    vs = votes(yes(0, 4, "good"), yes(1, 4, "good"), yes(2, 4, "odd"))
+    d = decide(Prepare(7, "b", None, 1.0), vs, (0, 1, 2), groups, False)
+    assert d.commit is False
+    assert list(d.reasons) == [2]
+    assert "differs from TP group [0, 1, 2] majority good" in d.reasons[2]
+
+
+def test_rank_that_voted_no_does_not_count_toward_its_group_majority():
+    groups = ((0, 1, 2),)
+    vs = votes(yes(0, 4, "good"), no(1), yes(2, 4, "good"))
+    d = decide(Prepare(7, "b", None, 1.0), vs, (0, 1, 2), groups, False)
+    assert d.reasons == {1: "boom"}

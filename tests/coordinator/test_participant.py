@@ -1,0 +1,312 @@
+"""The participant: votes from its listener, waits at v+1, publishes exactly at S, and refuses to
+continue half-switched. Ranks are threads; the coordinator is real or played by hand."""
+
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+from dist_quant.coordinator import SwitchError, fail_at, request_switch
+from dist_quant.coordinator.coordinator import Coordinator
+from dist_quant.coordinator.log import DecisionLog
+from dist_quant.coordinator.participant import Participant
+from dist_quant.coordinator.protocol import Ack, Decision, Hello, Prepare
+from dist_quant.coordinator.transport_memory import MemoryHub, MemoryTransport
+from dist_quant.coordinator.wire import rank_queue
+from switch_harness import (
+    FAKE_HOOKS,
+    CountingTransport,
+    FakeModel,
+    Script,
+    wait_for,
+)
+
+TOKEN = "tok"
+
+
+def make_participant(hub, rank=0, faults=(), grace=0.05, transport=None):
+    model = FakeModel(rank)
+    p = Participant(
+        model,
+        rank=rank,
+        transport=transport or MemoryTransport(hub),
+        token=TOKEN,
+        faults=faults,
+        decision_grace_s=grace,
+        **FAKE_HOOKS,
+    )
+    return model, p.start()
+
+
+@pytest.fixture
+def solo():
+    """One participant (rank 0) and a hand-played coordinator."""
+    hub = MemoryHub()
+    coord = Script(MemoryTransport(hub), TOKEN)
+    model, p = make_participant(hub)
+    assert isinstance(coord.recv(), Hello)
+    yield coord, model, p
+    p.close()
+
+
+def vote_after_prepare(coord, p, switch_id, at_step=None, timeout_s=5.0, recipe=None):
+    coord.send(Prepare(switch_id, recipe or {"name": "B"}, at_step, timeout_s), rank_queue(p.rank))
+    return coord.recv()
+
+
+def run_boundary(p, step):
+    """step_boundary in a thread; returns (thread, box) where box gets "ok" or the exception."""
+    box = []
+
+    def go():
+        try:
+            p.step_boundary(step)
+            box.append("ok")
+        except Exception as e:  # noqa: BLE001
+            box.append(e)
+
+    t = threading.Thread(target=go)
+    t.start()
+    return t, box
+
+
+def test_idle_step_boundary_makes_no_transport_call_and_no_collective(monkeypatch):
+    hub = MemoryHub()
+    counting = CountingTransport(MemoryTransport(hub))
+    model, p = make_participant(hub, transport=counting)
+    wait_for(lambda: counting.counts[("dist_quant.participant.r0", "pop")] == 1, 5, "listener")
+
+    def forbidden(*a, **k):
+        raise AssertionError("step_boundary issued a collective")
+
+    for name in ("all_reduce", "broadcast", "all_gather", "barrier", "all_gather_object"):
+        monkeypatch.setattr(dist, name, forbidden)
+    before = sum(counting.counts.values())
+    for step in range(1000):
+        p.step_boundary(step)
+    assert sum(counting.counts.values()) == before
+    training = threading.current_thread().name
+    assert not [k for k in counting.counts if k[0] == training]
+    p.close()
+
+
+def test_vote_carries_last_step_and_rank_waits_at_next_boundary_then_publishes(solo):
+    coord, model, p = solo
+    p.step_boundary(7)
+    vote = vote_after_prepare(coord, p, 1)
+    assert (vote.yes, vote.digest, vote.last_step) == (True, "B", 7)
+    t, box = run_boundary(p, 8)
+    time.sleep(0.2)
+    assert t.is_alive() and model.recipe == "A"  # blocked at v+1 without a decision
+    coord.send(Decision(1, True, 8, {}, ""), rank_queue(0))
+    t.join(5)
+    assert box == ["ok"] and model.recipe == "B"  # published before returning from boundary 8
+    ack = coord.recv()
+    assert ack == Ack(1, 0, 8, True, "", "B")
+
+
+def test_commit_at_a_later_step_publishes_exactly_there(solo):
+    coord, model, p = solo
+    p.step_boundary(3)
+    vote_after_prepare(coord, p, 1, at_step=6)
+    coord.send(Decision(1, True, 6, {}, ""), rank_queue(0))
+    seen = []
+    for step in range(4, 9):
+        p.step_boundary(step)
+        seen.append((step, model.recipe))
+    assert seen == [(4, "A"), (5, "A"), (6, "B"), (7, "B"), (8, "B")]
+    assert model.publishes == ["B"]
+
+
+def test_abort_drops_the_candidate(solo):
+    coord, model, p = solo
+    p.step_boundary(0)
+    vote_after_prepare(coord, p, 1)
+    coord.send(Decision(1, False, None, {1: "no"}, ""), rank_queue(0))
+    p.step_boundary(1)
+    p.step_boundary(2)
+    assert model.recipe == "A" and model.publishes == [] and p.state == "idle"
+
+
+def test_planning_failure_votes_no_with_the_error_text(solo):
+    coord, model, p = solo
+    p.step_boundary(0)
+    vote = vote_after_prepare(coord, p, 1, recipe={"name": "B", "fail_rank": 0})
+    assert vote.yes is False
+    assert vote.reason == "ValueError: factory raised for role layers.0.fc1 on rank 0"
+    assert p.state == "idle"
+    vote = vote_after_prepare(coord, p, 2, recipe="not a recipe")
+    assert vote.yes is False and "malformed recipe" in vote.reason
+
+
+def test_injected_prepare_fault_becomes_a_no_vote():
+    hub = MemoryHub()
+    coord = Script(MemoryTransport(hub), TOKEN)
+    model, p = make_participant(hub, faults=[fail_at(rank=0, phase="prepare")])
+    coord.recv()
+    p.step_boundary(0)
+    vote = vote_after_prepare(coord, p, 1)
+    assert vote.yes is False and "injected fault: rank 0 at prepare" in vote.reason
+    p.close()
+
+
+def test_prepare_before_the_first_boundary_votes_once_training_has_started(solo):
+    coord, model, p = solo
+    coord.send(Prepare(1, {"name": "B"}, None, 5.0), rank_queue(0))
+    assert coord.silent(wait=0.2)  # no vote yet: no step known
+    p.step_boundary(100)
+    vote = coord.recv()
+    assert vote.yes and vote.last_step == 100
+
+
+def test_replayed_prepare_is_ignored(solo):
+    coord, model, p = solo
+    p.step_boundary(0)
+    vote_after_prepare(coord, p, 1)
+    coord.send(Prepare(1, {"name": "B"}, None, 5.0), rank_queue(0))
+    assert coord.silent(wait=0.2)
+
+
+def test_gave_up_rank_keeps_old_recipe_and_raises_if_commit_arrives_later(solo):
+    coord, model, p = solo
+    p.step_boundary(0)
+    vote_after_prepare(coord, p, 1, timeout_s=0.1)
+    t0 = time.monotonic()
+    p.step_boundary(1)  # waits timeout + grace, then gives up
+    assert time.monotonic() - t0 >= 0.1
+    assert p.state == "gave_up" and model.recipe == "A"
+    p.step_boundary(2)  # trains on with the old recipe
+    coord.send(Decision(1, True, 2, {}, ""), rank_queue(0))
+    nack = coord.recv()
+    assert isinstance(nack, Ack) and nack.ok is False and "gave up waiting" in nack.error
+    with pytest.raises(SwitchError, match="recorded COMMIT at step 2"):
+        p.step_boundary(3)
+    with pytest.raises(SwitchError):  # and it stays that way
+        p.step_boundary(4)
+    assert model.recipe == "A"
+
+
+def test_gave_up_rank_returns_to_idle_when_the_late_decision_is_abort(solo):
+    coord, model, p = solo
+    p.step_boundary(0)
+    vote_after_prepare(coord, p, 1, timeout_s=0.05)
+    p.step_boundary(1)
+    coord.send(Decision(1, False, None, {}, ""), rank_queue(0))
+    wait_for(lambda: p.state == "idle", 5, "idle")
+    p.step_boundary(2)
+
+
+def test_skipping_the_commit_step_raises(solo):
+    coord, model, p = solo
+    p.step_boundary(0)
+    vote_after_prepare(coord, p, 1)
+    coord.send(Decision(1, True, 3, {}, ""), rank_queue(0))
+    p.step_boundary(1)
+    with pytest.raises(SwitchError, match="without a step_boundary at the commit step 3"):
+        p.step_boundary(5)
+    assert model.recipe == "A"
+
+
+def test_failed_publish_raises_and_acks_not_ok():
+    hub = MemoryHub()
+    coord = Script(MemoryTransport(hub), TOKEN)
+    model, p = make_participant(hub, faults=[fail_at(rank=0, phase="commit")])
+    coord.recv()
+    p.step_boundary(0)
+    vote_after_prepare(coord, p, 1)
+    coord.send(Decision(1, True, 1, {}, ""), rank_queue(0))
+    with pytest.raises(SwitchError, match="failed to publish switch 1"):
+        p.step_boundary(1)
+    ack = coord.recv()
+    assert ack.ok is False and "injected fault" in ack.error
+    p.close()
+
+
+def test_commit_without_a_yes_vote_breaks_the_rank(solo):
+    coord, model, p = solo
+    p.step_boundary(0)
+    vote = vote_after_prepare(coord, p, 1, recipe={"name": "B", "fail_rank": 0})
+    assert vote.yes is False
+    coord.send(Decision(1, True, 1, {}, ""), rank_queue(0))
+    wait_for(lambda: p.state == "broken", 5, "broken")
+    with pytest.raises(SwitchError, match="without a YES vote"):
+        p.step_boundary(1)
+
+
+def test_dropped_vote_times_out_and_every_rank_keeps_the_old_recipe(tmp_path):
+    hub = MemoryHub()
+    coord = Coordinator(
+        MemoryTransport(hub),
+        token=TOKEN,
+        world_size=2,
+        tp_groups=[(0, 1)],
+        log=DecisionLog(tmp_path / "d.jsonl"),
+    )
+    coord.start()
+    ranks = [
+        make_participant(hub, rank=r, faults=[fail_at(rank=1, phase="vote", action="drop")])
+        for r in range(2)
+    ]
+    for _, p in ranks:
+        p.step_boundary(0)
+    result = request_switch(
+        {"name": "B"}, timeout_s=0.3, transport=MemoryTransport(hub), token=TOKEN
+    )
+    assert result.committed is False and "no vote before the deadline" in result.reasons[1]
+    for step in range(1, 4):
+        for _, p in ranks:
+            p.step_boundary(step)
+    assert [m.recipe for m, _ in ranks] == ["A", "A"]
+    for _, p in ranks:
+        p.close()
+    coord.stop()
+
+
+def test_four_ranks_in_lockstep_publish_at_the_same_step(tmp_path):
+    """TP peers wait for each other every step (a barrier per TP group, standing in for the
+    collective): if voting blocked the training thread this would deadlock."""
+    hub = MemoryHub()
+    coord = Coordinator(
+        MemoryTransport(hub),
+        token=TOKEN,
+        world_size=4,
+        tp_groups=[(0, 1), (2, 3)],
+        log=DecisionLog(tmp_path / "d.jsonl"),
+    )
+    coord.start()
+    ranks = [make_participant(hub, rank=r, grace=1.0) for r in range(4)]
+    barriers = [threading.Barrier(2, timeout=10), threading.Barrier(2, timeout=10)]
+    stop = threading.Event()
+    logs = {r: [] for r in range(4)}
+    errors = []
+
+    def train(r):
+        model, p = ranks[r]
+        try:
+            step = 0
+            while not (stop.is_set() and step >= 60):
+                p.step_boundary(step)
+                logs[r].append(model.recipe)
+                barriers[r // 2].wait()
+                time.sleep(0.002 * (r + 1))
+                step += 1
+        except Exception as e:  # noqa: BLE001
+            errors.append((r, e))
+
+    threads = [threading.Thread(target=train, args=(r,)) for r in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.05)
+    result = request_switch({"name": "B"}, transport=MemoryTransport(hub), token=TOKEN)
+    stop.set()
+    for t in threads:
+        t.join(20)
+    for _, p in ranks:
+        p.close()
+    coord.stop()
+    assert not errors, errors
+    assert result.committed and sorted(result.prepare_s) == [0, 1, 2, 3]
+    for r in range(4):
+        first_b = logs[r].index("B")
+        assert first_b == result.step, (r, first_b, result.step)
+        assert set(logs[r][:first_b]) == {"A"} and set(logs[r][first_b:]) == {"B"}

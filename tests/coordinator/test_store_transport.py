@@ -1,0 +1,134 @@
+"""The TCPStore transport and `attach` in one process (world size 1): loopback binding, queues,
+the endpoint file, token refusal through a real store."""
+
+import os
+import socket
+import stat
+import threading
+from collections import Counter
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+from dist_quant.coordinator import SwitchRequestError, attach, request_switch, status
+from dist_quant.coordinator.transport import TransportError
+from dist_quant.coordinator.transport_store import StoreServer, StoreTransport, parse_address
+from switch_harness import FAKE_HOOKS, FakeModel, wait_for
+
+
+def outward_ip():
+    """An address of this machine other than loopback, if it has one (no packet is sent)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.connect(("10.255.255.255", 1))
+        ip = s.getsockname()[0]
+    except OSError:
+        return None
+    finally:
+        s.close()
+    return None if ip.startswith("127.") else ip
+
+
+def test_server_listens_on_loopback_only():
+    server = StoreServer()
+    try:
+        ip = outward_ip()
+        if ip is None:
+            pytest.skip("machine has no non-loopback address")
+        with pytest.raises(OSError):
+            socket.create_connection((ip, server.port), timeout=2).close()
+        socket.create_connection(("127.0.0.1", server.port), timeout=2).close()
+    finally:
+        server.close()
+
+
+def test_queues_are_fifo_across_connections_and_pop_times_out_with_none():
+    server = StoreServer()
+    try:
+        a, b = StoreTransport(server.address), StoreTransport(server.address)
+        for i in range(3):
+            a.push("q", f"m{i}".encode())
+        assert [b.pop("q", 1.0) for _ in range(3)] == [b"m0", b"m1", b"m2"]
+        assert b.pop("q", 0.05) is None
+        a.push("q", b"after a timeout")
+        assert b.pop("q", 1.0) == b"after a timeout"
+        threading.Timer(0.1, lambda: a.clone().push("w", b"late")).start()
+        assert b.pop("w") == b"late"  # waits without a timeout
+    finally:
+        server.close()
+
+
+def test_lost_server_raises_transport_error():
+    server = StoreServer()
+    t = StoreTransport(server.address)
+    server.close()
+    with pytest.raises(TransportError, match="coordinator store"):
+        t.pop("q", 1.0)
+
+
+def test_parse_address_rejects_garbage():
+    assert parse_address("[::1]:80") == ("::1", 80)
+    with pytest.raises(ValueError, match="host:port"):
+        parse_address("localhost")
+
+
+@pytest.fixture
+def single_rank(tmp_path):
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{tmp_path / 'pg'}",
+        rank=0,
+        world_size=1,
+        timeout=timedelta(seconds=30),
+    )
+    yield tmp_path / "run"
+    dist.destroy_process_group()
+
+
+def test_attach_writes_a_private_endpoint_and_switches_through_the_store(single_rank):
+    run_dir = single_rank
+    model = FakeModel(0)
+    p = attach(model, run_dir=run_dir, transport="store", **FAKE_HOOKS)
+    try:
+        path = run_dir / "coordinator.json"
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert p.address.startswith("127.0.0.1:")
+        p.step_boundary(0)
+        result = request_switch({"name": "B"}, run_dir=run_dir, timeout_s=5)
+        assert result.committed and result.step == 1
+        p.step_boundary(1)
+        assert model.recipe == "B"
+        wait_for(lambda: status(run_dir=run_dir)["phase"] == "published", 5, "published")
+        assert status(run_dir=run_dir)["recipe_keys"] == {"0": "B"}
+        with pytest.raises(SwitchRequestError, match="wrong token"):
+            request_switch({"name": "C"}, address=p.address, token="0" * 64)
+        assert (run_dir / "decisions.jsonl").exists()
+    finally:
+        p.close()
+    assert not (run_dir / "coordinator.json").exists()
+    with pytest.raises(SwitchRequestError, match="no coordinator found"):
+        request_switch({"name": "C"}, run_dir=run_dir)
+
+
+def test_idle_boundaries_make_no_store_call(single_rank, monkeypatch):
+    """The listener holds one blocking pop; 1000 idle steps add no call from any thread."""
+    counts = Counter()
+
+    def counted(op, real):
+        def wrapper(self, *a, **k):
+            counts[(threading.current_thread().name, op)] += 1
+            return real(self, *a, **k)
+
+        return wrapper
+
+    monkeypatch.setattr(StoreTransport, "push", counted("push", StoreTransport.push))
+    monkeypatch.setattr(StoreTransport, "pop", counted("pop", StoreTransport.pop))
+    p = attach(FakeModel(0), run_dir=single_rank, transport="store", **FAKE_HOOKS)
+    try:
+        wait_for(lambda: counts[("dist_quant.participant.r0", "pop")] == 1, 5, "listener")
+        before = dict(counts)
+        for step in range(1000):
+            p.step_boundary(step)
+        assert dict(counts) == before
+    finally:
+        p.close()
