@@ -3,8 +3,10 @@
 Public names are listed in API.md; each is importable from here.
 """
 
+from dist_quant.context import autocast
 from dist_quant.factory_keys import quantizer_factory
 from dist_quant.formats import Format
+from dist_quant.modules.linear import Linear
 from dist_quant.quantizers import (
     Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,
@@ -24,10 +26,14 @@ from dist_quant.recipes import (
     recipe_from_json,
 )
 from dist_quant.roles import DelayedScalingRequest, QuantizerRequest, QuantizerRole
+from dist_quant.runtime import RecipeUpdateError, apply_recipe, current_recipe, plan_model
 from dist_quant.state import RecipeState
 from dist_quant.tensor import Float8BlockwiseTensor, Float8Tensor, MXFP8Tensor, QuantizedTensor
 
 __all__ = [
+    "apply_recipe",
+    "autocast",
+    "current_recipe",
     "CustomRecipe",
     "DelayedScaling",
     "DelayedScalingRequest",
@@ -40,16 +46,19 @@ __all__ = [
     "Float8Tensor",
     "Format",
     "IdentityQuantizer",
+    "Linear",
     "MXFP8BlockScaling",
     "MXFP8Quantizer",
     "MXFP8Tensor",
+    "plan_model",
     "QuantizedTensor",
     "Quantizer",
+    "quantizer_factory",
     "QuantizerRequest",
     "QuantizerRole",
     "Recipe",
-    "RecipeState",
-    "quantizer_factory",
     "recipe_from_dict",
     "recipe_from_json",
+    "RecipeState",
+    "RecipeUpdateError",
 ]

@@ -20,8 +20,18 @@ from dist_quant.tensor import GemmOperand
 _SCALED_MM_ALIGN = 16
 
 
-def gemm(a: Tensor | GemmOperand, b: Tensor | GemmOperand, *, out_dtype: torch.dtype) -> Tensor:
-    """``a @ b.T`` for ``a`` ``(M, K)`` and ``b`` ``(N, K)``: ``(M, N)`` in ``out_dtype``."""
+def gemm(
+    a: Tensor | GemmOperand,
+    b: Tensor | GemmOperand,
+    *,
+    out_dtype: torch.dtype,
+    bias: Tensor | None = None,
+) -> Tensor:
+    """``a @ b.T (+ bias)`` for ``a`` ``(M, K)`` and ``b`` ``(N, K)``: ``(M, N)`` in ``out_dtype``.
+
+    The bias is added before the final rounding to ``out_dtype`` (in fp32 on the emulated path, in
+    the GEMM epilogue on ``_scaled_mm``).
+    """
     for name, op in (("a", a), ("b", b)):
         if not isinstance(op, (Tensor, GemmOperand)):
             raise TypeError(
@@ -33,8 +43,11 @@ def gemm(a: Tensor | GemmOperand, b: Tensor | GemmOperand, *, out_dtype: torch.d
             f"gemm: computes a @ b.T and needs a (M, K) and b (N, K); got a {tuple(a.shape)} "
             f"and b {tuple(b.shape)}"
         )
+    if bias is not None and bias.shape != (b.shape[0],):
+        raise ValueError(f"gemm: bias must have shape ({b.shape[0]},), got {tuple(bias.shape)}")
     if isinstance(a, Tensor) and isinstance(b, Tensor) and a.dtype == b.dtype:
-        return torch.matmul(a, b.t()).to(out_dtype)
+        out = torch.matmul(a, b.t())
+        return (out if bias is None else out + bias.to(out.dtype)).to(out_dtype)
     if _can_use_scaled_mm(a, b):
         # cuBLASLt wants a row-major and b column-major: b.data is (N, K) row-major, so b.data.t()
         # is (K, N) column-major without a copy. Scales as 0-dim fp32 (torch checks numel == 1).
@@ -43,11 +56,13 @@ def gemm(a: Tensor | GemmOperand, b: Tensor | GemmOperand, *, out_dtype: torch.d
             b.data.contiguous().t(),
             scale_a=a.scale_inv.float().reshape(()),
             scale_b=b.scale_inv.float().reshape(()),
+            bias=None if bias is None else bias.to(out_dtype),
             out_dtype=out_dtype,
         )
     a_hp = a.dequantize(torch.float32) if isinstance(a, GemmOperand) else a.float()
     b_hp = b.dequantize(torch.float32) if isinstance(b, GemmOperand) else b.float()
-    return torch.matmul(a_hp, b_hp.t()).to(out_dtype)
+    out = torch.matmul(a_hp, b_hp.t())
+    return (out if bias is None else out + bias.float()).to(out_dtype)
 
 
 def _can_use_scaled_mm(a: Tensor | GemmOperand, b: Tensor | GemmOperand) -> bool:

@@ -1,0 +1,123 @@
+"""dist_quant.Linear forward+backward under each recipe vs torch.nn.Linear in BF16, one run, one GPU.
+
+Prints, per shape, the median time of a training micro-step (forward, backward w.r.t. input and
+weight) and the speed-up over BF16 measured in the same process, plus a profile of where the FP8 time
+goes (quantize kernels vs GEMMs vs other) for the largest shape.
+
+    python bench/bench_linear.py [--shapes 4096x4096x4096,8192x8192x8192] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+
+import torch
+
+import dist_quant as dq
+
+SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (16384, 4096, 14336)]  # (M tokens, K in, N out)
+
+
+def cuda_median_ms(fn, iters: int = 30, warmup: int = 8) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def make_step(module, x, dy, recipe=None):
+    def step():
+        x.grad = None
+        module.weight.grad = None
+        if recipe is None:
+            y = module(x)
+        else:
+            with dq.autocast(recipe=recipe):
+                y = module(x)
+        y.backward(dy)
+
+    return step
+
+
+def bench_shape(m: int, k: int, n: int, recipes: dict) -> dict[str, float]:
+    torch.manual_seed(0)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    ref = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    out = {"bf16 nn.Linear": cuda_median_ms(make_step(ref, x, dy))}
+    for label, recipe in recipes.items():
+        lin = dq.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda")
+        with torch.no_grad():
+            lin.weight.copy_(ref.weight)
+        out[label] = cuda_median_ms(make_step(lin, x, dy, recipe))
+    return out
+
+
+def profile_shape(m: int, k: int, n: int, recipe) -> None:
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    lin = dq.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    step = make_step(lin, x, dy, recipe)
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            step()
+        torch.cuda.synchronize()
+    buckets: dict[str, float] = defaultdict(float)
+    for evt in prof.key_averages():
+        t = evt.device_time_total / 10 / 1000  # ms per step
+        name = evt.key.lower()
+        if (
+            "gemm" in name
+            or "scaled_mm" in name
+            or "cutlass" in name
+            or "sm90" in name
+            or "nvjet" in name
+        ):
+            buckets["GEMM"] += t
+        elif "triton" in name or "_kernel" in name and "elementwise" not in name:
+            buckets["quantize (triton)"] += t
+        else:
+            buckets["other (" + evt.key[:40] + ")"] += t
+    print(f"\nwhere the time goes, {m}x{k}x{n}, {type(recipe).__name__} (ms/step):")
+    for k_, v in sorted(buckets.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"  {v:8.3f}  {k_}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SHAPES))
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    recipes = {
+        "fp8 delayed": dq.DelayedScaling(),
+        "fp8 current": dq.Float8CurrentScaling(),
+    }
+    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    print(f"{'shape MxKxN':>20} | {'recipe':>16} | {'ms':>8} | {'vs bf16':>7}")
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    for m, k, n in shapes:
+        res = bench_shape(m, k, n, recipes)
+        base = res["bf16 nn.Linear"]
+        for label, ms in res.items():
+            print(f"{f'{m}x{k}x{n}':>20} | {label:>16} | {ms:8.3f} | {base / ms:6.2f}x")
+    if args.profile:
+        profile_shape(*shapes[-1], recipes["fp8 delayed"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""The quantized linear GEMM triple (fprop, dgrad, wgrad) shared by every linear-like module.
+
+    fprop: y  = x  @ W^T      x (M, K) rowwise,  W (N, K) rowwise
+    dgrad: dx = dy @ W        dy (M, N) rowwise, W^T (K, N) = W columnwise
+    wgrad: dW = dy^T @ x      dy^T (N, M) = dy columnwise, x^T (K, M) = x columnwise
+
+Each operand is quantized once by its slot's quantizer; the saved activations are the quantized
+ones. Identity quantizers leave an operand in high precision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from dist_quant.amax import enrol_backward
+from dist_quant.gemm import gemm
+from dist_quant.parallel import (
+    TPLayout,
+    all_gather_quantized,
+    all_reduce_sum,
+    copy_to_tp_region,
+    gather_from_sequence_parallel_region,
+    reduce_from_tp_region,
+    reduce_scatter_seq,
+    reduce_scatter_to_sequence_parallel_region,
+)
+from dist_quant.quantizers import IdentityQuantizer, Quantizer
+from dist_quant.tensor import QuantizedTensor
+
+
+@dataclass(frozen=True)
+class LinearSlots:
+    """The quantizers of one GEMM triple; `output`/`grad_input` apply only at an FP8 boundary."""
+
+    input: Quantizer
+    weight: Quantizer
+    grad_output: Quantizer
+    output: Quantizer | None = None
+    grad_input: Quantizer | None = None
+    bwd_groups: tuple = ()
+    reduction_group: Any = None
+
+    @property
+    def high_precision(self) -> bool:
+        return (
+            isinstance(self.input, IdentityQuantizer)
+            and isinstance(self.weight, IdentityQuantizer)
+            and isinstance(self.grad_output, IdentityQuantizer)
+        )
+
+
+def rowwise(t: Any) -> Any:
+    return t.rowwise_operand() if isinstance(t, QuantizedTensor) else t
+
+
+def columnwise(t: Any) -> Any:
+    return t.columnwise_operand() if isinstance(t, QuantizedTensor) else t.t()
+
+
+def fake_quantize(q: Quantizer | None, t: torch.Tensor) -> torch.Tensor:
+    """Round `t` through an FP8 boundary slot and back (what the consumer would receive)."""
+    if q is None or isinstance(q, IdentityQuantizer):
+        return t
+    q.set_usage(rowwise=True, columnwise=False)
+    return q.quantize(t).dequantize(t.dtype)
+
+
+class _QuantizedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        slots: LinearSlots,
+        weight_q: Any,
+        fp8_output: bool,
+        fp8_grad_input: bool,
+        tp: TPLayout | None,
+    ) -> torch.Tensor:
+        in_features = weight.shape[1]
+        x2d = x.reshape(-1, in_features)  # (tokens, in_features)
+        if tp is not None and tp.gathers_input():
+            # (tokens/tp, in) shard -> (tokens, in) quantized, FP8 bytes gathered as uint8
+            x_q = all_gather_quantized(
+                x2d, slots.input, tp.group, columnwise=weight.requires_grad, what=f"{tp.name} input"
+            )
+        else:
+            slots.input.set_usage(rowwise=True, columnwise=weight.requires_grad)
+            x_q = slots.input.quantize(x2d)
+        y = gemm(rowwise(x_q), rowwise(weight_q), out_dtype=torch.float32)  # (tokens, out_features)
+        if tp is not None and tp.mode == "row":
+            # fp32 partial sums over this rank's input features -> full sums (SP: own rows only);
+            # reduced in the GEMM's accumulation dtype, so TP only reorders the additions
+            y = (
+                reduce_scatter_seq(y, tp.group)
+                if tp.sequence_parallel
+                else all_reduce_sum(y, tp.group)
+            )
+        if bias is not None:
+            y = y + bias.float()  # row-parallel: once, after the reduction
+        y = y.to(x.dtype)
+        if fp8_output:
+            y = fake_quantize(slots.output, y)
+        ctx.slots, ctx.tp = slots, tp
+        ctx.saved = (x_q if weight.requires_grad else None, weight_q)
+        ctx.shapes = (x.shape, x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.fp8_grad_input = fp8_grad_input
+        if tp is not None and tp.sequence_parallel:
+            return y.reshape(-1, *x.shape[1:-1], weight.shape[0])  # dim 0 gathered / scattered
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        slots: LinearSlots = ctx.slots
+        tp: TPLayout | None = ctx.tp
+        x_q, weight_q = ctx.saved
+        x_shape, x_dtype, w_dtype, b_dtype = ctx.shapes
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        dy2d = dy.reshape(-1, dy.shape[-1]).contiguous()  # (tokens, out_features)
+        if tp is not None and tp.gathers_grad_output():
+            # (tokens/tp, out) shard -> (tokens, out) quantized, FP8 bytes gathered as uint8
+            dy_q = all_gather_quantized(
+                dy2d, slots.grad_output, tp.group, columnwise=need_dw, what=f"{tp.name} grad_output"
+            )
+        else:
+            slots.grad_output.set_usage(rowwise=need_dx, columnwise=need_dw)
+            dy_q = slots.grad_output.quantize(dy2d)
+        enrol_backward(slots.bwd_groups, slots.reduction_group)
+        dx = dw = db = None
+        if need_dx:
+            dx = gemm(rowwise(dy_q), columnwise(weight_q), out_dtype=torch.float32)
+            if tp is not None and tp.mode == "column":
+                # fp32 partial input grads (one per output-feature shard) -> full sums (SP: own rows)
+                if tp.sequence_parallel:
+                    dx = reduce_scatter_seq(dx, tp.group)
+                else:
+                    dx = all_reduce_sum(dx, tp.group)
+            dx = dx.to(x_dtype)
+            if ctx.fp8_grad_input:
+                dx = fake_quantize(slots.grad_input, dx)
+            dx = dx.reshape(x_shape)
+        if need_dw:
+            dw = gemm(columnwise(dy_q), columnwise(x_q), out_dtype=w_dtype)
+        if need_db and b_dtype is not None:
+            # a row-parallel bias under SP sees only this rank's rows: a partial sum, completed by
+            # allreduce_sequence_parallel_grads (the bias is marked sequence_parallel)
+            db = dy2d.float().sum(0).to(b_dtype)
+        ctx.saved = None
+        return dx, dw, db, None, None, None, None, None
+
+
+def quantized_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    slots: LinearSlots,
+    weight_q: Any,
+    *,
+    fp8_output: bool = False,
+    fp8_grad_input: bool = False,
+    tp: TPLayout | None = None,
+) -> torch.Tensor:
+    """`x @ weight.T + bias` with the operands quantized by `slots` (weight pre-quantized).
+
+    With `tp` the GEMM is one rank's part of a tensor-parallel GEMM (`weight` is the shard) and runs
+    the collectives of its layout; the slots' quantizers must come from `tp.shard_quantizers`.
+    """
+    if tp is not None and tp.sequence_parallel:
+        check_sequence_shardable(x, tp)
+    return _QuantizedLinear.apply(x, weight, bias, slots, weight_q, fp8_output, fp8_grad_input, tp)
+
+
+def check_sequence_shardable(x: torch.Tensor, tp: TPLayout) -> None:
+    """Under SP dim 0 is the sequence; a row-parallel GEMM scatters it over the ranks."""
+    if x.dim() < 2:
+        raise ValueError(
+            f"{tp.name}: sequence parallelism needs a (sequence, ..., features) input, got shape "
+            f"{tuple(x.shape)}"
+        )
+    if tp.mode == "row" and x.shape[0] % tp.size:
+        raise ValueError(
+            f"{tp.name}: sequence length {x.shape[0]} (dim 0) is not divisible by the "
+            f"tensor-parallel size {tp.size}"
+        )
+
+
+def parallel_linear_hp(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp: TPLayout
+) -> torch.Tensor:
+    """The high-precision tensor-parallel GEMM (autocast off, or identity quantizers everywhere):
+    `F.linear` between the autograd collectives of `tp`'s layout."""
+    b = None if bias is None else bias.to(x.dtype)
+    if tp.sequence_parallel:
+        check_sequence_shardable(x, tp)
+    if tp.mode == "column":
+        if tp.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, tp.group)
+        else:
+            x = copy_to_tp_region(x, tp.group)
+        return F.linear(x, weight.to(x.dtype), b)
+    y = F.linear(x, weight.to(x.dtype))  # partial sums over this rank's input features
+    if tp.sequence_parallel:
+        y = reduce_scatter_to_sequence_parallel_region(y, tp.group)
+    else:
+        y = reduce_from_tp_region(y, tp.group)
+    return y if b is None else y + b

@@ -1,0 +1,309 @@
+"""Changing the recipe of a model in one process: plan -> validate -> publish.
+
+`plan_model` builds a candidate runtime (forward and backward `RecipeState`s and their quantizers)
+for every dist-quant module without touching the active ones, validates every candidate, and returns
+a `ModelPlan`. `ModelPlan.publish()` swaps all modules' runtimes, then drops cached quantized weights
+whose recipe key changed. `apply_recipe` does both and pins the recipe on the model. Any failure
+raises `RecipeUpdateError` naming module, role and cause, with the model exactly as before.
+
+Delayed-scaling state across a transition (the rule, per module and direction):
+- same state class, slot count and history length: the candidate re-binds the active scale and amax
+  history tensors (`inherit_state_from`), so nothing is lost; a changed margin, algorithm or format
+  maximum recomputes the scale from the kept history at publish;
+- same slots but another history length: the newest entries and the scale are copied;
+- anything else (other slots, other formats, or no delayed state before): a fresh state, with a log
+  line when delayed state existed and is dropped. DS -> CS -> DS therefore starts from scale 1 and an
+  empty history: nothing stale from before the CS phase is restored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from dist_quant import context as _autocast
+from dist_quant.recipes import Recipe
+from dist_quant.state import RecipeState
+
+if TYPE_CHECKING:
+    from dist_quant.modules.base import QuantizedModule
+
+log = logging.getLogger("dist_quant.runtime")
+
+
+class RecipeUpdateError(ValueError):
+    """A recipe change was refused; the model is exactly as it was before the call."""
+
+
+@dataclass
+class ModuleRuntime:
+    """The quantization setup a module runs with: built from one recipe and its roles."""
+
+    recipe: Recipe
+    recipe_key: Hashable
+    fwd_roles: tuple
+    bwd_roles: tuple
+    fwd_state: RecipeState
+    bwd_state: RecipeState
+    fwd_quantizers: list
+    bwd_quantizers: list
+
+    @property
+    def key(self) -> tuple:
+        return (self.recipe_key, self.fwd_roles, self.bwd_roles)
+
+    def delayed_groups(self, fwd: bool) -> list:
+        state = self.fwd_state if fwd else self.bwd_state
+        return list(state.delayed_groups()) if hasattr(state, "delayed_groups") else []
+
+
+@dataclass
+class ModuleCandidate:
+    module: QuantizedModule
+    runtime: ModuleRuntime
+    unchanged: bool
+    state_notes: list[str] = field(default_factory=list)
+    on_publish: list[Callable[[], None]] = field(default_factory=list)
+
+
+@dataclass
+class UpdateReport:
+    """What `apply_recipe` / `ModelPlan.publish` changed."""
+
+    recipe_key: Hashable
+    changed: list[str] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)
+    inherited: list[str] = field(default_factory=list)
+    reset: list[str] = field(default_factory=list)
+
+
+def _roles_of(module: QuantizedModule, fwd: bool) -> tuple:
+    n = module.num_quantizers(fwd=fwd)
+    return tuple(module.get_quantizer_roles(fwd=fwd, num_quantizers=n))
+
+
+def _rescale_from_history(group) -> None:
+    """Scale from the kept history under the group's (new) margin/algorithm; keeps the old scale where
+    the history has no finite positive amax."""
+    hist = group.amax_history
+    if group.algo == "most_recent":
+        a = hist[-1] if hist.shape[0] > 1 else hist[0]
+    elif group.algo == "max":
+        a = hist.max(dim=0).values
+    else:
+        return  # a callable algorithm decides at its next update; nothing meaningful to recompute
+    new = (group.fp8_max / a) / float(2**group.margin)
+    new = torch.where(torch.isinf(new), torch.full_like(new, torch.finfo(torch.float32).max), new)
+    ok = torch.isfinite(a) & (a > 0)
+    group.scale.copy_(torch.where(ok, new, group.scale))
+
+
+def _carry_delayed_state(old: RecipeState | None, new: RecipeState, where: str) -> tuple[str, list]:
+    """Move delayed-scaling buffers from `old` into `new` per the module docstring's rule."""
+    new_groups = list(new.delayed_groups()) if hasattr(new, "delayed_groups") else []
+    old_groups = (
+        list(old.delayed_groups()) if old is not None and hasattr(old, "delayed_groups") else []
+    )
+    if not old_groups:
+        return "", []
+    if not new_groups:
+        log.info("%s: delayed-scaling state dropped (the new recipe keeps no history)", where)
+        return f"{where}: reset", []
+    same_meaning = len(old_groups) == len(new_groups) and all(
+        o.amax_history.shape[1] == n.amax_history.shape[1] and torch.equal(o.fp8_max, n.fp8_max)
+        for o, n in zip(old_groups, new_groups)
+    )
+    if same_meaning and type(old) is type(new) and new.inherit_state_from(old):
+        hooks = []
+        # after inherit, new's groups view old's tensors; margin/algo come from the new recipe
+        for g_new, g_old in zip(new.delayed_groups(), old_groups):
+            if (g_new.margin, g_new.algo) != (g_old.margin, g_old.algo):
+                hooks.append(lambda g=g_new: _rescale_from_history(g))
+        return f"{where}: inherited", hooks
+    if same_meaning:
+        for o, n in zip(old_groups, new_groups):
+            k = min(o.amax_history.shape[0], n.amax_history.shape[0]) - 1
+            n.amax_history[0].copy_(o.amax_history[0])
+            if k > 0:
+                n.amax_history[-k:].copy_(o.amax_history[-k:])
+            n.scale.copy_(o.scale)
+        return f"{where}: inherited (history resized, newest entries kept)", []
+    log.info("%s: delayed-scaling state reset (slots or formats changed meaning)", where)
+    return f"{where}: reset", []
+
+
+def plan_module(
+    module: QuantizedModule, recipe: Recipe, recipe_key: Hashable | None = None
+) -> ModuleCandidate:
+    """Build (not publish) the runtime `module` would run under `recipe`; raises RecipeUpdateError."""
+    name = module.role_name or type(module).__name__
+    if recipe_key is None:
+        recipe_key = recipe.key()
+    try:
+        fwd_roles = _roles_of(module, fwd=True)
+        bwd_roles = _roles_of(module, fwd=False)
+    except Exception as e:
+        raise RecipeUpdateError(f"module {name!r}: cannot compute quantizer roles: {e}") from e
+    active: ModuleRuntime | None = module._dq_runtime
+    if active is not None and active.key == (recipe_key, fwd_roles, bwd_roles):
+        return ModuleCandidate(module, active, unchanged=True)
+    device = module.quantizer_device()
+    try:
+        fwd_state = RecipeState.create(
+            recipe,
+            mode="forward",
+            num_quantizers=len(fwd_roles),
+            roles=list(fwd_roles),
+            device=device,
+        )
+        bwd_state = RecipeState.create(
+            recipe,
+            mode="backward",
+            num_quantizers=len(bwd_roles),
+            roles=list(bwd_roles),
+            device=device,
+        )
+    except (ValueError, TypeError, NotImplementedError) as e:
+        raise RecipeUpdateError(f"module {name!r}: {e}") from e
+    notes, hooks = [], []
+    for old, new, where in (
+        (active.fwd_state if active else None, fwd_state, f"{name} forward"),
+        (active.bwd_state if active else None, bwd_state, f"{name} backward"),
+    ):
+        note, h = _carry_delayed_state(old, new, where)
+        if note:
+            notes.append(note)
+        hooks.extend(h)
+    try:
+        fwd_q = fwd_state.make_quantizers()
+        bwd_q = bwd_state.make_quantizers()
+    except (ValueError, TypeError) as e:
+        raise RecipeUpdateError(f"module {name!r}: {e}") from e
+    rt = ModuleRuntime(recipe, recipe_key, fwd_roles, bwd_roles, fwd_state, bwd_state, fwd_q, bwd_q)
+    candidate = ModuleCandidate(module, rt, unchanged=False, state_notes=notes, on_publish=hooks)
+    validate_candidate(candidate)
+    return candidate
+
+
+def validate_candidate(candidate: ModuleCandidate) -> None:
+    """Every slot got a quantizer this module supports; raises RecipeUpdateError naming the role."""
+    rt = candidate.runtime
+    try:
+        candidate.module.validate_quantizers(rt.fwd_quantizers, rt.fwd_roles, fwd=True)
+        candidate.module.validate_quantizers(rt.bwd_quantizers, rt.bwd_roles, fwd=False)
+    except (ValueError, TypeError, NotImplementedError) as e:
+        name = candidate.module.role_name or type(candidate.module).__name__
+        raise RecipeUpdateError(f"module {name!r}: {e}") from e
+
+
+def publish_candidates(candidates: list[ModuleCandidate], recipe_key: Hashable) -> UpdateReport:
+    """Swap every module's runtime, then drop cached weights whose recipe changed. Cannot fail
+    half-way: only attribute assignments and the state hooks prepared at plan time run here."""
+    report = UpdateReport(recipe_key)
+    for c in candidates:
+        label = c.module.role_name or type(c.module).__name__
+        if c.unchanged:
+            report.kept.append(label)
+            continue
+        c.module._install_runtime(c.runtime)
+        for hook in c.on_publish:
+            hook()
+        report.changed.append(label)
+        for note in c.state_notes:
+            (report.reset if note.endswith("reset") else report.inherited).append(note)
+    _autocast.bump_recipe_revision()
+    return report
+
+
+def dist_quant_modules(model: nn.Module) -> list[QuantizedModule]:
+    """Every dist-quant module that owns quantizers, in `named_modules` order, names assigned."""
+    from dist_quant.modules.base import QuantizedModule, assign_role_names
+
+    assign_role_names(model)
+    return [m for m in model.modules() if isinstance(m, QuantizedModule) and m.owns_quantizers]
+
+
+@dataclass
+class ModelPlan:
+    """Validated candidates for a whole model; nothing is active until `publish()`."""
+
+    model: nn.Module
+    recipe: Recipe
+    recipe_key: Hashable
+    candidates: list[ModuleCandidate]
+    digest: str
+
+    def publish(self, *, pin: bool = True) -> UpdateReport:
+        report = publish_candidates(self.candidates, self.recipe_key)
+        if pin:
+            for c in self.candidates:
+                c.module._dq_pinned_recipe = self.recipe
+        return report
+
+
+def roles_fingerprint(modules: list[QuantizedModule]) -> str:
+    h = hashlib.sha256()
+    for m in modules:
+        h.update(repr((m.role_name, _roles_of(m, True), _roles_of(m, False))).encode())
+    return h.hexdigest()
+
+
+def plan_modules(
+    modules: list[QuantizedModule], recipe: Recipe, recipe_key: Hashable
+) -> list[ModuleCandidate]:
+    """Plan and validate every module; the first failure raises and nothing is published."""
+    return [plan_module(m, recipe, recipe_key) for m in modules]
+
+
+def plan_model(model: nn.Module, recipe: Recipe) -> ModelPlan:
+    """Plan and validate `recipe` for every dist-quant module of `model` (branches that have not run
+    yet included). Raises RecipeUpdateError at the first failure; nothing active is touched."""
+    if not isinstance(recipe, Recipe):
+        raise RecipeUpdateError(f"expected a dist_quant Recipe, got {type(recipe).__name__}")
+    try:
+        recipe_key = recipe.key()
+    except Exception as e:
+        raise RecipeUpdateError(
+            f"recipe {type(recipe).__name__}: cannot compute its key: {e}"
+        ) from e
+    modules = dist_quant_modules(model)
+    candidates = plan_modules(modules, recipe, recipe_key)
+    digest = hashlib.sha256(
+        repr(recipe_key).encode() + roles_fingerprint(modules).encode()
+    ).hexdigest()
+    return ModelPlan(model, recipe, recipe_key, candidates, digest)
+
+
+def apply_recipe(model: nn.Module, recipe: Recipe) -> UpdateReport:
+    """Switch every dist-quant module of `model` to `recipe` atomically; returns what changed.
+
+    Refused inside autocast (a step would run with two recipes) and during CUDA graph capture.
+    """
+    if _autocast.in_autocast():
+        raise RecipeUpdateError("apply_recipe is refused inside autocast: call it between steps")
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RecipeUpdateError("apply_recipe is refused during CUDA graph capture")
+    return plan_model(model, recipe).publish()
+
+
+def current_recipe(model: nn.Module) -> Recipe | None:
+    """The recipe every dist-quant module of `model` runs, or None if they have none or differ."""
+    keys, recipe = set(), None
+    for m in dist_quant_modules(model):
+        rt = m._dq_runtime
+        if rt is None:
+            return None
+        keys.add(rt.recipe_key)
+        recipe = rt.recipe
+    return recipe if len(keys) == 1 else None
+
+
+def recipe_key_of(model: nn.Module) -> Hashable | None:
+    r = current_recipe(model)
+    return None if r is None else r.key()
