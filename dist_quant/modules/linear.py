@@ -7,14 +7,25 @@ Slots (Transformer Engine's order, so factories port over):
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import warnings
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dist_quant.modules.base import QuantizedModule
-from dist_quant.modules.functional import LinearSlots, quantized_linear
+from dist_quant.modules.functional import LinearSlots, parallel_linear_hp, quantized_linear
+from dist_quant.parallel import (
+    PARALLEL_MODES,
+    TPLayout,
+    group_size,
+    mark_sequence_parallel,
+    mark_tp_split,
+)
 from dist_quant.roles import QuantizerRole
 
 FWD_SLOTS = 3
@@ -22,10 +33,15 @@ BWD_SLOTS = 2
 
 
 class LinearBase(QuantizedModule):
-    """Shared by modules that run one GEMM triple over `self.weight`: slots, roles, dispatch."""
+    """Shared by modules that run GEMM triples: slots, roles, dispatch, tensor parallelism."""
 
     module_type = "linear"
     owns_quantizers = True
+    # tensor parallelism (`_init_parallel`); the class defaults mean "not split"
+    tp_group: Any = None
+    tp_size: int = 1
+    parallel_mode: str | None = None
+    sequence_parallel: bool = False
 
     def num_quantizers(self, *, fwd: bool) -> int:
         return FWD_SLOTS if fwd else BWD_SLOTS
@@ -44,6 +60,122 @@ class LinearBase(QuantizedModule):
             self.grad_input_quantizer_role,
         ]
 
+    # ---- tensor parallelism --------------------------------------------------------------------
+    def _init_parallel(
+        self, owner: str, tp_group: Any, parallel_mode: str | None, sequence_parallel: bool
+    ) -> None:
+        """Validate and store the TP settings; `tp_group=None` means one rank (nothing split)."""
+        if parallel_mode is not None and parallel_mode not in PARALLEL_MODES:
+            raise ValueError(
+                f"{owner}: parallel_mode must be None, 'column' or 'row', got {parallel_mode!r}"
+            )
+        if not isinstance(sequence_parallel, bool):
+            raise ValueError(
+                f"{owner}: sequence_parallel must be a bool, got {sequence_parallel!r}"
+            )
+        if sequence_parallel and parallel_mode is None:
+            raise ValueError(f"{owner}: sequence_parallel needs parallel_mode 'column' or 'row'")
+        self.tp_group, self.tp_size = tp_group, group_size(tp_group)
+        self.parallel_mode, self.sequence_parallel = parallel_mode, sequence_parallel
+        self._dq_tp_quantizers: tuple[Any, dict] = (None, {})
+
+    def _check_divisible(self, owner: str, what: str, value: int) -> int:
+        """`value // tp_size`, or ValueError naming the field."""
+        if value % self.tp_size:
+            raise ValueError(
+                f"{owner}: {what} ({value}) must be divisible by the tensor-parallel size "
+                f"{self.tp_size}"
+            )
+        return value // self.tp_size
+
+    def _tp_layout(self, mode: str | None) -> TPLayout | None:
+        if mode is None or self.tp_size == 1:
+            return None
+        return TPLayout(
+            self.tp_group, mode, self.sequence_parallel, self.role_name or type(self).__name__
+        )
+
+    def _tp_slots(self, runtime: Any, slots: LinearSlots, tp: TPLayout) -> LinearSlots:
+        """`slots` with the quantizers of sharded operands reducing their amax over the TP group
+        (`TPLayout.shard_quantizers`); the copies live as long as the runtime."""
+        cached_runtime, table = self._dq_tp_quantizers
+        if cached_runtime is not runtime:  # the runtime keeps its quantizers alive: ids are unique
+            table = {}
+            self._dq_tp_quantizers = (runtime, table)
+            if tp.group is not None and slots.reduction_group is None:
+                self._warn_unreduced_delayed(runtime)
+        key = (id(slots.input), id(slots.weight), id(slots.grad_output), tp.mode)
+        triple = table.get(key)
+        if triple is None:
+            triple = table[key] = tp.shard_quantizers(slots.input, slots.weight, slots.grad_output)
+        return dataclasses.replace(slots, input=triple[0], weight=triple[1], grad_output=triple[2])
+
+    def _warn_unreduced_delayed(self, runtime: Any) -> None:
+        if runtime.delayed_groups(fwd=True) or runtime.delayed_groups(fwd=False):
+            warnings.warn(
+                f"{type(self).__name__} {self.role_name!r} is tensor-parallel over {self.tp_size} "
+                "ranks with delayed scaling, but autocast has no amax_reduction_group: each rank "
+                "keeps its own scales, so TP ranks quantize shards of one tensor differently (and "
+                "a sequence-parallel all-gather refuses). Pass the TP group (or TP x DP).",
+                stacklevel=4,
+            )
+
+    # ---- dispatch ------------------------------------------------------------------------------
+    def _gemm_slots(self, runtime: Any, layout: Sequence[tuple[tuple, tuple]]) -> list[LinearSlots]:
+        """One `LinearSlots` per GEMM: `layout[i] = ((input, weight, output), (grad_output,
+        grad_input))`, indices into the runtime's forward and backward quantizers."""
+        fq, bq = runtime.fwd_quantizers, runtime.bwd_quantizers
+        bwd_groups = tuple(runtime.delayed_groups(fwd=False))
+        reduction_group = self._amax_reduction_group()
+        return [
+            LinearSlots(
+                input=fq[i],
+                weight=fq[w],
+                output=fq[o],
+                grad_output=bq[g],
+                grad_input=bq[gi],
+                bwd_groups=bwd_groups,
+                reduction_group=reduction_group,
+            )
+            for (i, w, o), (g, gi) in layout
+        ]
+
+    def _linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        runtime: Any,
+        slots: LinearSlots | None,
+        cache_slot: str,
+        is_first_microbatch: bool | None,
+        fp8_output: bool = False,
+        fp8_grad_input: bool = False,
+        tp: TPLayout | None = None,
+    ) -> torch.Tensor:
+        """One GEMM triple: exact PyTorch when autocast is off or every operand is high precision,
+        else quantized (the weight cached under `cache_slot`); `tp` splits it over ranks."""
+        if runtime is None or (slots.high_precision and not fp8_output):
+            if tp is not None:
+                return parallel_linear_hp(x, weight, bias, tp)
+            return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+        if tp is not None:
+            slots = self._tp_slots(runtime, slots, tp)
+        slots.weight.set_usage(rowwise=True, columnwise=x.requires_grad)
+        weight_q = self.quantize_weight(
+            cache_slot, weight, slots.weight, runtime, is_first_microbatch
+        )
+        return quantized_linear(
+            x,
+            weight,
+            bias,
+            slots,
+            weight_q,
+            fp8_output=fp8_output,
+            fp8_grad_input=fp8_grad_input,
+            tp=tp,
+        )
+
     def _gemm(
         self,
         x: torch.Tensor,
@@ -52,28 +184,22 @@ class LinearBase(QuantizedModule):
         fp8_grad_input: bool = False,
     ) -> torch.Tensor:
         runtime = self.active_runtime()
-        weight, bias = self.weight, self.bias
-        if runtime is None:
-            return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
-        fq, bq = runtime.fwd_quantizers, runtime.bwd_quantizers
-        slots = LinearSlots(
-            input=fq[0],
-            weight=fq[1],
-            output=fq[2],
-            grad_output=bq[0],
-            grad_input=bq[1],
-            bwd_groups=tuple(runtime.delayed_groups(fwd=False)),
-            reduction_group=self._amax_reduction_group(),
-        )
-        self.register_amax_groups(runtime)
-        if slots.high_precision and not fp8_output:
-            return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
-        slots.weight.set_usage(rowwise=True, columnwise=x.requires_grad)
-        weight_q = self.quantize_weight(
-            "weight", weight, slots.weight, runtime, is_first_microbatch
-        )
-        return quantized_linear(
-            x, weight, bias, slots, weight_q, fp8_output=fp8_output, fp8_grad_input=fp8_grad_input
+        slots = None
+        if runtime is not None:
+            (slots,) = self._gemm_slots(runtime, [((0, 1, 2), (0, 1))])
+            self.register_amax_groups(runtime)
+        tp = self._tp_layout(self.parallel_mode)
+        return self._linear(
+            x,
+            self.weight,
+            self.bias,
+            runtime,
+            slots,
+            "weight",
+            is_first_microbatch,
+            fp8_output,
+            fp8_grad_input,
+            tp,
         )
 
     def _amax_reduction_group(self):
@@ -82,8 +208,28 @@ class LinearBase(QuantizedModule):
         return current_context().region.reduction_group
 
 
+def init_linear_(weight: torch.Tensor, bias: torch.Tensor | None, fan_in: int) -> None:
+    """nn.Linear's initialisation (torch's `kaiming_uniform_(a=sqrt(5))`, same arithmetic) with the
+    unsharded `fan_in`, so a TP shard draws from the distribution of the full layer."""
+    gain = nn.init.calculate_gain("leaky_relu", math.sqrt(5))
+    std = gain / math.sqrt(fan_in)
+    with torch.no_grad():
+        weight.uniform_(-math.sqrt(3.0) * std, math.sqrt(3.0) * std)
+        if bias is not None:
+            bound = 1 / math.sqrt(fan_in)
+            bias.uniform_(-bound, bound)
+
+
 class Linear(LinearBase):
-    """`y = x W^T + b` with FP8 operands under autocast; exact `F.linear` when autocast is off."""
+    """`y = x W^T + b` with FP8 operands under autocast; exact `F.linear` when autocast is off.
+
+    Tensor parallel (`tp_group` of more than one rank): `parallel_mode="column"` keeps rows
+    `out_features / tp` of the weight (and of the bias) on each rank and returns the output features
+    of this rank; `"row"` keeps columns `in_features / tp`, takes this rank's input features,
+    sums the partial outputs over the group and adds the full bias once. `sequence_parallel`: the
+    input (column) or output (row) is sharded along dim 0, the sequence. `in_features` and
+    `out_features` are the full sizes.
+    """
 
     def __init__(
         self,
@@ -92,36 +238,40 @@ class Linear(LinearBase):
         bias: bool = True,
         *,
         name: str | None = None,
-        tp_group=None,
+        tp_group: Any = None,
         parallel_mode: str | None = None,
         sequence_parallel: bool = False,
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__(name=name)
+        owner = f"Linear {name!r}"
         if in_features <= 0 or out_features <= 0:
             raise ValueError(
-                f"Linear {name!r}: in_features and out_features must be positive, "
+                f"{owner}: in_features and out_features must be positive, "
                 f"got {in_features}, {out_features}"
             )
-        if parallel_mode is not None or tp_group is not None or sequence_parallel:
-            raise NotImplementedError("tensor parallelism lands with issue 6")
+        self._init_parallel(owner, tp_group, parallel_mode, sequence_parallel)
         self.in_features, self.out_features = in_features, out_features
+        rows, cols = out_features, in_features
+        if parallel_mode == "column":
+            rows = self._check_divisible(owner, "out_features", out_features)
+        elif parallel_mode == "row":
+            cols = self._check_divisible(owner, "in_features", in_features)
         dtype = params_dtype or torch.get_default_dtype()
-        self.weight = nn.Parameter(
-            torch.empty(out_features, in_features, dtype=dtype, device=device)
-        )
-        self.bias = (
-            nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
-        )
+        self.weight = nn.Parameter(torch.empty(rows, cols, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.empty(rows, dtype=dtype, device=device)) if bias else None
+        if self.tp_size > 1:
+            mark_tp_split(self.weight, 0 if parallel_mode == "column" else 1)
+            if self.bias is not None and parallel_mode == "column":
+                mark_tp_split(self.bias, 0)
+            elif self.bias is not None and sequence_parallel:
+                mark_sequence_parallel(self.bias)  # row + SP: each rank sums its own rows
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         # nn.Linear's initialisation, so convert_model and fresh modules start alike
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
-        if self.bias is not None:
-            bound = 1 / math.sqrt(self.in_features)
-            nn.init.uniform_(self.bias, -bound, bound)
+        init_linear_(self.weight, self.bias, self.in_features)
 
     def forward(
         self,
@@ -134,7 +284,13 @@ class Linear(LinearBase):
         return self._gemm(x, is_first_microbatch, fp8_output, fp8_grad_input)
 
     def extra_repr(self) -> str:
+        tp = (
+            f", parallel_mode={self.parallel_mode}, tp_size={self.tp_size}, "
+            f"sequence_parallel={self.sequence_parallel}"
+            if self.parallel_mode
+            else ""
+        )
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, name={self.role_name!r}"
+            f"bias={self.bias is not None}, name={self.role_name!r}{tp}"
         )
