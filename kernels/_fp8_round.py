@@ -1,0 +1,206 @@
+"""Shared Triton helpers: exact FP8 encode/decode on integer bits, amax bits and scale formulas.
+
+Every kernel rounds to the FP8 grid explicitly on the fp32 bits (integer round-to-nearest-even,
+target subnormals included, saturating to +-max) and packs the FP8 byte itself, instead of calling
+``.to(tl.float8e4nv)``:
+
+- ``TRITON_INTERPRET=1``'s float8 conversion truncates (drops the rounding carry) and turns NaN/inf
+  into wrong codes (measured on Triton 3.9: 1+3*2**-8 -> 0x38, NaN -> 0x7C), so the CPU tests could
+  not be bit-exact through it;
+- integer packing needs no FP8 conversion instruction, so the same code is exact on any GPU.
+
+NaN becomes the byte 0x7F (a NaN in both formats). Its sign is not part of the contract: torch's own
+CPU cast yields 0x7F or 0xFF for the same NaN depending on input dtype and vector width.
+
+Division is ``tl.math.div_rn`` everywhere: Triton's ``/`` on fp32 is not IEEE-rounded on NVIDIA
+GPUs, while the reference divides with IEEE round-to-nearest.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class Fp8Spec:
+    """Constants a kernel needs to encode/decode one FP8 format (passed as constexprs)."""
+
+    max: float  # largest finite value
+    max_bits: int  # fp32 bits of ``max``
+    mant_bits: int  # explicit mantissa bits
+    min_exp: int  # unbiased exponent of the smallest normal
+    has_inf: bool  # E5M2 has inf and several NaNs; E4M3FN has only S.1111.111 = NaN
+
+
+def fp8_spec(fp8_dtype: torch.dtype, where: str) -> Fp8Spec:
+    """The ``Fp8Spec`` of ``fp8_dtype``; raises ``ValueError`` naming ``where`` otherwise."""
+    if fp8_dtype == torch.float8_e4m3fn:
+        return Fp8Spec(448.0, f32_bits(448.0), 3, -6, False)
+    if fp8_dtype == torch.float8_e5m2:
+        return Fp8Spec(57344.0, f32_bits(57344.0), 2, -14, True)
+    raise ValueError(
+        f"{where}: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype!r}"
+    )
+
+
+def f32_bits(value: float) -> int:
+    """The int32 bits of ``value`` rounded to fp32 as torch rounds it (overflow gives inf)."""
+    return int(torch.tensor(value, dtype=torch.float32).view(torch.int32).item())
+
+
+@triton.jit
+def fp8_encode(v, MAX_BITS: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
+    """fp32 ``v`` -> FP8 byte (int32 in [0, 255]): clamp to +-max, round half to even, NaN -> 0x7F.
+
+    Clamping first equals the reference's ``clamp(-max, max).to(fp8)``: a value <= max rounds to a
+    code <= max. The significand (implicit bit included) is shifted right so that one unit is the
+    target's quantum, ``2**(max(e, MIN_EXP) - MANT_BITS)``; a carry out of the mantissa lands in the
+    exponent field by plain addition, and a subnormal result carries into the smallest normal.
+    """
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag = bits & 0x7FFFFFFF
+    is_nan = mag > 0x7F800000
+    mag = tl.minimum(mag, MAX_BITS)  # integer order of magnitudes = float order; inf -> max
+    exp_field = mag >> 23
+    sig = (mag & 0x7FFFFF) | tl.where(exp_field > 0, 0x800000, 0)
+    e = tl.maximum(exp_field, 1) - 127  # unbiased; fp32 subnormals share exponent -126
+    # Shifts past 25 would be undefined; every such value is below half the smallest FP8 quantum.
+    shift = tl.minimum(23 - MANT_BITS + tl.maximum(MIN_EXP - e, 0), 25)
+    n = sig >> shift
+    rem = sig & ((1 << shift) - 1)
+    half = 1 << (shift - 1)
+    n += ((rem > half) | ((rem == half) & ((n & 1) == 1))).to(tl.int32)
+    code = ((tl.maximum(e, MIN_EXP) - MIN_EXP) << MANT_BITS) + n
+    return tl.where(is_nan, 0x7F, code | sign)
+
+
+@triton.jit
+def fp8_decode(
+    byte, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, HAS_INF: tl.constexpr
+) -> tl.tensor:
+    """FP8 byte (any integer type) -> exact fp32; NaN bits follow torch's own decode."""
+    code = byte.to(tl.int32) & 0xFF
+    sign = (code & 0x80) << 24
+    mag = code & 0x7F
+    exp_field = mag >> MANT_BITS
+    mant = mag & ((1 << MANT_BITS) - 1)
+    normal = ((exp_field + (126 + MIN_EXP)) << 23) | (mant << (23 - MANT_BITS))
+    # Subnormal: mant * 2**(MIN_EXP - MANT_BITS), exact in fp32; its bits via a float multiply.
+    subnormal = (mant.to(tl.float32) * (2.0 ** (MIN_EXP - MANT_BITS))).to(tl.int32, bitcast=True)
+    out = tl.where(exp_field == 0, subnormal, normal)
+    if HAS_INF:
+        all_ones = (1 << (7 - MANT_BITS)) - 1
+        special = tl.where(mant == 0, 0x7F800000, 0x7FC00000 | (mant << (23 - MANT_BITS)))
+        out = tl.where(exp_field == all_ones, special, out)
+    else:
+        out = tl.where(mag == 0x7F, 0x7FF00000, out)
+    return (out | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def abs_bits(x):
+    """``|x|`` of an fp32 tensor as int32 bits: their integer max is the float max, NaN on top."""
+    return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def amax_from_bits(m):
+    """Float value of a max of ``abs_bits``; any NaN becomes the canonical quiet NaN."""
+    return tl.where(m > 0x7F800000, 0x7FC00000, m).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def is_finite(a):
+    return (a.to(tl.int32, bitcast=True) & 0x7FFFFFFF) < 0x7F800000
+
+
+@triton.jit
+def is_inf(a):
+    return (a.to(tl.int32, bitcast=True) & 0x7FFFFFFF) == 0x7F800000
+
+
+@triton.jit
+def scale_from_amax(a, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
+    """``FP8_MAX / a`` in fp32; ``a`` <= 0, inf or NaN -> 1; inf -> FLT_MAX; POW2 rounds down."""
+    s = tl.math.div_rn(tl.zeros_like(a) + FP8_MAX, a)
+    s = tl.where(is_inf(s), 3.4028234663852886e38, s)
+    s = tl.where(is_finite(a) & (a > 0.0), s, 1.0)
+    if POW2:
+        # Zeroing the mantissa rounds a positive normal float down to a power of two.
+        s = (s.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    return s
+
+
+@triton.jit
+def current_scale_from_amax(a, eps, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
+    """Current scaling: floor ``a`` at ``eps`` (NaN kept), then ``scale_from_amax``."""
+    a = tl.where(a < eps, eps, a)
+    return scale_from_amax(a, FP8_MAX, POW2)
+
+
+@triton.jit
+def reciprocal(s):
+    """``1 / s`` with IEEE rounding."""
+    return tl.math.div_rn(tl.zeros_like(s) + 1.0, s)
+
+
+@triton.jit
+def to_bf16_bits(f):
+    """fp32 -> bfloat16 bits (int16) with round-to-nearest-even (the interpreter truncates)."""
+    bits = f.to(tl.int32, bitcast=True)
+    mag = bits & 0x7FFFFFFF
+    rounded = (mag + 0x7FFF + ((mag >> 16) & 1)) >> 16  # no overflow: finite mag <= 0x7F7FFFFF
+    rounded = tl.where(mag > 0x7F800000, 0x7FC0, rounded)
+    return (rounded | ((bits >> 16) & 0x8000)).to(tl.int16)
+
+
+# ---- launcher-side helpers (plain Python) ----------------------------------------------------
+
+
+def scalar_fp32(value: torch.Tensor | float, device: torch.device, what: str) -> torch.Tensor:
+    """A 1-element fp32 tensor on ``device`` (no copy when it already is one)."""
+    t = torch.as_tensor(value, dtype=torch.float32, device=device)
+    if t.numel() != 1:
+        raise ValueError(f"{what} must hold exactly one value, got shape {tuple(t.shape)}")
+    return t.reshape(1)
+
+
+def rows_cols(x: torch.Tensor, what: str) -> tuple[int, int]:
+    """The 2D view ``(prod(shape[:-1]), shape[-1])`` that transpose/MXFP8/block casts work on."""
+    if x.dim() == 0:
+        raise ValueError(f"{what}: needs a tensor of rank >= 1 to view as (rows, cols), got 0-dim")
+    return math.prod(x.shape[:-1]), x.shape[-1]
+
+
+def flat_pair(
+    x: torch.Tensor, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(x_flat, out, out_flat)`` for an elementwise op whose output follows torch's layout rule.
+
+    ``out`` is ``empty_like(x)`` (torch's elementwise ops give the same strides, permuted layouts
+    included), and both tensors are read as their dense storage span, so a transposed input costs
+    no copy; an input with gaps is first copied into ``out``'s layout.
+    """
+    out = torch.empty_like(x, dtype=out_dtype)
+    if x.stride() != out.stride():
+        x = torch.empty_like(out, dtype=x.dtype).copy_(x)
+    n = x.numel()
+    return x.as_strided((n,), (1,)), out, out.as_strided((n,), (1,))
+
+
+def dense_flat(x: torch.Tensor) -> torch.Tensor:
+    """All of ``x``'s elements as a 1D tensor, in storage order (no copy for a dense layout)."""
+    if x.stride() == torch.empty_like(x, device="meta").stride():
+        return x.as_strided((x.numel(),), (1,))
+    return x.reshape(-1)
+
+
+def is_gpu(x: torch.Tensor) -> bool:
+    """Launchers size blocks for the GPU, or for the CPU interpreter (few, large programs)."""
+    return x.device.type == "cuda"

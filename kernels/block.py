@@ -1,0 +1,109 @@
+"""Float8 block cast in Triton: one fp32 scale per 1x128 tile (``block_dim=1``) or 128x128 tile
+(``block_dim=2``).
+
+Matches ``reference.block_cast`` bit for bit: tile scale ``s = fp8_max / amax_tile`` (IEEE
+division; amax 0 or non-finite -> 1, inf -> FLT_MAX, optional power of two by zeroing the mantissa),
+``q = saturate(rne(x * s))``, ``scale_inv = 1 / s``. ``q`` is contiguous in ``x``'s shape.
+
+Each program loads a ``[BM, NB, 128]`` tile with the 128-element axis explicit; for 128x128 tiles
+``BM`` is 128, so one program owns whole tiles and reduces over both axes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from dist_quant.kernels._fp8_round import (
+    abs_bits,
+    amax_from_bits,
+    fp8_encode,
+    fp8_spec,
+    is_gpu,
+    reciprocal,
+    rows_cols,
+    scale_from_amax,
+)
+
+FLOAT8_BLOCK = 128
+
+
+@triton.jit
+def _block_cast_kernel(
+    x_ptr,
+    q_ptr,  # uint8 (rows, cols), contiguous
+    s_ptr,  # fp32 scale_inv: (rows, n_tiles) or (ceil(rows/128), n_tiles)
+    rows,
+    cols,
+    n_tiles,
+    stride_xr,
+    stride_xc,
+    BM: tl.constexpr,
+    NB: tl.constexpr,
+    SQUARE: tl.constexpr,  # 128x128 tiles (then BM == 128)
+    MAX_BITS: tl.constexpr,
+    MANT_BITS: tl.constexpr,
+    MIN_EXP: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    POW2: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_col_tiles = tl.cdiv(n_tiles, NB)
+    pid_m = pid // n_col_tiles
+    r = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
+    b = (pid % n_col_tiles) * NB + tl.arange(0, NB)
+    c = (b[:, None] * 128 + tl.arange(0, 128)[None, :]).to(tl.int64)  # [NB, 128]
+    r3 = r[:, None, None]
+    c3 = c[None, :, :]
+    mask = (r3 < rows) & (c3 < cols)
+    x = tl.load(x_ptr + r3 * stride_xr + c3 * stride_xc, mask=mask, other=0.0).to(tl.float32)
+    m = tl.max(abs_bits(x), axis=2)  # [BM, NB]
+    if SQUARE:
+        m = tl.max(m, axis=0)[None, :]  # [1, NB]: one amax per 128x128 tile
+    s = scale_from_amax(amax_from_bits(m), FP8_MAX, POW2)
+    code = fp8_encode(x * s[:, :, None], MAX_BITS, MANT_BITS, MIN_EXP)
+    tl.store(q_ptr + r3 * cols + c3, code.to(tl.uint8), mask=mask)
+    if SQUARE:
+        s_offs = pid_m * n_tiles + b[None, :]
+        s_mask = (b < n_tiles)[None, :]
+    else:
+        s_offs = r[:, None] * n_tiles + b[None, :]
+        s_mask = (r < rows)[:, None] & (b < n_tiles)[None, :]
+    tl.store(s_ptr + s_offs, reciprocal(s), mask=s_mask)
+
+
+def block_cast_triton(
+    x: torch.Tensor, fp8_dtype: torch.dtype, *, block_dim: int, use_power_2_scales: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reference.block_cast``: ``(q, scale_inv)``."""
+    what = "kernels.block.block_cast"
+    spec = fp8_spec(fp8_dtype, what)
+    if block_dim not in (1, 2):
+        raise ValueError(f"{what}: block_dim must be 1 (1x128) or 2 (128x128), got {block_dim!r}")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{what}: x must be fp32/bf16/fp16, got {x.dtype}")
+    rows, cols = rows_cols(x, what)
+    n_tiles = triton.cdiv(cols, FLOAT8_BLOCK)
+    scale_rows = rows if block_dim == 1 else triton.cdiv(rows, FLOAT8_BLOCK)
+    dev = x.device
+    q = torch.empty(x.shape, dtype=fp8_dtype, device=dev)
+    scale_inv = torch.empty((scale_rows, n_tiles), dtype=torch.float32, device=dev)
+    if q.numel() == 0:
+        return q, scale_inv
+    x2d = x.detach().reshape(rows, cols)
+    gpu = is_gpu(x)
+    if block_dim == 2:
+        bm, nb = 128, (1 if gpu else min(triton.next_power_of_2(n_tiles), 2))
+    elif gpu:
+        bm, nb = 16, 2
+    else:  # interpreter: ~16K-element tiles
+        nb = min(triton.next_power_of_2(n_tiles), 8)
+        bm = min(triton.next_power_of_2(rows), max(1, 128 // nb))
+    grid = (triton.cdiv(rows, bm) * triton.cdiv(n_tiles, nb),)
+    _block_cast_kernel[grid](
+        x2d, q.view(torch.uint8), scale_inv, rows, cols, n_tiles, x2d.stride(0), x2d.stride(1),
+        BM=bm, NB=nb, SQUARE=block_dim == 2, MAX_BITS=spec.max_bits, MANT_BITS=spec.mant_bits,
+        MIN_EXP=spec.min_exp, FP8_MAX=spec.max, POW2=bool(use_power_2_scales),
+        num_warps=(8 if block_dim == 2 else 4) if gpu else 1,
+    )  # fmt: skip
+    return q, scale_inv

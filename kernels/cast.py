@@ -1,0 +1,294 @@
+"""Per-tensor FP8 cast in Triton, fused with amax and, optionally, with the transpose.
+
+Matches ``reference.cast_to_fp8`` / ``reference.cast_transpose`` bit for bit. One read of ``x`` and
+one write per output: ``q`` (``x``'s shape and torch's elementwise layout) and, with the transpose,
+``q_t`` (the contiguous ``(cols, rows)`` transpose of the 2D view, the backward GEMM's layout).
+
+The scale comes from a 1-element tensor (delayed scaling) or, for current scaling, from per-program
+amax partials that ``current.py`` wrote: each program then reduces the partials and computes the
+scale itself, so current scaling needs no scale kernel and no host sync.
+
+``amax_out`` (delayed scaling): ``amax_out = max(amax_out, amax(x))`` in place, by an integer
+atomic max on the fp32 bits of ``|x|``; a non-negative fp32's bits order like its value and a
+positive NaN's bits exceed every one of them, so NaN propagates. ``amax_out`` must therefore hold a
+value >= +0 or a positive NaN, as an amax history row does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from dist_quant.kernels._fp8_round import (
+    abs_bits,
+    amax_from_bits,
+    current_scale_from_amax,
+    flat_pair,
+    fp8_encode,
+    fp8_spec,
+    is_gpu,
+    reciprocal,
+    rows_cols,
+    scalar_fp32,
+)
+
+_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class AmaxPartials:
+    """Current scaling's scale source: int32 bits of per-program ``max|x|`` and where to report."""
+
+    partials: torch.Tensor  # (P,) int32, written by current.py's amax pass
+    amax_epsilon: float
+    use_power_2_scales: bool
+    amax_out: torch.Tensor  # (1,) fp32: the reduced amax, written by program 0
+    scale_out: torch.Tensor  # (1,) fp32
+    scale_inv_out: torch.Tensor  # (1,) fp32
+
+
+@triton.jit
+def _program_scale(
+    scale_ptr,
+    partials_ptr,
+    n_partials,
+    eps,
+    amax_out_ptr,
+    scale_out_ptr,
+    scale_inv_out_ptr,
+    pid,
+    FP8_MAX: tl.constexpr,
+    POW2: tl.constexpr,
+    P_BLOCK: tl.constexpr,
+):
+    """The scale every program uses: loaded (P_BLOCK == 0) or computed from the amax partials."""
+    if P_BLOCK == 0:
+        scale = tl.load(scale_ptr)
+    else:
+        offs = tl.arange(0, P_BLOCK)
+        bits = tl.load(partials_ptr + offs, mask=offs < n_partials, other=0)
+        a = amax_from_bits(tl.max(bits, axis=0))
+        scale = current_scale_from_amax(a, eps, FP8_MAX, POW2)
+        first = pid == 0
+        tl.store(amax_out_ptr, a, mask=first)
+        tl.store(scale_out_ptr, scale, mask=first)
+        tl.store(scale_inv_out_ptr, reciprocal(scale), mask=first)
+    return scale
+
+
+@triton.jit
+def _cast_kernel(
+    x_ptr,
+    q_ptr,  # uint8 view of the FP8 output
+    scale_ptr,
+    amax_acc_ptr,  # int32 view of amax_out (WITH_AMAX)
+    partials_ptr,
+    n_partials,
+    eps,
+    amax_out_ptr,
+    scale_out_ptr,
+    scale_inv_out_ptr,
+    n,
+    BLOCK: tl.constexpr,
+    MAX_BITS: tl.constexpr,
+    MANT_BITS: tl.constexpr,
+    MIN_EXP: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    WITH_AMAX: tl.constexpr,
+    POW2: tl.constexpr,
+    P_BLOCK: tl.constexpr,
+    REVERSE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if REVERSE:  # read the tail first: it is what the amax pass left in L2
+        pid = tl.num_programs(0) - 1 - pid
+    scale = _program_scale(
+        scale_ptr,
+        partials_ptr,
+        n_partials,
+        eps,
+        amax_out_ptr,
+        scale_out_ptr,
+        scale_inv_out_ptr,
+        pid,
+        FP8_MAX,
+        POW2,
+        P_BLOCK,
+    )
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    code = fp8_encode(x * scale, MAX_BITS, MANT_BITS, MIN_EXP)
+    tl.store(q_ptr + offs, code.to(tl.uint8), mask=mask)
+    if WITH_AMAX:
+        tl.atomic_max(amax_acc_ptr, tl.max(abs_bits(x), axis=0))
+
+
+@triton.jit
+def _cast_transpose_kernel(
+    x_ptr,
+    q_ptr,
+    qt_ptr,
+    scale_ptr,
+    amax_acc_ptr,
+    partials_ptr,
+    n_partials,
+    eps,
+    amax_out_ptr,
+    scale_out_ptr,
+    scale_inv_out_ptr,
+    rows,
+    cols,
+    stride_xr,
+    stride_xc,
+    stride_qr,
+    stride_qc,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    MAX_BITS: tl.constexpr,
+    MANT_BITS: tl.constexpr,
+    MIN_EXP: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    WITH_AMAX: tl.constexpr,
+    POW2: tl.constexpr,
+    P_BLOCK: tl.constexpr,
+    REVERSE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if REVERSE:
+        pid = tl.num_programs(0) - 1 - pid
+    scale = _program_scale(
+        scale_ptr,
+        partials_ptr,
+        n_partials,
+        eps,
+        amax_out_ptr,
+        scale_out_ptr,
+        scale_inv_out_ptr,
+        pid,
+        FP8_MAX,
+        POW2,
+        P_BLOCK,
+    )
+    n_col_tiles = tl.cdiv(cols, BN)
+    r = ((pid // n_col_tiles) * BM + tl.arange(0, BM)).to(tl.int64)
+    c = ((pid % n_col_tiles) * BN + tl.arange(0, BN)).to(tl.int64)
+    mask = (r < rows)[:, None] & (c < cols)[None, :]
+    x = tl.load(x_ptr + r[:, None] * stride_xr + c[None, :] * stride_xc, mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    code = fp8_encode(x * scale, MAX_BITS, MANT_BITS, MIN_EXP).to(tl.uint8)
+    tl.store(q_ptr + r[:, None] * stride_qr + c[None, :] * stride_qc, code, mask=mask)
+    # The compiler picks a row-contiguous layout for this store (through shared memory).
+    tl.store(qt_ptr + c[None, :] * rows + r[:, None], code, mask=mask)
+    if WITH_AMAX:
+        tl.atomic_max(amax_acc_ptr, tl.max(tl.max(abs_bits(x), axis=1), axis=0))
+
+
+def cast_to_fp8_triton(
+    x: torch.Tensor,
+    scale: torch.Tensor | float,
+    fp8_dtype: torch.dtype,
+    *,
+    amax_out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``reference.cast_to_fp8``; with ``amax_out``, also ``amax_out = max(amax_out, amax(x))``."""
+    q, _ = launch_cast(x, fp8_dtype, transpose=False, scale=scale, amax_out=amax_out)
+    return q
+
+
+def cast_transpose_triton(
+    x: torch.Tensor,
+    scale: torch.Tensor | float,
+    fp8_dtype: torch.dtype,
+    *,
+    amax_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reference.cast_transpose`` in one pass; ``amax_out`` as in ``cast_to_fp8_triton``."""
+    q, q_t = launch_cast(x, fp8_dtype, transpose=True, scale=scale, amax_out=amax_out)
+    return q, q_t
+
+
+def launch_cast(
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    transpose: bool,
+    scale: torch.Tensor | float | None = None,
+    amax_out: torch.Tensor | None = None,
+    partials: AmaxPartials | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Shared launcher: exactly one of ``scale`` (delayed) and ``partials`` (current) is given."""
+    what = "cast_transpose" if transpose else "cast_to_fp8"
+    spec = fp8_spec(fp8_dtype, f"kernels.cast.{what}")
+    if x.dtype not in _INPUT_DTYPES:
+        raise ValueError(f"kernels.cast.{what}: x must be fp32/bf16/fp16, got {x.dtype}")
+    if (scale is None) == (partials is None):
+        raise ValueError(f"kernels.cast.{what}: pass exactly one of scale and partials")
+    x = x.detach()
+    dev = x.device
+    if partials is None:
+        scale_t = scalar_fp32(scale, dev, f"kernels.cast.{what}: scale")
+        p, n_partials, eps, pow2, p_block = scale_t, 0, 0.0, False, 0
+        outs = (scale_t, scale_t, scale_t)
+    else:
+        scale_t = partials.scale_out
+        p, n_partials = partials.partials, partials.partials.numel()
+        eps, pow2 = float(partials.amax_epsilon), bool(partials.use_power_2_scales)
+        p_block = triton.next_power_of_2(n_partials)
+        outs = (partials.amax_out, partials.scale_out, partials.scale_inv_out)
+    if amax_out is not None:
+        if amax_out.dtype != torch.float32 or amax_out.numel() != 1 or amax_out.device != dev:
+            raise ValueError(
+                f"kernels.cast.{what}: amax_out must be a 1-element fp32 tensor on {dev}, got "
+                f"{amax_out.dtype} {tuple(amax_out.shape)} on {amax_out.device}"
+            )
+        acc = amax_out.view(torch.int32)
+    else:
+        acc = scale_t  # unused: WITH_AMAX is off
+    common = dict(
+        MAX_BITS=spec.max_bits,
+        MANT_BITS=spec.mant_bits,
+        MIN_EXP=spec.min_exp,
+        FP8_MAX=spec.max,
+        WITH_AMAX=amax_out is not None,
+        POW2=pow2,
+        P_BLOCK=p_block,
+        REVERSE=partials is not None and is_gpu(x),
+    )
+    if not transpose:
+        x_flat, q, q_flat = flat_pair(x, fp8_dtype)
+        n = x_flat.numel()
+        if n == 0:  # current.py handles an empty x itself (scale 1)
+            return q, None
+        block = 8192 if is_gpu(x) else 1 << 15
+        _cast_kernel[(triton.cdiv(n, block),)](
+            x_flat, q_flat.view(torch.uint8), scale_t, acc, p, n_partials, eps, *outs, n,
+            BLOCK=block, num_warps=8 if is_gpu(x) else 1, **common,
+        )  # fmt: skip
+        return q, None
+    rows, cols = rows_cols(x, f"kernels.cast.{what}")
+    q = torch.empty_like(x, dtype=fp8_dtype)
+    q_t = torch.empty((cols, rows), dtype=fp8_dtype, device=dev)
+    if rows * cols == 0:
+        return q, q_t
+    x2d = x.reshape(rows, cols)
+    try:
+        q2d, copy_back = q.view(rows, cols), False
+    except RuntimeError:  # a permuted N-D layout: write 2D, then copy into torch's layout
+        q2d, copy_back = torch.empty((rows, cols), dtype=fp8_dtype, device=dev), True
+    if is_gpu(x):
+        bm, bn, warps = 64, 64, 4
+    else:  # interpreter: ~16K-element tiles shaped to the matrix (a (1, n) input is one row)
+        bm = min(128, triton.next_power_of_2(rows))
+        bn, warps = min(triton.next_power_of_2(cols), max(128, (1 << 14) // bm)), 1
+    grid = (triton.cdiv(rows, bm) * triton.cdiv(cols, bn),)
+    _cast_transpose_kernel[grid](
+        x2d, q2d.view(torch.uint8), q_t.view(torch.uint8), scale_t, acc, p, n_partials, eps,
+        *outs, rows, cols, x2d.stride(0), x2d.stride(1), q2d.stride(0), q2d.stride(1),
+        BM=bm, BN=bn, num_warps=warps, **common,
+    )  # fmt: skip
+    if copy_back:
+        q.copy_(q2d.view(q.shape))
+    return q, q_t

@@ -1,0 +1,183 @@
+"""Current scaling in Triton: amax pass, scale on the GPU, cast (+ transpose) pass; no host sync.
+
+Matches ``reference.amax`` and ``reference.current_scale`` bit for bit, and
+``current_scaling_cast_triton`` equals ``amax`` -> ``current_scale`` -> ``cast_to_fp8`` /
+``cast_transpose`` of the reference.
+
+The amax pass is a persistent kernel: each of P programs writes the int32 bits of its own
+``max|x|`` to ``partials[pid]`` (integer max of non-negative fp32 bits = float max, NaN on top), so
+no buffer needs zeroing and there is no atomic. ``amax_triton`` reduces the partials with one tiny
+program; the fused current-scaling cast lets every cast program reduce them itself (P is at most a
+few hundred int32 read from L2) and compute the scale, so the whole path is two launches.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from dist_quant.kernels._fp8_round import (
+    abs_bits,
+    amax_from_bits,
+    current_scale_from_amax,
+    dense_flat,
+    flat_pair,
+    fp8_spec,
+    is_gpu,
+    reciprocal,
+)
+from dist_quant.kernels.cast import AmaxPartials, launch_cast
+
+# Persistent amax grid: this many programs per SM (GPU); 4 programs on the CPU interpreter.
+_PROGRAMS_PER_SM = 4
+_AMAX_BLOCK_GPU = 4096
+_AMAX_BLOCK_CPU = 1 << 15
+
+
+class CurrentScalingCast(NamedTuple):
+    """Everything a current-scaling quantizer needs from one call."""
+
+    data: torch.Tensor  # FP8, x's shape
+    data_t: torch.Tensor | None  # FP8 (cols, rows) when transpose=True
+    scale: torch.Tensor  # (1,) fp32
+    scale_inv: torch.Tensor  # (1,) fp32
+    amax: torch.Tensor  # 0-dim fp32
+
+
+@triton.jit
+def _amax_partials_kernel(x_ptr, partials_ptr, n, iters, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    for i in range(0, iters):
+        offs = (pid + i * nprog).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+        acc = tl.maximum(acc, abs_bits(x))
+    tl.store(partials_ptr + pid, tl.max(acc, axis=0))
+
+
+@triton.jit
+def _amax_finalize_kernel(partials_ptr, n_partials, out_ptr, P_BLOCK: tl.constexpr):
+    offs = tl.arange(0, P_BLOCK)
+    bits = tl.load(partials_ptr + offs, mask=offs < n_partials, other=0)
+    tl.store(out_ptr, amax_from_bits(tl.max(bits, axis=0)))
+
+
+@triton.jit
+def _current_scale_kernel(
+    amax_ptr,
+    scale_ptr,
+    scale_inv_ptr,
+    n,
+    eps,
+    FP8_MAX: tl.constexpr,
+    POW2: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    a = tl.load(amax_ptr + offs, mask=mask, other=0.0)
+    s = current_scale_from_amax(a, eps, FP8_MAX, POW2)
+    tl.store(scale_ptr + offs, s, mask=mask)
+    tl.store(scale_inv_ptr + offs, reciprocal(s), mask=mask)
+
+
+def _amax_partials(x: torch.Tensor) -> torch.Tensor:
+    """int32 ``(P,)``: bits of each persistent program's ``max|x|`` (x non-empty)."""
+    x_flat = dense_flat(x)
+    n = x_flat.numel()
+    if is_gpu(x):
+        block = _AMAX_BLOCK_GPU
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        programs = min(triton.cdiv(n, block), sms * _PROGRAMS_PER_SM)
+    else:
+        block = _AMAX_BLOCK_CPU
+        programs = min(triton.cdiv(n, block), 4)
+    partials = torch.empty(programs, dtype=torch.int32, device=x.device)
+    iters = triton.cdiv(triton.cdiv(n, block), programs)
+    _amax_partials_kernel[(programs,)](
+        x_flat, partials, n, iters, BLOCK=block, num_warps=8 if is_gpu(x) else 1
+    )
+    return partials
+
+
+def _check_float(x: torch.Tensor, what: str) -> None:
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"kernels.current.{what}: x must be fp32/bf16/fp16, got {x.dtype}")
+
+
+def amax_triton(x: torch.Tensor) -> torch.Tensor:
+    """``reference.amax``: fp32 0-dim ``max|x|``; NaN propagates; empty -> 0."""
+    _check_float(x, "amax")
+    out = torch.zeros((), dtype=torch.float32, device=x.device)
+    if x.numel() == 0:
+        return out
+    partials = _amax_partials(x.detach())
+    p_block = triton.next_power_of_2(partials.numel())
+    _amax_finalize_kernel[(1,)](partials, partials.numel(), out, P_BLOCK=p_block)
+    return out
+
+
+def current_scale_triton(
+    amax: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    amax_epsilon: float = 0.0,
+    use_power_2_scales: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reference.current_scale``: ``(scale, scale_inv)`` with ``amax``'s shape, on the GPU."""
+    spec = fp8_spec(fp8_dtype, "kernels.current.current_scale")
+    if not amax_epsilon >= 0.0:
+        raise ValueError(
+            f"kernels.current.current_scale: amax_epsilon must be >= 0, got {amax_epsilon!r}"
+        )
+    a_flat, scale, scale_flat = flat_pair(amax.detach().float(), torch.float32)
+    scale_inv = torch.empty_like(scale)
+    n = a_flat.numel()
+    if n:
+        block = 1024
+        _current_scale_kernel[(triton.cdiv(n, block),)](
+            a_flat, scale_flat, scale_inv.as_strided((n,), (1,)), n, float(amax_epsilon),
+            FP8_MAX=spec.max, POW2=bool(use_power_2_scales), BLOCK=block,
+        )  # fmt: skip
+    return scale, scale_inv
+
+
+def current_scaling_cast_triton(
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    amax_epsilon: float = 0.0,
+    use_power_2_scales: bool = False,
+    transpose: bool = False,
+) -> CurrentScalingCast:
+    """amax -> current scale -> cast (and transpose) of ``x``, in two launches, no host sync."""
+    what = "current_scaling_cast"
+    fp8_spec(fp8_dtype, f"kernels.current.{what}")
+    _check_float(x, what)
+    if not amax_epsilon >= 0.0:
+        raise ValueError(f"kernels.current.{what}: amax_epsilon must be >= 0, got {amax_epsilon!r}")
+    x = x.detach()
+    dev = x.device
+    amax = torch.zeros((), dtype=torch.float32, device=dev)
+    if x.numel() == 0:
+        scale, scale_inv = current_scale_triton(
+            amax.reshape(1), fp8_dtype, amax_epsilon=amax_epsilon,
+            use_power_2_scales=use_power_2_scales,
+        )  # fmt: skip
+        q, q_t = launch_cast(x, fp8_dtype, transpose=transpose, scale=scale)
+        return CurrentScalingCast(q, q_t, scale, scale_inv, amax)
+    scale = torch.empty(1, dtype=torch.float32, device=dev)
+    scale_inv = torch.empty(1, dtype=torch.float32, device=dev)
+    partials = AmaxPartials(
+        partials=_amax_partials(x),
+        amax_epsilon=amax_epsilon,
+        use_power_2_scales=use_power_2_scales,
+        amax_out=amax.reshape(1),
+        scale_out=scale,
+        scale_inv_out=scale_inv,
+    )
+    q, q_t = launch_cast(x, fp8_dtype, transpose=transpose, partials=partials)
+    return CurrentScalingCast(q, q_t, scale, scale_inv, amax)

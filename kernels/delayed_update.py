@@ -1,0 +1,205 @@
+"""Delayed-scaling update in Triton: every slot of a model in one launch.
+
+Matches ``reference.delayed_scaling_update`` bit for bit, for a list of groups
+``(amax_history (L_i, n_i), scale (n_i,), fp8_max (n_i,) | (1,) | float, margin_i, algo_i)``,
+each updated in place (views into ``scale`` and ``history[0]`` stay valid).
+
+Packing: the tensors stay where their owners put them. The launcher builds one int64 table with a
+row per program (a group and a chunk of up to BN of its slots): the element offsets of the group's
+history, scale and fp8_max relative to one base tensor (all are fp32 on one device), their strides,
+``L``, ``n``, the chunk's first slot, ``algo`` and the fp32 bits of ``2**margin``. The table is
+cached per distinct list of (pointer, shape, stride, margin, algo), so a training step that updates
+the same buffers every time pays one small host-to-device copy only on its first step.
+
+Each program reads its columns' whole history in chunks of R rows, shifting each chunk up one row
+in place. A CTA barrier sits between a chunk's loads and its stores: the thread that stores row
+``i`` is not the one that loaded it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+from dist_quant.kernels._fp8_round import f32_bits, is_finite, is_inf
+
+_ALGOS = {"max": 0, "most_recent": 1}
+_FIELDS = 14  # int64 table columns, in the order the kernel reads them
+_TABLE_CACHE: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+_TABLE_CACHE_SIZE = 32
+
+
+@triton.jit
+def _delayed_update_kernel(
+    base_ptr,  # fp32; every offset in the table is relative to it
+    table_ptr,  # int64 (programs, FIELDS)
+    FIELDS: tl.constexpr,
+    BN: tl.constexpr,
+    R: tl.constexpr,
+):
+    row = table_ptr + tl.program_id(0) * FIELDS
+    hist = base_ptr + tl.load(row + 0)
+    h_s0 = tl.load(row + 1)
+    h_s1 = tl.load(row + 2)
+    scale = base_ptr + tl.load(row + 3)
+    s_s = tl.load(row + 4)
+    limit_p = base_ptr + tl.load(row + 5)
+    l_s = tl.load(row + 6)
+    L = tl.load(row + 7)
+    n = tl.load(row + 8)
+    col0 = tl.load(row + 9)
+    algo = tl.load(row + 10)
+    divisor = tl.load(row + 11).to(tl.int32).to(tl.float32, bitcast=True)
+    limit_in_memory = tl.load(row + 12) == 0
+    limit_value = tl.load(row + 13).to(tl.int32).to(tl.float32, bitcast=True)
+    cols = col0 + tl.arange(0, BN)
+    cmask = cols < n
+    newest = tl.load(hist + cols * h_s1, mask=cmask, other=0.0)  # row 0
+    # history.max(0) with NaN propagation: a NaN-free max plus a NaN flag (tl.reduce with a
+    # NaN-aware combine function is orders of magnitude slower in the interpreter).
+    running = tl.where(newest != newest, float("-inf"), newest)
+    any_nan = newest != newest
+    for start in range(0, L - 1, R):
+        src = start + 1 + tl.arange(0, R)  # rows 1..L-1 move up to rows 0..L-2
+        m = (src < L)[:, None] & cmask[None, :]
+        v = tl.load(hist + src[:, None] * h_s0 + cols[None, :] * h_s1, mask=m, other=float("-inf"))
+        running = tl.maximum(running, tl.max(tl.where(v != v, float("-inf"), v), axis=0))
+        any_nan = any_nan | (tl.max((v != v).to(tl.int32), axis=0) > 0)
+        tl.debug_barrier()  # all loads of this chunk land before any thread overwrites a row
+        dst = src - 1
+        v = tl.where((dst == 0)[:, None], 0.0, v)  # row 0 restarts the accumulation at 0
+        tl.store(hist + dst[:, None] * h_s0 + cols[None, :] * h_s1, v, mask=m)
+    # Row L-1 takes the old row 0 (the roll); with L == 1 it is row 0 itself, which restarts at 0.
+    tl.store(hist + (L - 1) * h_s0 + cols * h_s1, tl.where(L > 1, newest, 0.0), mask=cmask)
+    a = tl.where(algo == 0, tl.where(any_nan, float("nan"), running), newest)
+    # An inline fp8_max has offset 0 and stride 0: the load reads base[0], then is discarded.
+    limit = tl.load(limit_p + cols * l_s, mask=cmask, other=1.0)
+    limit = tl.where(limit_in_memory, limit, limit_value)
+    new = tl.math.div_rn(tl.math.div_rn(limit, a), tl.zeros_like(a) + divisor)
+    new = tl.where(is_inf(new), 3.4028234663852886e38, new)
+    old = tl.load(scale + cols * s_s, mask=cmask, other=1.0)
+    keep = (is_finite(a) == 0) | (a <= 0.0)
+    tl.store(scale + cols * s_s, tl.where(keep, old, new), mask=cmask)
+
+
+def _check_group(i: int, group: Sequence) -> tuple:
+    where = f"kernels.delayed_update.delayed_scaling_update: group {i}"
+    if len(group) != 5:
+        raise ValueError(f"{where}: expected (amax_history, scale, fp8_max, margin, algo)")
+    history, scale, limit, margin, algo = group
+    if algo not in _ALGOS:
+        raise ValueError(f"{where}: algo must be 'max' or 'most_recent', got {algo!r}")
+    if history.dim() != 2 or history.shape[0] < 1:
+        raise ValueError(
+            f"{where}: amax_history must be 2D (L >= 1, n), got {tuple(history.shape)}"
+        )
+    n = history.shape[1]
+    if tuple(scale.shape) != (n,):
+        raise ValueError(
+            f"{where}: scale must have shape ({n},) to match amax_history "
+            f"{tuple(history.shape)}, got {tuple(scale.shape)}"
+        )
+    for name, t in (("amax_history", history), ("scale", scale)):
+        if t.dtype != torch.float32:
+            raise ValueError(f"{where}: {name} must be float32, got {t.dtype}")
+    if not (isinstance(margin, (int, float)) and margin >= 0):
+        raise ValueError(f"{where}: margin must be a number >= 0, got {margin!r}")
+    if history.device != scale.device:
+        raise ValueError(f"{where}: amax_history and scale must share a device")
+    if isinstance(limit, (int, float)):
+        return history, scale, float(limit), float(margin), algo  # goes into the table
+    limit = torch.as_tensor(limit, dtype=torch.float32, device=scale.device)
+    if limit.numel() not in (1, n):
+        raise ValueError(
+            f"{where}: fp8_max must hold 1 or {n} values, got shape {tuple(limit.shape)}"
+        )
+    return history, scale, limit.reshape(-1), float(margin), algo
+
+
+def _table(groups: list[tuple], base: torch.Tensor, bn: int) -> torch.Tensor:
+    """The int64 program table (see module docstring); cached by pointers, shapes and options."""
+    key_parts = [base.device, bn]
+    for history, scale, limit, margin, algo in groups:
+        for t in (history, scale, limit):
+            if isinstance(t, torch.Tensor):
+                key_parts += [t.data_ptr(), tuple(t.shape), t.stride()]
+            else:
+                key_parts.append(t)
+        key_parts += [margin, algo]
+    key = tuple(key_parts)
+    cached = _TABLE_CACHE.get(key)
+    if cached is not None:
+        _TABLE_CACHE.move_to_end(key)
+        return cached
+    base_ptr = base.data_ptr()
+
+    def offset(t: torch.Tensor) -> int:
+        delta = t.data_ptr() - base_ptr
+        if delta % 4:
+            raise ValueError(
+                "kernels.delayed_update: every tensor must be 4-byte aligned relative to the "
+                "first amax_history"
+            )
+        return delta // 4
+
+    rows = []
+    for history, scale, limit, margin, algo in groups:
+        L, n = history.shape
+        divisor = f32_bits(2.0**margin)  # the reference's torch.tensor(2.0**margin, fp32)
+        if isinstance(limit, torch.Tensor):
+            l_off, l_stride = offset(limit), (limit.stride(0) if limit.numel() > 1 else 0)
+            inline, l_bits = 0, 0
+        else:
+            l_off, l_stride, inline, l_bits = 0, 0, 1, f32_bits(limit)
+        for col0 in range(0, n, bn):
+            rows.append(
+                [offset(history), history.stride(0), history.stride(1), offset(scale),
+                 scale.stride(0), l_off, l_stride, L, n, col0, _ALGOS[algo], divisor, inline,
+                 l_bits]
+            )  # fmt: skip
+    host = torch.tensor(rows, dtype=torch.int64)
+    if base.is_cuda:
+        host = host.pin_memory()
+    table = host.to(base.device, non_blocking=True)
+    _TABLE_CACHE[key] = table
+    if len(_TABLE_CACHE) > _TABLE_CACHE_SIZE:
+        _TABLE_CACHE.popitem(last=False)
+    return table
+
+
+def delayed_scaling_update_groups_triton(groups: Sequence[Sequence]) -> None:
+    """Update every group in place with one launch (groups with ``n == 0`` are skipped)."""
+    checked = [_check_group(i, g) for i, g in enumerate(groups)]
+    checked = [g for g in checked if g[0].shape[1] > 0]
+    if not checked:
+        return
+    base = checked[0][0]
+    for i, (history, _, _, _, _) in enumerate(checked):
+        if history.device != base.device:
+            raise ValueError(
+                f"kernels.delayed_update: group {i} is on {history.device}, group 0 on "
+                f"{base.device}; one launch needs one device"
+            )
+    max_n = max(g[0].shape[1] for g in checked)
+    max_l = max(g[0].shape[0] for g in checked)
+    bn = min(triton.next_power_of_2(max_n), 128)
+    # A chunk of R rows x BN slots: ~4K elements per step keeps registers modest; a 1024-long
+    # history of a few slots is then one or two chunks.
+    r = max(1, min(triton.next_power_of_2(max(max_l - 1, 1)), 4096 // bn))
+    table = _table(checked, base, bn)
+    _delayed_update_kernel[(table.shape[0],)](base, table, FIELDS=_FIELDS, BN=bn, R=r)
+
+
+def delayed_scaling_update_triton(
+    amax_history: torch.Tensor,
+    scale: torch.Tensor,
+    fp8_max_per_slot: torch.Tensor | float,
+    *,
+    margin: float,
+    algo: str,
+) -> None:
+    """``reference.delayed_scaling_update`` for one group (one launch)."""
+    delayed_scaling_update_groups_triton([(amax_history, scale, fp8_max_per_slot, margin, algo)])

@@ -1,0 +1,218 @@
+"""FP8 dequantize in Triton for every layout: per-tensor, MXFP8 (E8M0) and Float8 blocks.
+
+Matches ``reference.dequantize``, ``reference.mxfp8_dequantize`` and ``reference.block_dequantize``
+bit for bit: the FP8 byte is decoded exactly on its bits, multiplied by its scale in fp32, then
+converted to the output dtype (bf16 by explicit round-to-nearest-even on the bits, since the
+interpreter truncates; fp16 through ``.to``, which rounds to nearest even on both backends).
+
+Two kernels: a flat one for the per-tensor scale (any layout, read as its dense storage), and a
+grouped one for per-block scales: a ``[BM, NB, G]`` tile where each ``[BM, NB]`` entry has one scale,
+row ``r`` using scale row ``r // ROW_GROUP`` (1 for rowwise blocks, 128 for 128x128 tiles).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from dist_quant.kernels._fp8_round import (
+    flat_pair,
+    fp8_decode,
+    fp8_spec,
+    is_gpu,
+    rows_cols,
+    scalar_fp32,
+    to_bf16_bits,
+)
+
+_OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+@triton.jit
+def _store_out(ptr, val, mask, OUT_KIND: tl.constexpr):
+    if OUT_KIND == 0:
+        tl.store(ptr, val, mask=mask)
+    elif OUT_KIND == 1:
+        tl.store(ptr, to_bf16_bits(val), mask=mask)
+    else:
+        tl.store(ptr, val.to(tl.float16), mask=mask)
+
+
+@triton.jit
+def _dequantize_flat_kernel(
+    q_ptr,
+    s_ptr,
+    out_ptr,
+    n,
+    BLOCK: tl.constexpr,
+    MANT_BITS: tl.constexpr,
+    MIN_EXP: tl.constexpr,
+    HAS_INF: tl.constexpr,
+    OUT_KIND: tl.constexpr,
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    q = tl.load(q_ptr + offs, mask=mask, other=0)
+    val = fp8_decode(q, MANT_BITS, MIN_EXP, HAS_INF) * tl.load(s_ptr)
+    _store_out(out_ptr + offs, val, mask, OUT_KIND)
+
+
+@triton.jit
+def _dequantize_grouped_kernel(
+    q_ptr,
+    s_ptr,
+    out_ptr,  # (rows, cols), contiguous
+    rows,
+    cols,
+    n_groups,  # scale columns
+    stride_qr,
+    stride_qc,
+    BM: tl.constexpr,
+    NB: tl.constexpr,
+    G: tl.constexpr,
+    ROW_GROUP: tl.constexpr,
+    E8M0: tl.constexpr,
+    MANT_BITS: tl.constexpr,
+    MIN_EXP: tl.constexpr,
+    HAS_INF: tl.constexpr,
+    OUT_KIND: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_col_tiles = tl.cdiv(n_groups, NB)
+    r = ((pid // n_col_tiles) * BM + tl.arange(0, BM)).to(tl.int64)
+    b = (pid % n_col_tiles) * NB + tl.arange(0, NB)
+    c = (b[:, None] * G + tl.arange(0, G)[None, :]).to(tl.int64)  # [NB, G]
+    r3 = r[:, None, None]
+    c3 = c[None, :, :]
+    mask = (r3 < rows) & (c3 < cols)
+    q = tl.load(q_ptr + r3 * stride_qr + c3 * stride_qc, mask=mask, other=0)
+    s_mask = (r < rows)[:, None] & (b < n_groups)[None, :]
+    s_offs = (r // ROW_GROUP)[:, None] * n_groups + b[None, :]
+    if E8M0:  # 2**(E - 127): E = 0 is the subnormal 2**-127, E = 255 is NaN
+        e = tl.load(s_ptr + s_offs, mask=s_mask, other=127).to(tl.int32)
+        bits = tl.where(e == 0, 0x00400000, e << 23)
+        s = tl.where(e == 255, 0x7FC00000, bits).to(tl.float32, bitcast=True)
+    else:
+        s = tl.load(s_ptr + s_offs, mask=s_mask, other=1.0)
+    val = fp8_decode(q, MANT_BITS, MIN_EXP, HAS_INF) * s[:, :, None]
+    _store_out(out_ptr + r3 * cols + c3, val, mask, OUT_KIND)
+
+
+def _out_kind(dtype: torch.dtype, what: str) -> int:
+    if dtype not in _OUT_KINDS:
+        raise ValueError(f"kernels.dequantize.{what}: dtype must be fp32/bf16/fp16, got {dtype}")
+    return _OUT_KINDS[dtype]
+
+
+def _store_view(out: torch.Tensor) -> torch.Tensor:
+    """bf16 outputs are written as their int16 bits (rounded in the kernel)."""
+    return out.view(torch.int16) if out.dtype == torch.bfloat16 else out
+
+
+def dequantize_triton(
+    q: torch.Tensor, scale_inv: torch.Tensor | float, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``reference.dequantize``: ``q.float() * scale_inv`` cast to ``dtype``, torch's layout."""
+    spec = fp8_spec(q.dtype, "kernels.dequantize.dequantize (q.dtype)")
+    kind = _out_kind(dtype, "dequantize")
+    s = scalar_fp32(scale_inv, q.device, "kernels.dequantize.dequantize: scale_inv")
+    q_flat, out, out_flat = flat_pair(q, dtype)
+    n = q_flat.numel()
+    if n:
+        block = 8192 if is_gpu(q) else 1 << 15
+        _dequantize_flat_kernel[(triton.cdiv(n, block),)](
+            q_flat.view(torch.uint8), s, _store_view(out_flat), n, BLOCK=block,
+            MANT_BITS=spec.mant_bits, MIN_EXP=spec.min_exp, HAS_INF=spec.has_inf,
+            OUT_KIND=kind, num_warps=8 if is_gpu(q) else 1,
+        )  # fmt: skip
+    return out
+
+
+def _launch_grouped(
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    group: int,
+    row_group: int,
+    e8m0: bool,
+    what: str,
+) -> torch.Tensor:
+    """Dequantize the 2D view of ``q`` into a contiguous ``(rows, cols)`` tensor of ``dtype``."""
+    spec = fp8_spec(q.dtype, f"kernels.dequantize.{what} (q.dtype)")
+    kind = _out_kind(dtype, what)
+    rows, cols = rows_cols(q, f"kernels.dequantize.{what}")
+    out = torch.empty((rows, cols), dtype=dtype, device=q.device)
+    if out.numel() == 0:
+        return out
+    q2d = q.reshape(rows, cols).view(torch.uint8)
+    scales = scales.contiguous()
+    n_groups = scales.shape[1]
+    gpu = is_gpu(q)
+    if row_group > 1:
+        bm, nb = (32, 1) if gpu else (128, min(triton.next_power_of_2(n_groups), 2))
+    elif gpu:
+        bm, nb = 32, max(1, 128 // group)
+    else:  # interpreter: ~16K-element tiles
+        nb = min(triton.next_power_of_2(n_groups), 512 // group)
+        bm = min(triton.next_power_of_2(rows), max(1, 16384 // (nb * group)))
+    grid = (triton.cdiv(rows, bm) * triton.cdiv(n_groups, nb),)
+    _dequantize_grouped_kernel[grid](
+        q2d, scales, _store_view(out), rows, cols, n_groups, q2d.stride(0), q2d.stride(1),
+        BM=bm, NB=nb, G=group, ROW_GROUP=row_group, E8M0=e8m0, MANT_BITS=spec.mant_bits,
+        MIN_EXP=spec.min_exp, HAS_INF=spec.has_inf, OUT_KIND=kind, num_warps=4 if gpu else 1,
+    )  # fmt: skip
+    return out
+
+
+def mxfp8_dequantize_triton(
+    q: torch.Tensor,
+    e8m0: torch.Tensor,
+    *,
+    columnwise: bool = False,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``reference.mxfp8_dequantize``: blocks of 32 along ``q``'s last dim in both layouts."""
+    what = "mxfp8_dequantize"
+    rows, cols = rows_cols(q, f"kernels.dequantize.{what}")
+    expected = (rows, triton.cdiv(cols, 32))
+    if tuple(e8m0.shape) != expected or e8m0.dtype != torch.uint8:
+        raise ValueError(
+            f"kernels.dequantize.{what}: e8m0 must be uint8 of shape {expected} for data of "
+            f"shape {tuple(q.shape)}, got {e8m0.dtype} {tuple(e8m0.shape)}"
+        )
+    if columnwise and q.dim() != 2:
+        raise ValueError(
+            f"kernels.dequantize.{what}: columnwise data must be 2D, got {tuple(q.shape)}"
+        )
+    out = _launch_grouped(q, e8m0, dtype, group=32, row_group=1, e8m0=True, what=what)
+    return out.t() if columnwise else out.reshape(q.shape)
+
+
+def block_dequantize_triton(
+    q: torch.Tensor,
+    scale_inv: torch.Tensor,
+    *,
+    block_dim: int,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``reference.block_dequantize``: ``q * scale_inv`` of each element's tile."""
+    what = "block_dequantize"
+    if block_dim not in (1, 2):
+        raise ValueError(
+            f"kernels.dequantize.{what}: block_dim must be 1 (1x128) or 2 (128x128), "
+            f"got {block_dim!r}"
+        )
+    rows, cols = rows_cols(q, f"kernels.dequantize.{what}")
+    n_tiles = triton.cdiv(cols, 128)
+    expected = (rows, n_tiles) if block_dim == 1 else (triton.cdiv(rows, 128), n_tiles)
+    if tuple(scale_inv.shape) != expected:
+        raise ValueError(
+            f"kernels.dequantize.{what}: scale_inv must have shape {expected} for data "
+            f"{tuple(q.shape)} with block_dim={block_dim}, got {tuple(scale_inv.shape)}"
+        )
+    out = _launch_grouped(
+        q, scale_inv.float(), dtype, group=128, row_group=1 if block_dim == 1 else 128,
+        e8m0=False, what=what,
+    )  # fmt: skip
+    return out.reshape(q.shape)

@@ -1,0 +1,156 @@
+"""MXFP8 cast in Triton: 32-element blocks with a shared E8M0 (power-of-two) scale.
+
+Matches ``reference.mxfp8_cast`` bit for bit. Rowwise: blocks along the last dim of the 2D view,
+``q`` in ``x``'s shape (contiguous), E8M0 ``(rows, ceil(cols/32))``. Columnwise: blocks along the
+first dim, written straight into the transposed ``(cols, rows)`` layout with E8M0
+``(cols, ceil(rows/32))``, so no separate transpose pass exists. A ragged tail is a short block
+(masked loads read 0, which never raises a block's amax).
+
+Each program loads a 3D tile whose block axis is explicit (``[rows, blocks, 32]`` rowwise,
+``[blocks, 32, cols]`` columnwise) and reduces along it, so no reshape is needed.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from dist_quant.kernels._fp8_round import (
+    abs_bits,
+    amax_from_bits,
+    fp8_encode,
+    fp8_spec,
+    is_gpu,
+    rows_cols,
+)
+
+MXFP8_BLOCK = 32
+
+
+@triton.jit
+def _e8m0_and_multiplier(amax_bits, FP8_MAX: tl.constexpr):
+    """RCEIL block exponent ``E`` of ``amax / FP8_MAX`` and the data multiplier ``2**(127 - E)``.
+
+    ``E`` = biased exponent of ``v = amax / FP8_MAX`` plus 1 if ``v``'s mantissa is non-zero; a
+    non-finite amax gives 255, whose multiplier is NaN. A finite ``v`` is below 2**120, so ``E``
+    stays <= 247 and ``254 - E`` is a valid (normal) exponent field.
+    """
+    a = amax_from_bits(amax_bits)
+    v = tl.math.div_rn(a, tl.zeros_like(a) + FP8_MAX).to(tl.int32, bitcast=True)
+    e = ((v >> 23) & 0xFF) + ((v & 0x7FFFFF) != 0).to(tl.int32)
+    e = tl.where(amax_bits >= 0x7F800000, 255, e)
+    mult_bits = tl.where(e == 255, 0x7FC00000, tl.maximum(254 - e, 0) << 23)
+    return e, mult_bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mxfp8_rowwise_kernel(
+    x_ptr,
+    q_ptr,  # uint8 (rows, cols), contiguous
+    e_ptr,  # uint8 (rows, n_blocks)
+    rows,
+    cols,
+    n_blocks,
+    stride_xr,
+    stride_xc,
+    BM: tl.constexpr,
+    NB: tl.constexpr,
+    MAX_BITS: tl.constexpr,
+    MANT_BITS: tl.constexpr,
+    MIN_EXP: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_col_tiles = tl.cdiv(n_blocks, NB)
+    r = ((pid // n_col_tiles) * BM + tl.arange(0, BM)).to(tl.int64)
+    b = (pid % n_col_tiles) * NB + tl.arange(0, NB)
+    c = (b[:, None] * 32 + tl.arange(0, 32)[None, :]).to(tl.int64)  # [NB, 32]
+    r3 = r[:, None, None]
+    c3 = c[None, :, :]
+    mask = (r3 < rows) & (c3 < cols)
+    x = tl.load(x_ptr + r3 * stride_xr + c3 * stride_xc, mask=mask, other=0.0).to(tl.float32)
+    e, mult = _e8m0_and_multiplier(tl.max(abs_bits(x), axis=2), FP8_MAX)
+    code = fp8_encode(x * mult[:, :, None], MAX_BITS, MANT_BITS, MIN_EXP)
+    tl.store(q_ptr + r3 * cols + c3, code.to(tl.uint8), mask=mask)
+    e_mask = (r < rows)[:, None] & (b < n_blocks)[None, :]
+    tl.store(e_ptr + r[:, None] * n_blocks + b[None, :], e.to(tl.uint8), mask=e_mask)
+
+
+@triton.jit
+def _mxfp8_columnwise_kernel(
+    x_ptr,
+    qt_ptr,  # uint8 (cols, rows), contiguous
+    et_ptr,  # uint8 (cols, n_blocks)
+    rows,
+    cols,
+    n_blocks,
+    stride_xr,
+    stride_xc,
+    NB: tl.constexpr,
+    BN: tl.constexpr,
+    MAX_BITS: tl.constexpr,
+    MANT_BITS: tl.constexpr,
+    MIN_EXP: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_col_tiles = tl.cdiv(cols, BN)
+    b = (pid // n_col_tiles) * NB + tl.arange(0, NB)
+    r = (b[:, None] * 32 + tl.arange(0, 32)[None, :]).to(tl.int64)  # [NB, 32]
+    c = ((pid % n_col_tiles) * BN + tl.arange(0, BN)).to(tl.int64)
+    r3 = r[:, :, None]
+    c3 = c[None, None, :]
+    mask = (r3 < rows) & (c3 < cols)
+    x = tl.load(x_ptr + r3 * stride_xr + c3 * stride_xc, mask=mask, other=0.0).to(tl.float32)
+    e, mult = _e8m0_and_multiplier(tl.max(abs_bits(x), axis=1), FP8_MAX)  # [NB, BN]
+    code = fp8_encode(x * mult[:, None, :], MAX_BITS, MANT_BITS, MIN_EXP)
+    tl.store(qt_ptr + c3 * rows + r3, code.to(tl.uint8), mask=mask)
+    e_mask = (b < n_blocks)[:, None] & (c < cols)[None, :]
+    tl.store(et_ptr + c[None, :] * n_blocks + b[:, None], e.to(tl.uint8), mask=e_mask)
+
+
+def mxfp8_cast_triton(
+    x: torch.Tensor, fp8_dtype: torch.dtype, *, columnwise: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reference.mxfp8_cast``: ``(q, e8m0)``; ``q`` is contiguous in either layout."""
+    spec = fp8_spec(fp8_dtype, "kernels.mxfp8.mxfp8_cast")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"kernels.mxfp8.mxfp8_cast: x must be fp32/bf16/fp16, got {x.dtype}")
+    rows, cols = rows_cols(x, "kernels.mxfp8.mxfp8_cast")
+    x2d = x.detach().reshape(rows, cols)
+    dev = x.device
+    consts = dict(
+        MAX_BITS=spec.max_bits, MANT_BITS=spec.mant_bits, MIN_EXP=spec.min_exp, FP8_MAX=spec.max
+    )
+    gpu = is_gpu(x)
+    if columnwise:
+        n_blocks = triton.cdiv(rows, MXFP8_BLOCK)
+        q = torch.empty((cols, rows), dtype=fp8_dtype, device=dev)
+        e8m0 = torch.empty((cols, n_blocks), dtype=torch.uint8, device=dev)
+        if q.numel():
+            if gpu:
+                nb, bn = 2, 64
+            else:  # interpreter: ~16K-element tiles
+                nb = min(triton.next_power_of_2(n_blocks), 4)
+                bn = min(triton.next_power_of_2(cols), max(128, 512 // nb))
+            grid = (triton.cdiv(n_blocks, nb) * triton.cdiv(cols, bn),)
+            _mxfp8_columnwise_kernel[grid](
+                x2d, q.view(torch.uint8), e8m0, rows, cols, n_blocks, x2d.stride(0),
+                x2d.stride(1), NB=nb, BN=bn, num_warps=4 if gpu else 1, **consts,
+            )  # fmt: skip
+        return q, e8m0
+    n_blocks = triton.cdiv(cols, MXFP8_BLOCK)
+    q = torch.empty(x.shape, dtype=fp8_dtype, device=dev)
+    e8m0 = torch.empty((rows, n_blocks), dtype=torch.uint8, device=dev)
+    if q.numel():
+        if gpu:
+            bm, nb = 32, 4
+        else:  # interpreter: ~16K-element tiles
+            nb = min(triton.next_power_of_2(n_blocks), 16)
+            bm = min(triton.next_power_of_2(rows), max(1, 512 // nb))
+        grid = (triton.cdiv(rows, bm) * triton.cdiv(n_blocks, nb),)
+        _mxfp8_rowwise_kernel[grid](
+            x2d, q.view(torch.uint8), e8m0, rows, cols, n_blocks, x2d.stride(0), x2d.stride(1),
+            BM=bm, NB=nb, num_warps=4 if gpu else 1, **consts,
+        )  # fmt: skip
+    return q, e8m0
