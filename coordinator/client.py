@@ -165,7 +165,7 @@ def _await(
 ) -> Reply:
     data = tx.pop(reply_queue(request_id), timeout)
     if data is None:
-        what = "an answer" if switch_id is None else f"the result of switch {switch_id}"
+        what = "answer" if switch_id is None else f"result for switch {switch_id}"
         raise SwitchRequestError(
             f"no {what} from the coordinator at {where} within {timeout:g} s; is the job alive? "
             "(`dist-quant status` shows the open switch)"

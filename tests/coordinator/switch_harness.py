@@ -10,14 +10,11 @@ the runtime: a recipe is a dict `{"name": ...}` plus optional fault knobs, read 
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import threading
 import time
-import traceback
 from collections import Counter
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -122,117 +119,53 @@ def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
         time.sleep(0.005)
 
 
-# -- multi-process runner --------------------------------------------------------------------------
-
-
-def _entry(fn: Callable, rank: int, world: int, init_file: str, out_dir: str, kwargs: dict) -> None:
-    import torch.distributed as dist
-
-    out = Path(out_dir)
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{init_file}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=60),
-        )
-        result = fn(rank, world, **kwargs)
-        (out / f"rank{rank}.json").write_text(json.dumps(result))
-    except BaseException:
-        (out / f"rank{rank}.err").write_text(traceback.format_exc())
-        os._exit(1)
-    # No destroy_process_group: a peer may be dead on purpose, and tearing down would wait for it.
-    os._exit(0)
-
-
-class RankJob:
-    """`world` spawned processes running `fn(rank, world, **kwargs)` over gloo (file:// init)."""
-
-    def __init__(self, fn: Callable, world: int, tmp: Path, **kwargs: Any) -> None:
-        self.out = tmp / "ranks"
-        self.out.mkdir(parents=True, exist_ok=True)
-        ctx = mp.get_context("spawn")
-        init_file = str(tmp / "pg_init")
-        self.procs = [
-            ctx.Process(target=_entry, args=(fn, r, world, init_file, str(self.out), kwargs))
-            for r in range(world)
-        ]
-        for p in self.procs:
-            p.start()
-
-    def join(self, timeout: float, expect_exit: dict[int, int] | None = None) -> list[Any]:
-        """Wait for every rank; results per rank (None for a rank expected to die).
-
-        Raises AssertionError with the failing rank's traceback if a rank fails or the job
-        overruns; every process is killed before returning or raising.
-        """
-        expect = {r: 0 for r in range(len(self.procs))} | (expect_exit or {})
-        deadline = time.monotonic() + timeout
-        try:
-            while any(p.is_alive() for p in self.procs):
-                failed = [
-                    r
-                    for r, p in enumerate(self.procs)
-                    if p.exitcode is not None and p.exitcode != expect[r]
-                ]
-                if failed or time.monotonic() > deadline:
-                    raise AssertionError(self._report(failed, time.monotonic() > deadline))
-                time.sleep(0.05)
-            failed = [r for r, p in enumerate(self.procs) if p.exitcode != expect[r]]
-            if failed:
-                raise AssertionError(self._report(failed, False))
-        finally:
-            self.kill()
-        return [
-            json.loads((self.out / f"rank{r}.json").read_text()) if expect[r] == 0 else None
-            for r in range(len(self.procs))
-        ]
-
-    def _report(self, failed: list[int], overran: bool) -> str:
-        lines = ["job overran its timeout" if overran else f"ranks {failed} failed"]
-        for r, p in enumerate(self.procs):
-            err = self.out / f"rank{r}.err"
-            detail = err.read_text() if err.exists() else ""
-            lines.append(f"--- rank {r}: exitcode {p.exitcode}\n{detail}")
-        return "\n".join(lines)
-
-    def kill(self) -> None:
-        for p in self.procs:
-            if p.is_alive():
-                p.kill()
-        for p in self.procs:
-            p.join(5)
-
-
 def read_endpoint_when_ready(run_dir: Path, timeout: float = 60.0) -> dict:
     path = run_dir / "coordinator.json"
     wait_for(path.exists, timeout, f"{path}")
     return json.loads(path.read_text())
 
 
+class Background:
+    """Runs `tests/distributed/harness.run_ranks` in a thread, so the test can act as a client
+    (request switches, read status) while the ranks train."""
+
+    def __init__(self, run_ranks: Callable, fn: Callable, world: int, *args: Any, timeout_s: float):
+        self._out: list[Any] = []
+
+        def go() -> None:
+            try:
+                self._out.append(("ok", run_ranks(fn, world, *args, timeout_s=timeout_s)))
+            except BaseException as e:  # noqa: BLE001 - re-raised in result()
+                self._out.append(("error", e))
+
+        self._thread = threading.Thread(target=go, daemon=True)
+        self._thread.start()
+
+    def result(self, timeout: float) -> list[Any]:
+        self._thread.join(timeout)
+        if not self._out:
+            raise TimeoutError(f"ranks still running after {timeout} s")
+        kind, value = self._out[0]
+        if kind == "error":
+            raise value
+        return value
+
+
 # -- the training loop each rank runs ------------------------------------------------------------
 
 
-def train_worker(
-    rank: int,
-    world: int,
-    *,
-    run_dir: str,
-    tp_size: int,
-    stop_file: str,
-    step_s: float,
-    max_steps: int,
-    collectives: bool = True,
-    faults: tuple = (),
-    decision_grace_s: float = 0.5,
-) -> dict:
-    """Train a FakeModel: step_boundary, record the active recipe, then (with `collectives`) an
-    all-reduce in the TP group and a world all-reduce that also agrees on when to stop."""
+def train_worker(rank: int, world: int, cfg: dict) -> dict:
+    """Train a FakeModel: step_boundary, record the active recipe, then (with cfg["collectives"])
+    an all-reduce in the TP group and a world all-reduce that also agrees on when to stop.
+
+    cfg: run_dir, tp_size, stop_file, step_s, max_steps, collectives, faults, decision_grace_s.
+    The result also goes to `<run_dir>/rank<r>.json`, readable when a peer was killed on purpose
+    (the harness then raises instead of returning results)."""
     import torch
     import torch.distributed as dist
     from dist_quant.coordinator import attach
 
+    tp_size = cfg["tp_size"]
     groups = [list(range(g, g + tp_size)) for g in range(0, world, tp_size)]
     tp_pgs = [dist.new_group(g) for g in groups]  # every rank creates every group, in order
     tp_pg = tp_pgs[rank // tp_size]
@@ -240,19 +173,19 @@ def train_worker(
     participant = attach(
         model,
         tp_group=tp_pg,
-        run_dir=run_dir,
+        run_dir=cfg["run_dir"],
         transport="store",
-        faults=faults,
-        decision_grace_s=decision_grace_s,
+        faults=cfg.get("faults", ()),
+        decision_grace_s=cfg.get("decision_grace_s", 0.5),
         **FAKE_HOOKS,
     )
     recipes: list[str] = []
     step = 0
-    while step < max_steps:
+    while step < cfg["max_steps"]:
         participant.step_boundary(step)
         recipes.append(model.recipe)
-        stop = float(os.path.exists(stop_file))
-        if collectives:
+        stop = float(os.path.exists(cfg["stop_file"]))
+        if cfg.get("collectives", True):
             x = torch.ones(1)
             dist.all_reduce(x, group=tp_pg)  # stands in for the TP matmul's partial sums
             flag = torch.tensor([stop])
@@ -260,6 +193,9 @@ def train_worker(
             stop = flag.item()
         if stop:
             break
-        time.sleep(step_s)
+        time.sleep(cfg["step_s"])
         step += 1
-    return {"recipes": recipes, "address": participant.address, "state": participant.state}
+    result = {"recipes": recipes, "address": participant.address, "state": participant.state}
+    (Path(cfg["run_dir"]) / f"rank{rank}.json").write_text(json.dumps(result))
+    participant.close()
+    return result
