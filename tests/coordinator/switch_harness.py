@@ -15,6 +15,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -158,7 +159,8 @@ def train_worker(rank: int, world: int, cfg: dict) -> dict:
     """Train a FakeModel: step_boundary, record the active recipe, then (with cfg["collectives"])
     an all-reduce in the TP group and a world all-reduce that also agrees on when to stop.
 
-    cfg: run_dir, tp_size, stop_file, step_s, max_steps, collectives, faults, decision_grace_s.
+    cfg: run_dir, tp_size, stop_file, step_s, max_steps, collectives, faults, decision_grace_s,
+    transport.
     The result also goes to `<run_dir>/rank<r>.json`, readable when a peer was killed on purpose
     (the harness then raises instead of returning results)."""
     import torch
@@ -174,7 +176,7 @@ def train_worker(rank: int, world: int, cfg: dict) -> dict:
         model,
         tp_group=tp_pg,
         run_dir=cfg["run_dir"],
-        transport="store",
+        transport=cfg.get("transport", "store"),
         faults=cfg.get("faults", ()),
         decision_grace_s=cfg.get("decision_grace_s", 0.5),
         **FAKE_HOOKS,
@@ -199,3 +201,22 @@ def train_worker(rank: int, world: int, cfg: dict) -> dict:
     (Path(cfg["run_dir"]) / f"rank{rank}.json").write_text(json.dumps(result))
     participant.close()
     return result
+
+
+class RayRank:
+    """A training rank as a Ray actor (wrapped with `ray.remote` by the test)."""
+
+    def run(self, rank: int, world: int, init_method: str, cfg: dict) -> dict:
+        import torch.distributed as dist
+
+        dist.init_process_group(
+            "gloo",
+            init_method=init_method,
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=60),
+        )
+        try:
+            return train_worker(rank, world, cfg)
+        finally:
+            dist.destroy_process_group()
