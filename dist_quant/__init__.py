@@ -6,7 +6,12 @@ Public names are listed in API.md; each is importable from here.
 from dist_quant.context import autocast
 from dist_quant.factory_keys import quantizer_factory
 from dist_quant.formats import Format
-from dist_quant.modules.linear import Linear
+from dist_quant.modules import (
+    GroupedLinear,
+    LayerNormLinear,
+    LayerNormMLP,
+    Linear,
+)
 from dist_quant.quantizers import (
     Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,
@@ -45,7 +50,10 @@ __all__ = [
     "Float8Quantizer",
     "Float8Tensor",
     "Format",
+    "GroupedLinear",
     "IdentityQuantizer",
+    "LayerNormLinear",
+    "LayerNormMLP",
     "Linear",
     "MXFP8BlockScaling",
     "MXFP8Quantizer",

@@ -1,0 +1,139 @@
+"""`LayerNormLinear`: LayerNorm or RMSNorm followed by one quantized GEMM.
+
+The normalization runs in high precision (plain PyTorch autograd); only the GEMM's operands are
+quantized, with `Linear`'s slots (Transformer Engine's order):
+    forward  [linear/input, linear/weight, output_quantizer_role]
+    backward [linear/grad_output, grad_input_quantizer_role]
+
+The normalization helpers here are shared with `LayerNormMLP`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dist_quant.modules.linear import LinearBase
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+
+
+def check_normalization(owner: str, normalization: object, eps: object) -> None:
+    """ValueError naming the owner unless `normalization` and `eps` are valid."""
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(
+            f"{owner}: normalization must be one of {', '.join(NORMALIZATIONS)}, "
+            f"got {normalization!r}"
+        )
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
+        raise ValueError(f"{owner}: eps must be a finite number >= 0, got {eps!r}")
+
+
+def make_norm_params(
+    module: nn.Module,
+    normalization: str,
+    hidden_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str | None,
+) -> None:
+    """Register `layer_norm_weight` (ones) and, for LayerNorm, `layer_norm_bias` (zeros)."""
+    module.layer_norm_weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
+    if normalization == "LayerNorm":
+        module.layer_norm_bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device))
+    else:
+        module.register_parameter("layer_norm_bias", None)
+
+
+def apply_norm(
+    x: torch.Tensor,
+    normalization: str,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor:
+    """The normalization in `x`'s dtype, exactly `F.layer_norm` / `F.rms_norm`."""
+    shape = (x.shape[-1],)
+    if normalization == "LayerNorm":
+        return F.layer_norm(x, shape, weight.to(x.dtype), bias.to(x.dtype), eps)
+    return F.rms_norm(x, shape, weight.to(x.dtype), eps)
+
+
+class LayerNormLinear(LinearBase):
+    """`Linear(norm(x))`; with `return_layernorm_output=True` forward returns `(y, norm(x))`."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        normalization: str = "LayerNorm",
+        eps: float = 1e-5,
+        return_layernorm_output: bool = False,
+        name: str | None = None,
+        tp_group=None,
+        parallel_mode: str | None = None,
+        sequence_parallel: bool = False,
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__(name=name)
+        owner = f"LayerNormLinear {name!r}"
+        if in_features <= 0 or out_features <= 0:
+            raise ValueError(
+                f"{owner}: in_features and out_features must be positive, "
+                f"got {in_features}, {out_features}"
+            )
+        check_normalization(owner, normalization, eps)
+        if not isinstance(return_layernorm_output, bool):
+            raise ValueError(
+                f"{owner}: return_layernorm_output must be a bool, got {return_layernorm_output!r}"
+            )
+        if parallel_mode is not None or tp_group is not None or sequence_parallel:
+            raise NotImplementedError("tensor parallelism lands with issue 6")
+        self.in_features, self.out_features = in_features, out_features
+        self.normalization, self.eps = normalization, float(eps)
+        self.return_layernorm_output = return_layernorm_output
+        dtype = params_dtype or torch.get_default_dtype()
+        make_norm_params(self, normalization, in_features, dtype, device)
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=dtype, device=device)
+        )
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
+        )
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # nn.Linear's initialisation for the GEMM; the norm starts as the identity affine map
+        nn.init.ones_(self.layer_norm_weight)
+        if self.layer_norm_bias is not None:
+            nn.init.zeros_(self.layer_norm_bias)
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1 / math.sqrt(self.in_features)
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        is_first_microbatch: bool | None = None,
+        fp8_output: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        # no fp8_grad_input: the GEMM's input gradient still has to go through the norm's backward
+        ln_out = apply_norm(
+            x, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps
+        )
+        y = self._gemm(ln_out, is_first_microbatch, fp8_output)
+        return (y, ln_out) if self.return_layernorm_output else y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, normalization={self.normalization}, "
+            f"name={self.role_name!r}"
+        )

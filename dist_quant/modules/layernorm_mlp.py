@@ -1,0 +1,162 @@
+"""`LayerNormMLP`: norm -> fc1 -> activation -> fc2, two quantized GEMM triples in one module.
+
+Slots (Transformer Engine's order, so factories port over); `fc1`/`fc2` roles are named
+`{name}.fc1` / `{name}.fc2`, and the fc1 -> fc2 boundary slots carry the consumer's role:
+
+    forward   0 linear/input@fc1   1 linear/weight@fc1   2 linear/input@fc2 (fc1's output)
+              3 linear/input@fc2   4 linear/weight@fc2   5 output_quantizer_role
+    backward  0 linear/grad_output@fc1   1 grad_input_quantizer_role (fc1's dgrad)
+              2 linear/grad_output@fc2   3 linear/grad_output@fc1 (fc2's dgrad)
+
+fc1 runs on slots (0, 1, 2 | 0, 1), fc2 on (3, 4, 5 | 2, 3). The activation sits between the
+GEMMs in high precision, so fc1's output slot and fc2's dgrad slot are boundary slots that this
+module never applies: fc2 quantizes the activation with its own input slot, fc1 its incoming
+gradient with its own grad-output slot. The module's own output and input gradient stay in high
+precision too (they feed the residual add / the norm's backward).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dist_quant.modules.layernorm_linear import apply_norm, check_normalization, make_norm_params
+from dist_quant.modules.linear import LinearBase
+from dist_quant.roles import QuantizerRole
+
+ACTIVATIONS = ("gelu", "swiglu")
+FWD_SLOTS = 6
+BWD_SLOTS = 4
+GEMM_SLOTS = (((0, 1, 2), (0, 1)), ((3, 4, 5), (2, 3)))  # fc1, fc2: (fwd slots, bwd slots)
+
+
+def activate(h: torch.Tensor, activation: str) -> torch.Tensor:
+    """gelu: tanh approximation (Transformer Engine's "gelu"); swiglu: silu(h1) * h2, where h1 and
+    h2 are the first and second halves of fc1's output."""
+    if activation == "gelu":
+        return F.gelu(h, approximate="tanh")
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class LayerNormMLP(LinearBase):
+    """`fc2(act(fc1(norm(x))))` with FP8 GEMMs under autocast; exact PyTorch math when off."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        *,
+        activation: str = "gelu",
+        normalization: str = "LayerNorm",
+        eps: float = 1e-5,
+        bias: bool = True,
+        name: str | None = None,
+        tp_group=None,
+        parallel_mode: str | None = None,
+        sequence_parallel: bool = False,
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__(name=name)
+        owner = f"LayerNormMLP {name!r}"
+        if hidden_size <= 0 or ffn_hidden_size <= 0:
+            raise ValueError(
+                f"{owner}: hidden_size and ffn_hidden_size must be positive, "
+                f"got {hidden_size}, {ffn_hidden_size}"
+            )
+        if activation not in ACTIVATIONS:
+            raise ValueError(
+                f"{owner}: activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}"
+            )
+        check_normalization(owner, normalization, eps)
+        if parallel_mode is not None or tp_group is not None or sequence_parallel:
+            raise NotImplementedError("tensor parallelism lands with issue 6")
+        self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
+        self.activation, self.normalization, self.eps = activation, normalization, float(eps)
+        dtype = params_dtype or torch.get_default_dtype()
+        fc1_out = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
+        make_norm_params(self, normalization, hidden_size, dtype, device)
+        for gemm, out_f, in_f in (
+            ("fc1", fc1_out, hidden_size),
+            ("fc2", hidden_size, ffn_hidden_size),
+        ):
+            w = nn.Parameter(torch.empty(out_f, in_f, dtype=dtype, device=device))
+            self.register_parameter(f"{gemm}_weight", w)
+            b = nn.Parameter(torch.empty(out_f, dtype=dtype, device=device)) if bias else None
+            self.register_parameter(f"{gemm}_bias", b)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # each GEMM as nn.Linear initialises itself; the norm starts as the identity affine map
+        nn.init.ones_(self.layer_norm_weight)
+        if self.layer_norm_bias is not None:
+            nn.init.zeros_(self.layer_norm_bias)
+        for weight, bias in ((self.fc1_weight, self.fc1_bias), (self.fc2_weight, self.fc2_bias)):
+            nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+            if bias is not None:
+                bound = 1 / math.sqrt(weight.shape[1])
+                nn.init.uniform_(bias, -bound, bound)
+
+    def num_quantizers(self, *, fwd: bool) -> int:
+        return FWD_SLOTS if fwd else BWD_SLOTS
+
+    def get_quantizer_roles(self, *, fwd: bool, num_quantizers: int) -> list[QuantizerRole | None]:
+        self._check_num_quantizers(fwd, num_quantizers)
+        base = self.role_name
+        fc1, fc2 = (f"{base}.{gemm}" if base else gemm for gemm in ("fc1", "fc2"))
+        t = self.module_type
+        if fwd:
+            return [
+                QuantizerRole(t, "input", fc1),
+                QuantizerRole(t, "weight", fc1),
+                QuantizerRole(t, "input", fc2),
+                QuantizerRole(t, "input", fc2),
+                QuantizerRole(t, "weight", fc2),
+                self.output_quantizer_role,
+            ]
+        return [
+            QuantizerRole(t, "grad_output", fc1),
+            self.grad_input_quantizer_role,
+            QuantizerRole(t, "grad_output", fc2),
+            QuantizerRole(t, "grad_output", fc1),
+        ]
+
+    def forward(self, x: torch.Tensor, *, is_first_microbatch: bool | None = None) -> torch.Tensor:
+        runtime = self.active_runtime()
+        fc1_slots = fc2_slots = None
+        if runtime is not None:
+            self.register_amax_groups(runtime)
+            fc1_slots, fc2_slots = self._gemm_slots(runtime, GEMM_SLOTS)
+        ln_out = apply_norm(
+            x, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps
+        )
+        h = self._linear(
+            ln_out,
+            self.fc1_weight,
+            self.fc1_bias,
+            runtime,
+            fc1_slots,
+            "fc1_weight",
+            is_first_microbatch,
+        )  # (..., ffn) or (..., 2 * ffn) for swiglu
+        a = activate(h, self.activation)  # (..., ffn)
+        return self._linear(
+            a,
+            self.fc2_weight,
+            self.fc2_bias,
+            runtime,
+            fc2_slots,
+            "fc2_weight",
+            is_first_microbatch,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
+            f"activation={self.activation}, normalization={self.normalization}, "
+            f"name={self.role_name!r}"
+        )

@@ -1,0 +1,176 @@
+"""GroupedLinear: per-expert GEMMs over row splits, exact split padding, grouped slot layout."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from module_ref import DEVICE, assert_fp8_close, leaves, ref_linear
+
+import dist_quant as dq
+from dist_quant import factories
+from dist_quant.modules.functional import LinearSlots
+from dist_quant.modules.grouped_linear import row_alignment
+
+IN, OUT = 32, 24
+SPLITS = [37, 0, 19, 8]  # ragged sizes: every FP8 recipe pads them; an empty expert
+
+
+def make(seed: int = 0, n: int = len(SPLITS)) -> dq.GroupedLinear:
+    torch.manual_seed(seed)
+    return dq.GroupedLinear(n, IN, OUT, name="experts", device=DEVICE)
+
+
+def inputs(seed: int = 0, splits=SPLITS):
+    torch.manual_seed(100 + seed)
+    tokens = sum(splits)
+    return torch.randn(tokens, IN, device=DEVICE), torch.randn(tokens, OUT, device=DEVICE)
+
+
+def run(mod, x, dy, recipe=None, enabled=True, splits=SPLITS):
+    x = x.detach().clone().requires_grad_(True)
+    mod.zero_grad(set_to_none=True)
+    with dq.autocast(enabled=enabled, recipe=recipe):
+        y = mod(x, splits)
+    y.backward(dy)
+    return [y.detach(), x.grad] + [p.grad for p in mod.parameters()]
+
+
+def test_disabled_autocast_is_plain_per_expert_linear_bit_for_bit():
+    mod = make()
+    x, dy = inputs()
+    got = run(mod, x, dy, enabled=False)
+    x2, *params = leaves(x, *mod.parameters(), dtype=torch.float32)
+    y = torch.cat(
+        [F.linear(xi, params[2 * i], params[2 * i + 1]) for i, xi in enumerate(x2.split(SPLITS))]
+    )
+    y.backward(dy)
+    for t, r in zip(got, [y, x2.grad] + [p.grad for p in params]):
+        assert torch.equal(t, r)
+
+
+def test_current_scaling_matches_float64_rederivation_per_expert():
+    mod = make(1)
+    x, dy = inputs(1)
+    got = run(mod, x, dy, dq.Float8CurrentScaling())
+
+    def reference(fp8: bool):
+        x64, *params = leaves(x, *mod.parameters())
+        y = torch.cat(
+            [
+                # an empty expert has nothing to quantize
+                ref_linear(xi, params[2 * i], params[2 * i + 1], fp8=fp8 and len(xi) > 0)
+                for i, xi in enumerate(x64.split(SPLITS))
+            ]
+        )
+        y.backward(dy.double())
+        return [y, x64.grad] + [p.grad for p in params]
+
+    names = ["output", "dgrad"] + [n for n, _ in mod.named_parameters()]
+    for name, a, r8, rhp in zip(names, got, reference(True), reference(False)):
+        if name in ("weight1", "bias1"):  # the empty expert: zero gradients, not None
+            assert torch.equal(a, torch.zeros_like(a))
+        else:
+            assert_fp8_close(a, r8, rhp, name)
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [dq.MXFP8BlockScaling(), dq.Float8BlockScaling(), dq.Float8CurrentScaling()],
+    ids=["mxfp8", "block", "current"],
+)
+def test_split_padding_is_exact_against_unpadded_linears(recipe):
+    """Each expert equals a `Linear` with its weights run on its rows alone (a Linear never pads):
+    same quantized operands, so only fp32 accumulation order may differ (a padded wgrad sums extra
+    zero terms), far below one FP8 step (2^-4 relative)."""
+    mod = make(2)
+    x, dy = inputs(2)
+    got = run(mod, x, dy, recipe)
+    rows = 0
+    for i, m in enumerate(SPLITS):
+        if m == 0:
+            continue
+        lin = dq.Linear(IN, OUT, name="experts", device=DEVICE)
+        with torch.no_grad():
+            lin.weight.copy_(getattr(mod, f"weight{i}"))
+            lin.bias.copy_(getattr(mod, f"bias{i}"))
+        xi = x[rows : rows + m].clone().requires_grad_(True)
+        with dq.autocast(recipe=recipe):
+            yi = lin(xi)
+        yi.backward(dy[rows : rows + m])
+        for a, b in zip(
+            (got[0][rows : rows + m], got[1][rows : rows + m], got[2 + 2 * i], got[3 + 2 * i]),
+            (yi, xi.grad, lin.weight.grad, lin.bias.grad),
+        ):
+            torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)
+        rows += m
+
+
+def test_row_alignment_follows_the_quantizers():
+    def slots(q):
+        return [LinearSlots(input=q, weight=q, grad_output=q)]
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert row_alignment(slots(dq.MXFP8Quantizer()), cpu) == 32
+    assert row_alignment(slots(dq.Float8BlockQuantizer()), cpu) == 128
+    current = dq.Float8CurrentScalingQuantizer(torch.float8_e4m3fn)
+    assert row_alignment(slots(current), cpu) == 1
+    assert row_alignment(slots(current), cuda) == 16
+    assert row_alignment(slots(dq.IdentityQuantizer()), cuda) == 1
+
+
+@pytest.mark.parametrize(
+    "builtin,factory",
+    [
+        (dq.Float8CurrentScaling(), factories.current_scaling),
+        (dq.DelayedScaling(), factories.delayed_scaling),
+        (dq.MXFP8BlockScaling(), factories.mxfp8),
+        (dq.Float8BlockScaling(), factories.float8_block_scaling),
+    ],
+    ids=["current", "delayed", "mxfp8", "block"],
+)
+def test_custom_recipe_of_reference_factory_equals_builtin_bit_for_bit(builtin, factory):
+    a, b = make(3), make(3)
+    x, dy = inputs(3)
+    for step in range(3):  # delayed scaling: the scales of steps 2 and 3 come from the history
+        ra = run(a, x * (step + 1), dy, builtin)
+        rb = run(b, x * (step + 1), dy, dq.CustomRecipe(factory))
+        for ta, tb in zip(ra, rb):
+            assert torch.equal(ta, tb)
+
+
+def test_high_precision_recipe_equals_disabled_bit_for_bit():
+    mod = make(4)
+    x, dy = inputs(4)
+    for ta, tb in zip(run(mod, x, dy, enabled=False), run(mod, x, dy, dq.recipe_from_dict("bf16"))):
+        assert torch.equal(ta, tb)
+
+
+def test_roles_repeat_each_kind_once_per_gemm_under_one_name():
+    mod = dq.GroupedLinear(3, 8, 8, name="layers.1.experts")
+    mod.output_quantizer_role = out = dq.QuantizerRole("linear", "input", "combine")
+    g = lambda tensor_type: dq.QuantizerRole("grouped_linear", tensor_type, "layers.1.experts")  # noqa: E731
+    assert (
+        mod.get_quantizer_roles(fwd=True, num_quantizers=9)
+        == [g("input")] * 3 + [g("weight")] * 3 + [out] * 3
+    )
+    assert (
+        mod.get_quantizer_roles(fwd=False, num_quantizers=6) == [g("grad_output")] * 3 + [None] * 3
+    )
+    assert [n for n, _ in mod.named_parameters()] == [
+        "weight0",
+        "bias0",
+        "weight1",
+        "bias1",
+        "weight2",
+        "bias2",
+    ]
+
+
+def test_bad_splits_raise_naming_the_module():
+    mod = make(5, n=2)
+    x = torch.randn(10, IN, device=DEVICE)
+    with pytest.raises(ValueError, match="'experts'.*sum to 9.*10 tokens"):
+        mod(x, [4, 5])
+    with pytest.raises(ValueError, match="'experts'.*list of 2 ints"):
+        mod(x, [10])
+    with pytest.raises(ValueError, match="'experts'.*ints >= 0"):
+        mod(x, [11, -1])

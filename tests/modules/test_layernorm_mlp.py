@@ -1,0 +1,195 @@
+"""LayerNormMLP: two GEMM triples on their own slots, exact when disabled, FP8 as re-derived."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from module_ref import (
+    DEVICE,
+    assert_fp8_close,
+    leaves,
+    ref_activation,
+    ref_linear,
+    ref_norm,
+)
+
+import dist_quant as dq
+from dist_quant import factories
+
+HIDDEN, FFN = 32, 48
+
+
+def make(activation: str = "gelu", seed: int = 0, **kw) -> dq.LayerNormMLP:
+    torch.manual_seed(seed)
+    mod = dq.LayerNormMLP(HIDDEN, FFN, activation=activation, name="mlp", device=DEVICE, **kw)
+    with torch.no_grad():
+        mod.layer_norm_weight.uniform_(0.5, 1.5)
+        mod.layer_norm_bias.uniform_(-0.5, 0.5)
+    return mod
+
+
+def run(mod, x, dy, recipe=None, enabled=True):
+    x = x.detach().clone().requires_grad_(True)
+    mod.zero_grad(set_to_none=True)
+    with dq.autocast(enabled=enabled, recipe=recipe):
+        y = mod(x)
+    y.backward(dy)
+    return [y.detach(), x.grad] + [p.grad for p in mod.parameters()]
+
+
+def inputs(seed: int = 0):
+    torch.manual_seed(100 + seed)
+    return torch.randn(6, 4, HIDDEN, device=DEVICE), torch.randn(6, 4, HIDDEN, device=DEVICE)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_disabled_autocast_is_plain_pytorch_math_bit_for_bit(activation):
+    mod = make(activation)
+    x, dy = inputs()
+    got = run(mod, x, dy, enabled=False)
+
+    x2, *params = leaves(x, *mod.parameters(), dtype=torch.float32)
+    lw, lb, w1, b1, w2, b2 = params
+    h = F.linear(F.layer_norm(x2, (HIDDEN,), lw, lb, 1e-5), w1, b1)
+    if activation == "gelu":
+        a = F.gelu(h, approximate="tanh")
+    else:
+        gate, up = h.chunk(2, -1)
+        a = F.silu(gate) * up
+    y = F.linear(a, w2, b2)
+    y.backward(dy)
+    for t, r in zip(got, [y, x2.grad] + [p.grad for p in params]):
+        assert torch.equal(t, r)
+
+
+def reference(
+    mod, x, dy, activation: str, *, fp8: bool, fp8_fc1: bool = True, fp8_fc2: bool = True
+):
+    x64, *params = leaves(x, *mod.parameters())
+    lw, lb, w1, b1, w2, b2 = params
+    h = ref_linear(ref_norm(x64, lw, lb, "LayerNorm", 1e-5), w1, b1, fp8=fp8 and fp8_fc1)
+    y = ref_linear(ref_activation(h, activation), w2, b2, fp8=fp8 and fp8_fc2)
+    y.backward(dy.double())
+    return [y, x64.grad] + [p.grad for p in params]
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_current_scaling_matches_float64_rederivation(activation):
+    mod = make(activation, seed=1)
+    x, dy = inputs(1)
+    got = run(mod, x, dy, dq.Float8CurrentScaling())
+    names = ["output", "dgrad"] + [n for n, _ in mod.named_parameters()]
+    ref8 = reference(mod, x, dy, activation, fp8=True)
+    ref_hp = reference(mod, x, dy, activation, fp8=False)
+    for name, a, r8, rhp in zip(names, got, ref8, ref_hp):
+        assert_fp8_close(a, r8, rhp, name)
+
+
+def test_fc1_and_fc2_use_their_own_slots():
+    """fc2's roles in high precision, fc1's on current scaling: only fc1's GEMM triple rounds."""
+
+    @dq.quantizer_factory(key="tests.fc1_only.v1")
+    def fc1_only(role):
+        if role.name.endswith(".fc2"):
+            return dq.IdentityQuantizer()
+        return factories.current_scaling(role)
+
+    mod = make(seed=2)
+    x, dy = inputs(2)
+    got = run(mod, x, dy, dq.CustomRecipe(fc1_only))
+    names = ["output", "dgrad"] + [n for n, _ in mod.named_parameters()]
+    ref8 = reference(mod, x, dy, "gelu", fp8=True, fp8_fc2=False)
+    ref_hp = reference(mod, x, dy, "gelu", fp8=False)
+    for name, a, r8, rhp in zip(names, got, ref8, ref_hp):
+        assert_fp8_close(a, r8, rhp, name)
+    fq = mod._dq_runtime.fwd_quantizers
+    assert [type(q).__name__ for q in fq] == [
+        "Float8CurrentScalingQuantizer",
+        "Float8CurrentScalingQuantizer",
+        "IdentityQuantizer",
+        "IdentityQuantizer",
+        "IdentityQuantizer",
+        "Float8CurrentScalingQuantizer",  # the output slot has no role: a bare role, not fc2's
+    ]
+
+
+@pytest.mark.parametrize(
+    "builtin,factory",
+    [
+        (dq.Float8CurrentScaling(), factories.current_scaling),
+        (dq.DelayedScaling(), factories.delayed_scaling),
+        (dq.MXFP8BlockScaling(), factories.mxfp8),
+        (dq.Float8BlockScaling(), factories.float8_block_scaling),
+    ],
+    ids=["current", "delayed", "mxfp8", "block"],
+)
+def test_custom_recipe_of_reference_factory_equals_builtin_bit_for_bit(builtin, factory):
+    a, b = make("swiglu", seed=3), make("swiglu", seed=3)
+    x, dy = inputs(3)
+    for step in range(3):  # delayed scaling: the scales of steps 2 and 3 come from the history
+        ra = run(a, x * (step + 1), dy, builtin)
+        rb = run(b, x * (step + 1), dy, dq.CustomRecipe(factory))
+        for ta, tb in zip(ra, rb):
+            assert torch.equal(ta, tb)
+
+
+def test_high_precision_recipe_equals_disabled_bit_for_bit():
+    mod = make(seed=4)
+    x, dy = inputs(4)
+    for ta, tb in zip(run(mod, x, dy, enabled=False), run(mod, x, dy, dq.recipe_from_dict("bf16"))):
+        assert torch.equal(ta, tb)
+
+
+def test_roles_follow_transformer_engine_slot_order():
+    mod = dq.LayerNormMLP(8, 16, name="layers.2.mlp")
+    mod.output_quantizer_role = out = dq.QuantizerRole("linear", "input", "head")
+    mod.grad_input_quantizer_role = gin = dq.QuantizerRole("linear", "grad_output", "prev")
+    fwd = mod.get_quantizer_roles(fwd=True, num_quantizers=6)
+    bwd = mod.get_quantizer_roles(fwd=False, num_quantizers=4)
+    fc1, fc2 = "layers.2.mlp.fc1", "layers.2.mlp.fc2"
+    assert fwd == [
+        dq.QuantizerRole("linear", "input", fc1),
+        dq.QuantizerRole("linear", "weight", fc1),
+        dq.QuantizerRole("linear", "input", fc2),
+        dq.QuantizerRole("linear", "input", fc2),
+        dq.QuantizerRole("linear", "weight", fc2),
+        out,
+    ]
+    assert bwd == [
+        dq.QuantizerRole("linear", "grad_output", fc1),
+        gin,
+        dq.QuantizerRole("linear", "grad_output", fc2),
+        dq.QuantizerRole("linear", "grad_output", fc1),
+    ]
+    with pytest.raises(ValueError, match="4 backward quantizer slots"):
+        mod.get_quantizer_roles(fwd=False, num_quantizers=2)
+    with pytest.raises(ValueError, match="activation"):
+        dq.LayerNormMLP(8, 16, activation="relu")
+
+
+def test_delayed_scaling_buffers_survive_an_output_role_change():
+    mod = make(seed=5)
+    x, dy = inputs(5)
+    run(mod, x, dy, dq.DelayedScaling())
+    groups = mod._dq_runtime.fwd_state.delayed_groups()
+    old = [(g.scale, g.amax_history, g.scale.clone(), g.amax_history.clone()) for g in groups]
+    assert old[0][2].ne(1).any(), "one step must have moved the scales off their initial 1"
+    mod.output_quantizer_role = dq.QuantizerRole("linear", "input", "head")
+    with dq.autocast(recipe=dq.DelayedScaling()):
+        runtime = mod.active_runtime()
+    assert runtime.fwd_roles[5] == dq.QuantizerRole("linear", "input", "head")
+    for g, (scale, hist, scale_val, hist_val) in zip(runtime.fwd_state.delayed_groups(), old):
+        assert g.scale is scale and g.amax_history is hist
+        assert torch.equal(g.scale, scale_val) and torch.equal(g.amax_history, hist_val)
+
+
+def test_weight_cache_keeps_one_entry_per_gemm():
+    mod = make(seed=6)
+    x, _ = inputs(6)
+    recipe = dq.Float8CurrentScaling()
+    with dq.autocast(recipe=recipe):
+        mod(x, is_first_microbatch=True)
+    first = {k: v[1] for k, v in mod._dq_weight_cache.items()}
+    assert sorted(first) == ["fc1_weight", "fc2_weight"]
+    with dq.autocast(recipe=recipe):
+        mod(x, is_first_microbatch=False)
+    assert all(mod._dq_weight_cache[k][1] is v for k, v in first.items())
