@@ -7,10 +7,13 @@ from dist_quant.context import autocast
 from dist_quant.factory_keys import quantizer_factory
 from dist_quant.formats import Format
 from dist_quant.modules import (
+    DotProductAttention,
     GroupedLinear,
     LayerNormLinear,
     LayerNormMLP,
     Linear,
+    MultiheadAttention,
+    TransformerLayer,
 )
 from dist_quant.quantizers import (
     Float8BlockQuantizer,
@@ -42,6 +45,7 @@ __all__ = [
     "CustomRecipe",
     "DelayedScaling",
     "DelayedScalingRequest",
+    "DotProductAttention",
     "Float8BlockQuantizer",
     "Float8BlockScaling",
     "Float8BlockwiseTensor",
@@ -58,6 +62,7 @@ __all__ = [
     "MXFP8BlockScaling",
     "MXFP8Quantizer",
     "MXFP8Tensor",
+    "MultiheadAttention",
     "plan_model",
     "QuantizedTensor",
     "Quantizer",
@@ -69,4 +74,5 @@ __all__ = [
     "recipe_from_json",
     "RecipeState",
     "RecipeUpdateError",
+    "TransformerLayer",
 ]

@@ -1,0 +1,405 @@
+"""`DotProductAttention`: softmax(Q K^T / sqrt(d)) V, in FP8 when the recipe asks (`fp8_dpa`).
+
+Slots (Transformer Engine's order):
+    forward   0 qkv   1 s   2 o      roles dpa/qkv, dpa/s, output_quantizer_role or dpa/o
+    backward  0 do    1 dp  2 dqkv   roles dpa/do, dpa/dp, grad_input_quantizer_role or dpa/dqkv
+
+What each slot quantizes (as in cuDNN's FP8 attention): `qkv` each of q, k and v (one quantizer,
+three tensors: per-tensor current scaling gives each its own scale, delayed scaling one shared
+scale); `s` the softmax output P (the operand of P V and P^T dO); `o` the output; `do` the incoming
+output gradient; `dp` the gradient of the scores (the operand of dS K and dS^T Q); `dqkv` the
+gradients of q, k and v. `MultiheadAttention` gives the `o` / `dqkv` slots the roles of the linears
+that consume them (`linear/input@<proj>`, `linear/grad_output@<qkv>`).
+
+No FP8 attention kernel exists yet, so FP8 attention is emulated: fp32 math with a
+quantize-dequantize on every slot's tensor (forward slots on the way in, backward slots on the
+gradient's way back, through a straight-through autograd Function). Without `fp8_dpa` (or with
+autocast off) attention is exactly `torch.nn.functional.scaled_dot_product_attention`; the roles
+and their quantizers exist either way, so a recipe switch never changes the slot layout.
+
+FP8 attention supports per-tensor FP8 (delayed or current), MXFP8 and identity quantizers. The
+check needs the recipe's `fp8_dpa`, which the planning hook does not see, so it runs once per new
+runtime at the first FP8 forward, before anything is quantized: an attention slot holding another
+kind raises ValueError naming the module and role. A boundary slot holding a neighbouring linear's
+role (`o`, `dqkv` under MultiheadAttention) may hold any kind; when attention cannot produce that
+kind, the tensor leaves in high precision and the consuming linear quantizes it with its own slot.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from dist_quant import context as _context
+from dist_quant.amax import enrol_backward
+from dist_quant.modules.base import QuantizedModule, assign_role_names
+from dist_quant.modules.functional import fake_quantize
+from dist_quant.modules.layernorm_linear import LayerNormLinear
+from dist_quant.modules.linear import Linear
+from dist_quant.quantizers import Quantizer
+from dist_quant.roles import QuantizerRole
+
+ATTENTION_SCALINGS = frozenset({"delayed", "current", "mxfp8", "identity"})
+"""Quantizer kinds an FP8 attention kernel can consume and produce."""
+MASK_TYPES = ("no_mask", "causal", "padding", "padding_causal")
+QKV_FORMATS = ("sbhd", "bshd")
+FWD_SLOTS = ("qkv", "s", "o")
+BWD_SLOTS = ("do", "dp", "dqkv")
+
+
+@dataclass(frozen=True)
+class _AttentionSlots:
+    """The six quantizers of one FP8 attention call (None: stays in high precision)."""
+
+    qkv: Quantizer | None
+    s: Quantizer | None
+    o: Quantizer | None
+    do: Quantizer | None
+    dp: Quantizer | None
+    dqkv: Quantizer | None
+    bwd_groups: tuple
+    reduction_group: Any
+
+
+class _FakeQuant(torch.autograd.Function):
+    """Forward: round `x` through `fwd_q`; backward: round the gradient through `bwd_q`. Either may
+    be None (pass through): the straight-through estimator of a quantize-dequantize pair."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        fwd_q: Quantizer | None,
+        bwd_q: Quantizer | None,
+        slots: _AttentionSlots,
+    ) -> torch.Tensor:
+        ctx.bwd_q, ctx.slots = bwd_q, slots
+        return fake_quantize(fwd_q, x) if fwd_q is not None else x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        if ctx.bwd_q is not None:
+            grad = fake_quantize(ctx.bwd_q, grad.contiguous())
+            enrol_backward(ctx.slots.bwd_groups, ctx.slots.reduction_group)
+        return grad, None, None, None
+
+
+def _round(
+    x: torch.Tensor, fwd_q: Quantizer | None, bwd_q: Quantizer | None, slots: _AttentionSlots
+) -> torch.Tensor:
+    if fwd_q is None and bwd_q is None:
+        return x
+    return _FakeQuant.apply(x, fwd_q, bwd_q, slots)
+
+
+def fp8_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    masked: torch.Tensor | None,
+    slots: _AttentionSlots,
+) -> torch.Tensor:
+    """Emulated FP8 attention on (batch, heads, seq, head_dim) tensors; fp32 math, output in q's
+    dtype. `masked` (broadcast to (b, h, sq, sk)) is True where a query may not see a key."""
+    q_, k_, v_ = (_round(t.float(), slots.qkv, slots.dqkv, slots) for t in (q, k, v))
+    scores = (q_ @ k_.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (b, h, sq, sk)
+    scores = _round(scores, None, slots.dp, slots)
+    if masked is not None:
+        scores = scores.masked_fill(masked, float("-inf"))
+    p = _round(torch.softmax(scores, dim=-1), slots.s, None, slots)
+    out = (p @ v_).to(q.dtype)  # (b, h, sq, d)
+    return _round(out, slots.o, slots.do, slots)
+
+
+class DotProductAttention(QuantizedModule):
+    """Scaled dot-product attention over (seq, batch, heads, head_dim) tensors ("sbhd", Transformer
+    Engine's default) or (batch, seq, heads, head_dim) ("bshd"); returns (..., heads * head_dim)
+    in the same layout. Masks: "causal" (top-left aligned), "padding" (`attention_mask` True where a
+    key is masked out, broadcastable to (batch, 1, seq_q, seq_kv)), "padding_causal", "no_mask".
+
+    It has no weights, hence no `params_dtype` / `parallel_mode`; `device` places its
+    delayed-scaling buffers (they follow `.to()`).
+    """
+
+    module_type = "dpa"
+    owns_quantizers = True
+
+    def __init__(
+        self,
+        num_attention_heads: int,
+        kv_channels: int,
+        *,
+        attn_mask_type: str = "causal",
+        qkv_format: str = "sbhd",
+        name: str | None = None,
+        tp_group=None,
+        sequence_parallel: bool = False,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__(name=name)
+        owner = f"DotProductAttention {name!r}"
+        for field, value in (
+            ("num_attention_heads", num_attention_heads),
+            ("kv_channels", kv_channels),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{owner}: {field} must be an int >= 1, got {value!r}")
+        if attn_mask_type not in MASK_TYPES:
+            raise ValueError(
+                f"{owner}: attn_mask_type must be one of {', '.join(MASK_TYPES)}, got {attn_mask_type!r}"
+            )
+        if qkv_format not in QKV_FORMATS:
+            raise ValueError(
+                f"{owner}: qkv_format must be one of {', '.join(QKV_FORMATS)}, got {qkv_format!r}"
+            )
+        if tp_group is not None or sequence_parallel:
+            raise NotImplementedError("tensor parallelism lands with issue 6")
+        self.num_attention_heads, self.kv_channels = num_attention_heads, kv_channels
+        self.attn_mask_type, self.qkv_format = attn_mask_type, qkv_format
+        # no parameters to take the device from: this empty buffer carries it through .to()
+        self.register_buffer("_device_anchor", torch.empty(0, device=device), persistent=False)
+        self._checked_runtime: object = None
+
+    def quantizer_device(self) -> torch.device:
+        return self._device_anchor.device
+
+    def num_quantizers(self, *, fwd: bool) -> int:
+        return len(FWD_SLOTS) if fwd else len(BWD_SLOTS)
+
+    def get_quantizer_roles(self, *, fwd: bool, num_quantizers: int) -> list[QuantizerRole | None]:
+        self._check_num_quantizers(fwd, num_quantizers)
+        name, t = self.role_name, self.module_type
+        if fwd:
+            return [
+                QuantizerRole(t, "qkv", name),
+                QuantizerRole(t, "s", name),
+                self.output_quantizer_role or QuantizerRole(t, "o", name),
+            ]
+        return [
+            QuantizerRole(t, "do", name),
+            QuantizerRole(t, "dp", name),
+            self.grad_input_quantizer_role or QuantizerRole(t, "dqkv", name),
+        ]
+
+    # ---- FP8 slots --------------------------------------------------------------------------
+    def _check_attention_quantizers(self, runtime: Any) -> None:
+        """ValueError naming the role if an attention slot holds a kind FP8 attention cannot use
+        (slots carrying a neighbouring linear's role are exempt: see the module docstring)."""
+        for quantizers, roles in (
+            (runtime.fwd_quantizers, runtime.fwd_roles),
+            (runtime.bwd_quantizers, runtime.bwd_roles),
+        ):
+            for q, role in zip(quantizers, roles):
+                if role.module_type == self.module_type and q.scaling not in ATTENTION_SCALINGS:
+                    raise ValueError(
+                        f"DotProductAttention {self.role_name!r}: role {role} got "
+                        f"{type(q).__name__} ({q.scaling!r} scaling); FP8 attention supports "
+                        "per-tensor FP8 (delayed or current), MXFP8 or identity"
+                    )
+
+    def _fp8_slots(self, runtime: Any) -> _AttentionSlots | None:
+        """The quantizers FP8 attention applies, or None when attention runs in high precision
+        (no `fp8_dpa`, or every slot identity)."""
+        if not getattr(runtime.recipe, "fp8_dpa", False):
+            return None
+        if runtime is not self._checked_runtime:
+            self._check_attention_quantizers(runtime)
+            self._checked_runtime = runtime
+        # identity: nothing to round; an unsupported kind (only possible on a boundary slot
+        # carrying a linear's role): the tensor leaves in high precision, its consumer rounds it
+        applied = [
+            None if q.scaling == "identity" or q.scaling not in ATTENTION_SCALINGS else q
+            for q in (*runtime.fwd_quantizers, *runtime.bwd_quantizers)
+        ]
+        if all(q is None for q in applied):
+            return None
+        return _AttentionSlots(
+            *applied,
+            bwd_groups=tuple(runtime.delayed_groups(fwd=False)),
+            reduction_group=_context.current_context().region.reduction_group,
+        )
+
+    # ---- forward ----------------------------------------------------------------------------
+    def _masked(
+        self, attention_mask: torch.Tensor | None, sq: int, sk: int, device: torch.device
+    ) -> torch.Tensor | None:
+        """Boolean mask, True where a query may not attend a key; None when nothing is masked."""
+        owner = f"DotProductAttention {self.role_name!r}"
+        padding = self.attn_mask_type.startswith("padding")
+        if padding != (attention_mask is not None):
+            raise ValueError(
+                f"{owner}: attn_mask_type={self.attn_mask_type!r} "
+                + ("needs an attention_mask" if padding else "takes no attention_mask")
+            )
+        masked = None
+        if padding:
+            if attention_mask.dtype != torch.bool:
+                raise ValueError(
+                    f"{owner}: attention_mask must be a bool tensor (True = masked out), got {attention_mask.dtype}"
+                )
+            masked = attention_mask
+        if self.attn_mask_type.endswith("causal"):
+            causal = torch.ones(sq, sk, dtype=torch.bool, device=device).triu(1)  # (sq, sk)
+            masked = causal if masked is None else masked | causal
+        return masked
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        owner = f"DotProductAttention {self.role_name!r}"
+        h, d = self.num_attention_heads, self.kv_channels
+        for label, t in (("query", query), ("key", key), ("value", value)):
+            if t.dim() != 4 or t.shape[-2:] != (h, d):
+                raise ValueError(
+                    f"{owner}: {label} must be 4D {self.qkv_format} with {h} heads of {d} "
+                    f"channels, got shape {tuple(t.shape)}"
+                )
+        sbhd = self.qkv_format == "sbhd"
+        # (seq, batch, h, d) or (batch, seq, h, d) -> (batch, h, seq, d)
+        q, k, v = (
+            t.permute(1, 2, 0, 3) if sbhd else t.transpose(1, 2) for t in (query, key, value)
+        )
+        masked = self._masked(attention_mask, q.shape[2], k.shape[2], q.device)
+        runtime = self.active_runtime()
+        slots = self._fp8_slots(runtime) if runtime is not None else None
+        if slots is None:
+            causal_only = self.attn_mask_type == "causal"
+            keep = None if causal_only or masked is None else ~masked  # SDPA: True = attend
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, is_causal=causal_only)
+        else:
+            self.register_amax_groups(runtime)
+            out = fp8_attention(q, k, v, masked, slots)
+        # (batch, h, sq, d) -> the input's layout, heads flattened
+        out = out.permute(2, 0, 1, 3) if sbhd else out.transpose(1, 2)
+        return out.reshape(*out.shape[:2], h * d)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_attention_heads={self.num_attention_heads}, kv_channels={self.kv_channels}, "
+            f"attn_mask_type={self.attn_mask_type}, qkv_format={self.qkv_format}, "
+            f"name={self.role_name!r}"
+        )
+
+
+class MultiheadAttention(QuantizedModule):
+    """Self-attention block: `qkv` (Linear, or LayerNormLinear with `input_layernorm=True`) ->
+    `core_attention` (DotProductAttention) -> `proj` (Linear). Input and output are
+    (seq, batch, hidden) ("sbhd", Transformer Engine's default) or (batch, seq, hidden) ("bshd").
+
+    Every forward wires the FP8 boundary roles between the children (setting an equal role is a
+    no-op, so nothing is rebuilt when nothing changed):
+        qkv.output_quantizer_role                = dpa/qkv@<core_attention>
+        proj.grad_input_quantizer_role           = dpa/do@<core_attention>
+        core_attention.output_quantizer_role     = linear/input@<proj>
+        core_attention.grad_input_quantizer_role = linear/grad_output@<qkv>
+    Under a recipe with `fp8_mha`, the qkv output and proj's input gradient are rounded through
+    those slots (the FP8 hand-over into and out of attention, emulated by quantize-dequantize; the
+    receiving side quantizes again with its own slot of the same role, which reproduces on-grid
+    values exactly under current scaling and may round twice under delayed scaling).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_attention_heads: int,
+        *,
+        attn_mask_type: str = "causal",
+        qkv_format: str = "sbhd",
+        input_layernorm: bool = False,
+        normalization: str = "LayerNorm",
+        eps: float = 1e-5,
+        bias: bool = True,
+        name: str | None = None,
+        tp_group=None,
+        sequence_parallel: bool = False,
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__(name=name)
+        owner = f"MultiheadAttention {name!r}"
+        for field, value in (
+            ("hidden_size", hidden_size),
+            ("num_attention_heads", num_attention_heads),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{owner}: {field} must be an int >= 1, got {value!r}")
+        if hidden_size % num_attention_heads:
+            raise ValueError(
+                f"{owner}: hidden_size={hidden_size} must be a multiple of "
+                f"num_attention_heads={num_attention_heads}"
+            )
+        if not isinstance(input_layernorm, bool):
+            raise ValueError(f"{owner}: input_layernorm must be a bool, got {input_layernorm!r}")
+        self.hidden_size, self.num_attention_heads = hidden_size, num_attention_heads
+        self.kv_channels = hidden_size // num_attention_heads
+        # Tensor parallelism, one place per GEMM: qkv splits heads (column), proj reduces (row).
+        tp = tp_group is not None or sequence_parallel
+        parallel = {"tp_group": tp_group, "sequence_parallel": sequence_parallel}
+        common = {"bias": bias, "params_dtype": params_dtype, "device": device, **parallel}
+        column, row = ("column", "row") if tp else (None, None)
+        if input_layernorm:
+            self.qkv = LayerNormLinear(
+                hidden_size,
+                3 * hidden_size,
+                normalization=normalization,
+                eps=eps,
+                parallel_mode=column,
+                **common,
+            )
+        else:
+            self.qkv = Linear(hidden_size, 3 * hidden_size, parallel_mode=column, **common)
+        self.core_attention = DotProductAttention(
+            num_attention_heads,
+            self.kv_channels,
+            attn_mask_type=attn_mask_type,
+            qkv_format=qkv_format,
+            device=device,
+            **parallel,
+        )
+        self.proj = Linear(hidden_size, hidden_size, parallel_mode=row, **common)
+
+    def _set_path_name(self, name: str) -> None:
+        # Name the children now and wire their roles, so that a recipe planned before the first
+        # forward (apply_recipe, the coordinator) already sees the boundary roles.
+        super()._set_path_name(name)
+        assign_role_names(self)
+        self._wire_boundary_roles()
+
+    def _wire_boundary_roles(self) -> None:
+        dpa, qkv, proj = self.core_attention, self.qkv, self.proj
+        qkv.output_quantizer_role = QuantizerRole(dpa.module_type, "qkv", dpa.role_name)
+        proj.grad_input_quantizer_role = QuantizerRole(dpa.module_type, "do", dpa.role_name)
+        dpa.output_quantizer_role = QuantizerRole(proj.module_type, "input", proj.role_name)
+        dpa.grad_input_quantizer_role = QuantizerRole(qkv.module_type, "grad_output", qkv.role_name)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        is_first_microbatch: bool | None = None,
+    ) -> torch.Tensor:
+        self._wire_boundary_roles()
+        runtime = self.core_attention.active_runtime()
+        fp8_mha = runtime is not None and getattr(runtime.recipe, "fp8_mha", False)
+        mixed = self.qkv(hidden_states, is_first_microbatch=is_first_microbatch, fp8_output=fp8_mha)
+        # (s, b, 3 * hidden) -> q, k, v each (s, b, heads, kv_channels)
+        q, k, v = mixed.reshape(
+            *mixed.shape[:2], 3, self.num_attention_heads, self.kv_channels
+        ).unbind(2)
+        context = self.core_attention(q, k, v, attention_mask)  # (s, b, hidden)
+        return self.proj(context, is_first_microbatch=is_first_microbatch, fp8_grad_input=fp8_mha)
+
+    def extra_repr(self) -> str:
+        return (
+            f"hidden_size={self.hidden_size}, num_attention_heads={self.num_attention_heads}, "
+            f"name={self.role_name!r}"
+        )
