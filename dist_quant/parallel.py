@@ -109,19 +109,23 @@ def shard_of(full: torch.Tensor, dim: int, parts: int, rank: int, size: int) -> 
 
 
 def load_full_state_dict_into_shards(
-    model: nn.Module, full_state_dict: Mapping[str, torch.Tensor], tp_group: Any
+    model: nn.Module, full_state_dict: Mapping[str, Any], tp_group: Any
 ) -> None:
     """Copy a single-rank (unsharded) state dict into a tensor-parallel model on this rank.
 
     Parameters marked with `mark_tp_split` receive their shard; every other parameter and buffer
-    receives the full tensor. Strict: a missing or unexpected key, or a shard whose shape differs
-    from the parameter, raises ValueError naming it, before anything is copied.
+    receives the full tensor. Modules' extra state (FP8 recipe, scales, amax histories) is loaded
+    unchanged: a slot's scale and history describe the whole tensor, which is what TP ranks share
+    once their amaxes are reduced. Strict: a missing or unexpected key, or a shard whose shape
+    differs from the parameter, raises ValueError naming it before anything is loaded; each
+    module's extra state then validates itself as it loads.
     """
     rank, size = group_rank(tp_group), group_size(tp_group)
-    targets = dict(model.named_parameters())
+    targets: dict[str, torch.Tensor] = dict(model.named_parameters())
     targets.update(model.named_buffers())
-    missing = sorted(targets.keys() - full_state_dict.keys())
-    unexpected = sorted(full_state_dict.keys() - targets.keys())
+    extra = {k for k in model.state_dict() if k not in targets}  # `<module>._extra_state`
+    missing = sorted((targets.keys() | extra) - full_state_dict.keys())
+    unexpected = sorted(full_state_dict.keys() - targets.keys() - extra)
     if missing or unexpected:
         raise ValueError(
             f"load_full_state_dict_into_shards: missing keys {missing}, unexpected keys {unexpected}"
@@ -140,6 +144,9 @@ def load_full_state_dict_into_shards(
                 f"{rank} of {size}, the state dict gives {tuple(value.shape)}"
             )
         staged.append((target, value))
+    for key in sorted(extra):
+        owner = key.rsplit(".", 1)[0] if "." in key else ""
+        model.get_submodule(owner).set_extra_state(full_state_dict[key])
     with torch.no_grad():
         for target, value in staged:
             target.copy_(value)

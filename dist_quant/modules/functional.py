@@ -87,7 +87,11 @@ class _QuantizedLinear(torch.autograd.Function):
         if tp is not None and tp.gathers_input():
             # (tokens/tp, in) shard -> (tokens, in) quantized, FP8 bytes gathered as uint8
             x_q = all_gather_quantized(
-                x2d, slots.input, tp.group, columnwise=weight.requires_grad, what=f"{tp.name} input"
+                x2d,
+                slots.input,
+                tp.group,
+                columnwise=weight.requires_grad,
+                what=f"module {tp.name!r} input",
             )
         else:
             slots.input.set_usage(rowwise=True, columnwise=weight.requires_grad)
@@ -125,7 +129,11 @@ class _QuantizedLinear(torch.autograd.Function):
         if tp is not None and tp.gathers_grad_output():
             # (tokens/tp, out) shard -> (tokens, out) quantized, FP8 bytes gathered as uint8
             dy_q = all_gather_quantized(
-                dy2d, slots.grad_output, tp.group, columnwise=need_dw, what=f"{tp.name} grad_output"
+                dy2d,
+                slots.grad_output,
+                tp.group,
+                columnwise=need_dw,
+                what=f"module {tp.name!r} grad_output",
             )
         else:
             slots.grad_output.set_usage(rowwise=need_dx, columnwise=need_dw)

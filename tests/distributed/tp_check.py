@@ -1,0 +1,150 @@
+"""Helpers for the tensor-parallel tests: record every FP8 cast, compare TP shards with a reference.
+
+`Recorder` wraps the per-tensor quantizers (delayed and current scaling) at class level inside a rank
+process and records, for each labelled quantizer, the high-precision input, the FP8 bytes (as uint8)
+and the scale_inv of every `quantize` call. Labels `(module name, "fwd" | "bwd", slot)` are attached
+to a module's runtime quantizers after `apply_recipe`; the TP modules' copies of current-scaling
+quantizers (`copy.copy`) keep them. The same labels on the single-rank reference and on the TP model
+pair each TP cast with the reference cast of the same tensor.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dist_quant.quantizers import Float8CurrentScalingQuantizer, Float8Quantizer
+from dist_quant.runtime import dist_quant_modules
+
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.log: dict[tuple, list[dict]] = defaultdict(list)
+        for cls in (Float8Quantizer, Float8CurrentScalingQuantizer):
+            self._wrap(cls)
+
+    def _wrap(self, cls: type) -> None:
+        original = cls.quantize
+        log = self.log
+
+        def quantize(q, x, _original=original):
+            out = _original(q, x)
+            label = getattr(q, "_rec_label", None)
+            if label is not None:
+                log[label].append(
+                    {
+                        "x": x.detach().clone(),
+                        "bytes": out.data.view(torch.uint8).clone(),
+                        "scale_inv": out.scale_inv.detach().clone().reshape(1),
+                        # delayed scaling casts with its scale buffer (not 1 / scale_inv)
+                        "scale": q.scale.detach().clone().reshape(1)
+                        if isinstance(q, Float8Quantizer)
+                        else None,
+                        "fp8_dtype": out.fp8_dtype,
+                    }
+                )
+            return out
+
+        cls.quantize = quantize
+
+    def take(self) -> dict[tuple, list[dict]]:
+        out = dict(self.log)
+        self.log.clear()
+        return out
+
+
+def label_quantizers(model: torch.nn.Module) -> None:
+    """Call after `apply_recipe(model, ...)`: tag every runtime quantizer with its label."""
+    for m in dist_quant_modules(model):
+        rt = m._dq_runtime
+        for direction, quantizers in (("fwd", rt.fwd_quantizers), ("bwd", rt.bwd_quantizers)):
+            for slot, q in enumerate(quantizers):
+                q._rec_label = (m.role_name, direction, slot)
+
+
+def gather_objects(obj: Any, group: Any = None) -> list[Any]:
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def shard(t: torch.Tensor, dim: int | None, rank: int, size: int) -> torch.Tensor:
+    return t if dim is None else t.chunk(size, dim=dim)[rank]
+
+
+def check_exact(ref: dict, tp: dict, specs: dict, rank: int, size: int, where: str) -> int:
+    """Every TP cast of every labelled tensor equals the reference cast's shard, bit for bit:
+    same FP8 bytes and same scale_inv. `specs[label]` is the shard dim (None: replicated).
+    Returns how many casts were compared."""
+    compared = 0
+    for label, dim in specs.items():
+        refs, tps = ref.get(label, []), tp.get(label, [])
+        if not refs or len(refs) != len(tps):
+            raise AssertionError(
+                f"{where} {label}: {len(refs)} reference casts, {len(tps)} TP casts on rank {rank}"
+            )
+        for call, (r, t) in enumerate(zip(refs, tps)):
+            want = shard(r["bytes"], dim, rank, size)
+            ok_bytes = t["bytes"].shape == want.shape and torch.equal(t["bytes"], want)
+            ok_scale = torch.equal(t["scale_inv"], r["scale_inv"])
+            if not (ok_bytes and ok_scale):
+                diff = (t["bytes"] != want).sum().item() if t["bytes"].shape == want.shape else "-"
+                raise AssertionError(
+                    f"{where} {label} call {call} rank {rank}: bytes equal {ok_bytes} "
+                    f"({diff} differ), scale_inv {t['scale_inv'].item()} vs reference "
+                    f"{r['scale_inv'].item()}"
+                )
+            compared += 1
+    return compared
+
+
+def check_logical(tp_all: list[dict], specs: dict, where: str) -> int:
+    """For casts downstream of a cross-rank sum, whose values may differ from the single-rank
+    reference in the last fp32 bit: every rank's shard is the exact cast of the *logical* tensor
+    (the ranks' shards put together). Re-derived here: one scale on every rank; for current
+    scaling `fp8_max / max|logical|` in fp32; bytes = saturating torch cast of `x * scale`."""
+    compared = 0
+    size = len(tp_all)
+    for label, dim in specs.items():
+        calls = len(tp_all[0][label])
+        for call in range(calls):
+            recs = [tp_all[r][label][call] for r in range(size)]
+            scale_inv = recs[0]["scale_inv"]
+            for r, rec in enumerate(recs):
+                if not torch.equal(rec["scale_inv"], scale_inv):
+                    raise AssertionError(f"{where} {label} call {call}: rank {r} has another scale")
+            fp8 = recs[0]["fp8_dtype"]
+            fmax = FP8_MAX[fp8]
+            if dim is None:
+                whole = recs[0]["x"]
+            else:
+                whole = torch.cat([rec["x"] for rec in recs], dim=dim)
+            if recs[0]["scale"] is None:  # current scaling: re-derive from the logical amax
+                amax = whole.abs().max().float()
+                scale = torch.tensor(fmax, dtype=torch.float32) / amax
+                if not torch.equal(scale_inv, (1.0 / scale).reshape(1)):
+                    raise AssertionError(f"{where} {label} call {call}: scale is not max/amax")
+            else:
+                scale = recs[0]["scale"]
+            for r, rec in enumerate(recs):
+                want = (rec["x"].float() * scale).clamp(-fmax, fmax).to(fp8).view(torch.uint8)
+                if not torch.equal(rec["bytes"], want):
+                    raise AssertionError(f"{where} {label} call {call}: rank {r} bytes differ")
+                compared += 1
+    return compared
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, rtol: float, what: str) -> None:
+    """max |got - want| <= rtol * max |want| (a normwise bound: fp32 reassociation errors scale
+    with the magnitude of the whole sum, not of each element)."""
+    if got.shape != want.shape:
+        raise AssertionError(f"{what}: shape {tuple(got.shape)} vs {tuple(want.shape)}")
+    err = (got.double() - want.double()).abs().max().item()
+    scale = want.double().abs().max().item()
+    if not err <= rtol * scale:
+        raise AssertionError(f"{what}: max error {err:.3e} > {rtol} * {scale:.3e}")
