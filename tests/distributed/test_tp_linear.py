@@ -187,7 +187,7 @@ def _outlier(rank: int, world: int) -> dict:
 def test_outlier_on_one_nonzero_rank_moves_every_ranks_scale():
     for world in (2, 4):
         results = run_ranks(_outlier, world)
-        for key, value in results[0].items():
+        for key in results[0]:
             if key.endswith("current"):
                 want = (1.0 / torch.tensor(448.0 / 1e4, dtype=torch.float32)).item()
             else:
