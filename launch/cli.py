@@ -1,22 +1,343 @@
-"""The `dist-quant` command line."""
+"""The `dist-quant` command line: demo, run, switch, status, roles.
+
+Every error is one line on stderr and an exit code, never a traceback (set DIST_QUANT_DEBUG=1 to
+get the traceback of an unexpected error). Exit codes:
+
+    0  success (`switch`: the switch committed on every rank)
+    1  the job answered no: `switch` aborted (each rank's reason is printed) or was refused
+       because another switch is open; `demo` failed; `roles`: the recipe does not fit the model
+    2  usage errors (bad flags, unparseable recipe JSON/YAML, bad model spec) and connection
+       errors (no job in the run directory, coordinator unreachable, wrong token)
+
+A recipe that parses but is not a valid recipe (unknown type or field, bad value) is sent to the
+job like any other: every rank votes no with the reason, `switch` exits 1 and training goes on
+unchanged.
+"""
+
+from __future__ import annotations
 
 import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+
+class CliError(Exception):
+    """A one-line error for the user, with the exit code to return."""
+
+    def __init__(self, message: str, code: int = 2) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # argparse prints usage plus the error and exits; we want one line and exit code 2.
+        raise CliError(f"{self.prog}: {message} (see '{self.prog} --help')", 2)
+
+
+def parse_recipe_arg(text: str) -> str | dict[str, Any]:
+    """RECIPE as given on the command line -> the payload the coordinator sends to ranks.
+
+    A path to a JSON/YAML file is read; text starting with `{` or `"` is JSON; anything else is
+    a built-in name (`delayed`, `current`, `mxfp8`, `block`, `bf16`). Unparseable input raises
+    CliError (exit 2); whether the recipe itself is valid is for the ranks (or `roles`) to say.
+    """
+    import yaml
+
+    stripped = text.strip()
+    if not stripped:
+        raise CliError("RECIPE is empty: give a built-in name, a JSON object or a file", 2)
+    path = Path(stripped)
+    if path.is_file():
+        try:
+            value = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError) as e:
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise CliError(f"recipe file {stripped!r} is not valid JSON/YAML: {first}", 2) from e
+        where = f"recipe file {stripped!r}"
+    elif stripped[0] in '{["':
+        try:
+            value = json.loads(stripped)
+        except json.JSONDecodeError as e:
+            raise CliError(f"RECIPE is not valid JSON: {e}", 2) from e
+        where = "RECIPE"
+    elif path.suffix.lower() in (".json", ".yaml", ".yml"):
+        raise CliError(f"recipe file {stripped!r} does not exist", 2)
+    else:
+        return stripped
+    if not isinstance(value, str | dict):
+        raise CliError(
+            f"{where} holds a {type(value).__name__}; a recipe is an object or a built-in name", 2
+        )
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def _add_target(p: argparse.ArgumentParser) -> None:
+    """How a client finds a job: its run directory, or an address plus token."""
+    where = p.add_mutually_exclusive_group()
+    where.add_argument(
+        "--run-dir",
+        metavar="DIR",
+        help="the job's run directory (holds coordinator.json); default $DIST_QUANT_RUN_DIR, "
+        "else ./dist_quant_run",
+    )
+    where.add_argument("--address", metavar="HOST:PORT", help="the coordinator's address")
+    p.add_argument("--token", help="the job's token, with --address (default $DIST_QUANT_TOKEN)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dist-quant", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="run the demo training job (CPU by default)")
-    demo.add_argument("--nproc", type=int, default=2)
-    demo.add_argument("--steps", type=int, default=60)
+    parser = _Parser(
+        prog="dist-quant",
+        description="FP8 training for PyTorch with atomic cluster-wide recipe switches.",
+        epilog="Exit codes: 0 success, 1 the job answered no (switch aborted or refused), "
+        "2 usage or connection error.",
+    )
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=_Parser
+    )
+
+    demo = sub.add_parser(
+        "demo",
+        help="train a small GPT on N ranks, switching recipes mid-run through the coordinator",
+        description="Train a small GPT (dist-quant TransformerLayers, tensor parallel) on a "
+        "synthetic language, switching recipes mid-run through the coordinator: bf16 warm-up, "
+        "FP8 delayed scaling, FP8 current scaling, bf16 tail. CPU (gloo) by default; NCCL on GPUs.",
+    )
+    demo.add_argument("--nproc", type=_positive_int, default=2, help="ranks (default 2)")
+    demo.add_argument(
+        "--tp",
+        type=_positive_int,
+        default=None,
+        help="tensor-parallel size; must divide --nproc (default min(2, nproc))",
+    )
+    demo.add_argument(
+        "--steps", type=_positive_int, default=200, help="optimizer steps (default 200)"
+    )
+    demo.add_argument("--launcher", choices=("torchrun", "ray"), default="torchrun")
+    demo.add_argument(
+        "--recipe-schedule",
+        metavar="FILE",
+        help="YAML/JSON list of phases {step|fraction, recipe, label}; "
+        "default: bf16 0%%, delayed 25%%, current 55%%, bf16 85%%",
+    )
+    demo.add_argument(
+        "--out",
+        metavar="DIR",
+        default="dist_quant_run",
+        help="run directory: coordinator.json, logs, summary, loss.png "
+        "(default ./dist_quant_run, where 'dist-quant switch' looks by default)",
+    )
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument(
+        "--model",
+        metavar="SPEC",
+        default="gpt",
+        help="model spec, see 'dist-quant roles --help' (default gpt)",
+    )
+    demo.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto: CUDA + NCCL when every rank can have a GPU, else CPU + gloo",
+    )
+    demo.add_argument(
+        "--step-delay",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="sleep S seconds after each step, to watch the demo or to try "
+        "'dist-quant switch' from another terminal",
+    )
+
+    run = sub.add_parser(
+        "run",
+        help="run a training script on N local ranks with torchrun",
+        description="python -m torch.distributed.run --standalone --nproc-per-node N SCRIPT ARGS, "
+        "with DIST_QUANT_RUN_DIR exported so attach() and 'dist-quant switch' meet.",
+    )
+    run.add_argument("--nproc", type=_positive_int, required=True, help="ranks on this machine")
+    run.add_argument("--run-dir", metavar="DIR", help="exported as DIST_QUANT_RUN_DIR")
+    run.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name")
+    run.add_argument("script", metavar="SCRIPT")
+    run.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS")
+
+    switch = sub.add_parser(
+        "switch",
+        help="switch a running job to RECIPE on every rank at once",
+        description="Ask a running job's coordinator to switch every rank to RECIPE at the same "
+        "step. RECIPE: a built-in name (delayed, current, mxfp8, block, bf16), a JSON object, or "
+        "a JSON/YAML file. Exit 0: committed; 1: aborted (each rank's reason is printed) or "
+        "refused (another switch is open); 2: usage or connection error, unparseable RECIPE.",
+    )
+    switch.add_argument("recipe", metavar="RECIPE")
+    switch.add_argument(
+        "--at-step",
+        type=_non_negative_int,
+        default=None,
+        help="commit at this step (default: the step after every rank has voted)",
+    )
+    switch.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=60.0,
+        metavar="S",
+        help="give up (abort) if not decided within S seconds (default 60)",
+    )
+    _add_target(switch)
+
+    status = sub.add_parser(
+        "status",
+        help="show a running job's recipe per rank, open switch and last decisions",
+        description="Query a running job's coordinator: each rank's recipe key, the open switch "
+        "(if any), and the last decisions. Exit 2 if the job cannot be reached.",
+    )
+    status.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    _add_target(status)
+
+    roles = sub.add_parser(
+        "roles",
+        help="print every quantizer role a model emits and the quantizer a recipe gives it",
+        description="Print the role table of a model: module, slot, role, and the quantizer "
+        "class the recipe gives it. MODEL_SPEC is 'gpt' with optional comma-separated "
+        "key=value overrides (gpt:layers=2,hidden=64,heads=4,ffn=256,vocab=64,seq=32), or "
+        "'pkg.module:function' naming a function that takes no arguments and returns the model.",
+    )
+    roles.add_argument("model_spec", metavar="MODEL_SPEC")
+    roles.add_argument(
+        "--recipe",
+        metavar="RECIPE",
+        default=None,
+        help="built-in name, JSON object or file (default: autocast's default "
+        "recipe on this machine)",
+    )
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == "demo":
-        print(
-            f"dist-quant demo: will train a small GPT on {args.nproc} ranks for {args.steps} steps, "
-            "switching recipes mid-run through the coordinator (not built yet)."
+# ---- handlers --------------------------------------------------------------------------------
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from dist_quant.launch.demo import DemoOptions, run_demo
+
+    return run_demo(
+        DemoOptions(
+            nproc=args.nproc,
+            tp=args.tp,
+            steps=args.steps,
+            launcher=args.launcher,
+            schedule_file=args.recipe_schedule,
+            out=args.out,
+            seed=args.seed,
+            model=args.model,
+            device=args.device,
+            step_delay=args.step_delay,
         )
+    )
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from dist_quant.launch.torchrun import run_script
+
+    try:
+        rc = run_script(
+            args.nproc, args.script, args.args, module=args.module, run_dir=args.run_dir
+        )
+    except FileNotFoundError as e:
+        raise CliError(str(e), 2) from e
+    if rc != 0:
+        raise CliError(f"{args.script} failed on at least one rank (torchrun exit code {rc})", 1)
     return 0
+
+
+def _cmd_switch(args: argparse.Namespace) -> int:
+    from dist_quant.launch.client import switch
+
+    return switch(
+        parse_recipe_arg(args.recipe),
+        at_step=args.at_step,
+        timeout_s=args.timeout,
+        run_dir=args.run_dir,
+        address=args.address,
+        token=args.token,
+    )
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from dist_quant.launch.client import status
+
+    return status(run_dir=args.run_dir, address=args.address, token=args.token, as_json=args.json)
+
+
+def _cmd_roles(args: argparse.Namespace) -> int:
+    from dist_quant.launch.roles import print_role_table
+
+    recipe = None if args.recipe is None else parse_recipe_arg(args.recipe)
+    return print_role_table(args.model_spec, recipe)
+
+
+_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "demo": _cmd_demo,
+    "run": _cmd_run,
+    "switch": _cmd_switch,
+    "status": _cmd_status,
+    "roles": _cmd_roles,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `dist-quant`; returns the exit code."""
+    try:
+        args = build_parser().parse_args(argv)
+        return _COMMANDS[args.command](args)
+    except CliError as e:
+        print(
+            f"dist-quant: {e}" if not str(e).startswith("dist-quant") else str(e), file=sys.stderr
+        )
+        return e.code
+    except SystemExit as e:  # --help, or a handler that exits on purpose
+        return e.code if isinstance(e.code, int) else 0
+    except KeyboardInterrupt:
+        print("dist-quant: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if os.environ.get("DIST_QUANT_DEBUG"):
+            raise
+        first = (str(e).strip().splitlines() or [""])[0]
+        print(f"dist-quant: {type(e).__name__}: {first}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

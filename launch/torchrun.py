@@ -1,0 +1,134 @@
+"""Launch N local ranks with `torch.distributed.run` (torchrun), as a supervised child process.
+
+`dist-quant run --nproc N script.py ARGS` is exactly
+`python -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node N script.py ARGS`
+with `DIST_QUANT_RUN_DIR` exported, so that `attach()` in the script and `dist-quant switch` in
+another terminal find the same coordinator. Plain `torchrun` works just as well; this wrapper only
+adds the run directory and a clean shutdown: torchrun runs in its own process group, and stopping
+the job sends it SIGTERM (torchrun then stops its workers) and, if it has not exited within the
+grace period, SIGKILL to the whole group, so no worker outlives the launcher.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO
+
+
+def torchrun_command(
+    nproc: int, target: Sequence[str], *, module: bool = False, python: str | None = None
+) -> list[str]:
+    """The argv that runs `target` (a script and its arguments, or a module with `module=True`)
+    on `nproc` local ranks."""
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"--nproc must be an integer >= 1, got {nproc!r}")
+    if not target:
+        raise ValueError("torchrun needs a script (or module) to run")
+    return [
+        python or sys.executable,
+        "-m",
+        "torch.distributed.run",
+        # --standalone: a private c10d rendezvous on a free local port, so two jobs on one
+        # machine never collide on MASTER_PORT.
+        "--standalone",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(nproc),
+        *(["-m"] if module else []),
+        *target,
+    ]
+
+
+class TorchrunJob:
+    """One torchrun process group: start it, poll it, stop it without leaving orphans."""
+
+    def __init__(
+        self,
+        nproc: int,
+        target: Sequence[str],
+        *,
+        module: bool = False,
+        env: Mapping[str, str] | None = None,
+        run_dir: str | Path | None = None,
+        stdout: IO[str] | int | None = None,
+    ) -> None:
+        self.argv = torchrun_command(nproc, target, module=module)
+        child_env = dict(os.environ)
+        child_env.update(env or {})
+        if run_dir is not None:
+            child_env["DIST_QUANT_RUN_DIR"] = str(Path(run_dir).resolve())
+        # One BLAS thread per rank: N ranks on N cores otherwise oversubscribe and crawl.
+        child_env.setdefault("OMP_NUM_THREADS", "1")
+        self._env = child_env
+        self._stdout = stdout
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> TorchrunJob:
+        if self._proc is not None:
+            raise RuntimeError("this torchrun job was already started")
+        stderr = subprocess.STDOUT if self._stdout is not None else None
+        self._proc = subprocess.Popen(
+            self.argv, env=self._env, stdout=self._stdout, stderr=stderr, start_new_session=True
+        )
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    def poll(self) -> int | None:
+        """The exit code, or None while the job runs."""
+        return None if self._proc is None else self._proc.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self._proc is None:
+            raise RuntimeError("this torchrun job was never started")
+        return self._proc.wait(timeout)
+
+    def stop(self, grace_s: float = 10.0) -> int | None:
+        """SIGTERM torchrun (it forwards the stop to its workers), then SIGKILL the whole process
+        group after `grace_s`. Returns the exit code, or None if it was never started."""
+        proc = self._proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        # Workers that ignored the agent's SIGTERM are still in torchrun's group (its session).
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        return proc.wait()
+
+
+def run_script(
+    nproc: int,
+    script: str,
+    args: Sequence[str],
+    *,
+    module: bool = False,
+    run_dir: str | Path | None = None,
+) -> int:
+    """`dist-quant run`: run `script` under torchrun in the foreground; returns its exit code.
+
+    Ctrl-C stops every rank before returning.
+    """
+    if not module and not Path(script).is_file():
+        raise FileNotFoundError(f"script {script!r} does not exist")
+    job = TorchrunJob(nproc, [script, *args], module=module, run_dir=run_dir).start()
+    try:
+        return job.wait()
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        job.stop()
