@@ -1,0 +1,474 @@
+"""Checkpoint and resume of recipe and scaling state, bit-exact.
+
+Every dist-quant module's `state_dict()` carries one extra-state entry, `<prefix>_extra_state`:
+
+    {"format": "dist_quant.extra_state/1",
+     "module": "layers.3.fc1",              # the role name its quantizer roles carry
+     "recipe": recipe.to_dict() | None,     # None: no recipe yet, or not serialisable (see below)
+     "recipe_key": sha256 hex of repr(recipe.key()) | None,
+     "recipe_key_repr": repr(recipe.key()) | None,   # for error messages
+     "recipe_note": "" | why "recipe" is None although a recipe ran,
+     "pinned": bool,                        # set by apply_recipe / the coordinator
+     "roles": {"forward": [[module_type, tensor_type, name] | None, ...], "backward": [...]} | None,
+     "buffers": {"forward.scale": Tensor, "forward.amax_history": Tensor, "backward.scale": ...}}
+
+Only plain types and (copied) tensors, so `torch.load(weights_only=True)` reads it and loading a
+state dict in place (torch.distributed.checkpoint does) never writes into the live buffers.
+
+Loading one module's entry validates everything first, then mutates:
+- the module has a runtime: its recipe key and roles must equal the checkpoint's, else
+  `RecipeUpdateError` with the one-liner `ONE_LINER`; the buffers are copied into the runtime's
+  own tensors (quantizers hold views of them);
+- it has none: the checkpoint's recipe is rebuilt (`recipe_from_dict`, key checked), planned and
+  published for it, so a fresh model resumes on the recipe it was on, then the buffers are copied.
+  A recipe that could not be serialised (an unkeyed closure factory) cannot be rebuilt: apply the
+  same recipe object first;
+- the checkpoint had no runtime: the module drops its own, so it resolves its recipe at its next
+  forward exactly as the checkpointed module would have.
+An unnamed module (fresh model) takes the checkpoint's name, so its roles are the ones it ran with.
+
+`nn.Module.load_state_dict` loads module by module and would leave earlier modules loaded when a
+later one fails; `load_state_dict(model, state_dict)` here validates every module's extra state and
+every tensor's shape before anything is copied. `save` / `load` wrap plain `torch.save`;
+`checkpoint_dcp.py` does the same for torch.distributed.checkpoint; `checkpoint_job.py` captures the
+coordinator's decision log and the last committed switch. See docs/checkpoint.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.module import _IncompatibleKeys
+
+from dist_quant.checkpoint_job import job_state, restore_job_state
+from dist_quant.modules.base import QuantizedModule
+from dist_quant.recipes import Recipe, recipe_from_dict
+from dist_quant.runtime import (
+    ModuleCandidate,
+    ModuleRuntime,
+    RecipeUpdateError,
+    plan_module,
+    publish_candidates,
+)
+
+FORMAT = "dist_quant.extra_state/1"
+CHECKPOINT_FORMAT = "dist_quant.checkpoint/1"
+EXTRA_STATE_SUFFIX = "_extra_state"  # torch's key for get_extra_state()
+ONE_LINER = "dq.apply_recipe(model, dq.checkpoint.recipe_of(state_dict))"
+_DIRECTIONS = ("forward", "backward")
+_FIELDS: dict[str, tuple[type, ...]] = {
+    "format": (str,),
+    "module": (str,),
+    "recipe": (dict, type(None)),
+    "recipe_key": (str, type(None)),
+    "recipe_key_repr": (str, type(None)),
+    "recipe_note": (str,),
+    "pinned": (bool,),
+    "roles": (dict, type(None)),
+    "buffers": (dict,),
+}
+
+
+def recipe_digest(key: Hashable) -> str:
+    """A stable string for a recipe key: keys hold only strings, numbers, bools, None and tuples,
+    whose repr is the same in every process."""
+    return hashlib.sha256(repr(key).encode()).hexdigest()
+
+
+# ---- saving -------------------------------------------------------------------------------------
+def _encode_roles(roles: tuple) -> list:
+    return [None if r is None else [r.module_type, r.tensor_type, r.name] for r in roles]
+
+
+def _runtime_buffers(rt: ModuleRuntime) -> dict[str, Tensor]:
+    out = {}
+    for direction, state in zip(_DIRECTIONS, (rt.fwd_state, rt.bwd_state)):
+        out.update({f"{direction}.{k}": v for k, v in state.persistent_buffers().items()})
+    return out
+
+
+def module_extra_state(module: QuantizedModule) -> dict[str, Any]:
+    """What `QuantizedModule.get_extra_state` returns (see the module docstring)."""
+    rt = module._dq_runtime if module.owns_quantizers else None
+    state: dict[str, Any] = {
+        "format": FORMAT,
+        "module": module.role_name,
+        "recipe": None,
+        "recipe_key": None,
+        "recipe_key_repr": None,
+        "recipe_note": "",
+        "pinned": False,
+        "roles": None,
+        "buffers": {},
+    }
+    if rt is None:
+        return state
+    try:
+        state["recipe"] = rt.recipe.to_dict()
+    except ValueError as e:  # a lambda / closure factory: resuming needs the same object applied
+        state["recipe_note"] = str(e)
+    state["recipe_key"] = recipe_digest(rt.recipe_key)
+    state["recipe_key_repr"] = repr(rt.recipe_key)
+    state["pinned"] = module._dq_pinned_recipe is not None
+    state["roles"] = {
+        "forward": _encode_roles(rt.fwd_roles),
+        "backward": _encode_roles(rt.bwd_roles),
+    }
+    # copies: a state dict loaded in place (DCP) must not write into the live buffers
+    state["buffers"] = {k: v.detach().clone() for k, v in _runtime_buffers(rt).items()}
+    return state
+
+
+# ---- validating ---------------------------------------------------------------------------------
+def _check_roles(roles: object, where: str) -> None:
+    if not isinstance(roles, dict) or sorted(roles) != sorted(_DIRECTIONS):
+        raise ValueError(f"{where}: 'roles' must map 'forward' and 'backward' to lists")
+    for direction, slots in roles.items():
+        if not isinstance(slots, list) or not all(
+            s is None
+            or (isinstance(s, list) and len(s) == 3 and all(isinstance(x, str) for x in s))
+            for s in slots
+        ):
+            raise ValueError(
+                f"{where}: roles[{direction!r}] must be a list of None or "
+                "[module_type, tensor_type, name]"
+            )
+
+
+def parse_extra_state(state: object, where: str) -> dict[str, Any]:
+    """Check `state` is a well-formed extra state of this format; ValueError naming `where`."""
+    if not isinstance(state, Mapping):
+        raise ValueError(
+            f"{where}: extra state is a {type(state).__name__}, not a dist-quant extra state "
+            f"({FORMAT!r}): an old-format or foreign checkpoint"
+        )
+    fmt = state.get("format")
+    if fmt != FORMAT:
+        raise ValueError(
+            f"{where}: extra state format {fmt!r} is not supported; this version reads {FORMAT!r} "
+            "(an old-format or foreign checkpoint)"
+        )
+    missing, unknown = sorted(_FIELDS.keys() - state.keys()), sorted(state.keys() - _FIELDS.keys())
+    if missing or unknown:
+        raise ValueError(f"{where}: corrupted extra state: missing {missing}, unknown {unknown}")
+    for name, types in _FIELDS.items():
+        if not isinstance(state[name], types):
+            got = type(state[name]).__name__
+            raise ValueError(f"{where}: corrupted extra state: {name!r} is a {got}")
+    ran = state["recipe_key"] is not None
+    if ran:
+        if len(state["recipe_key"]) != 64 or state["recipe_key_repr"] is None:
+            raise ValueError(f"{where}: corrupted extra state: malformed 'recipe_key'")
+        if state["recipe"] is None and not state["recipe_note"]:
+            raise ValueError(f"{where}: corrupted extra state: a recipe ran but none is recorded")
+        _check_roles(state["roles"], where)
+    elif state["recipe"] is not None or state["roles"] is not None or state["pinned"]:
+        raise ValueError(f"{where}: corrupted extra state: a recipe without a 'recipe_key'")
+    for name, t in state["buffers"].items():
+        if not ran or not isinstance(name, str) or not isinstance(t, Tensor):
+            raise ValueError(f"{where}: corrupted extra state: bad buffer entry {name!r}")
+    return dict(state)
+
+
+def rebuild_recipe(state: Mapping[str, Any], where: str) -> Recipe:
+    """The recipe a parsed extra state ran, rebuilt from its dict and checked against its key."""
+    if state["recipe"] is None:
+        raise RecipeUpdateError(
+            f"{where}: the checkpoint's recipe {state['recipe_key_repr']} was not serialisable "
+            f"({state['recipe_note']}); apply that same recipe object before loading: "
+            "dq.apply_recipe(model, recipe)"
+        )
+    try:
+        recipe = recipe_from_dict(state["recipe"])
+    except ValueError as e:
+        raise ValueError(f"{where}: cannot rebuild the checkpoint's recipe: {e}") from e
+    if recipe_digest(recipe.key()) != state["recipe_key"]:
+        raise RecipeUpdateError(
+            f"{where}: the recipe rebuilt from the checkpoint has key {recipe.key()!r}, but the "
+            f"checkpoint ran {state['recipe_key_repr']}: a factory's code or captured values "
+            "changed since the checkpoint was taken (or the checkpoint is corrupted)"
+        )
+    return recipe
+
+
+@dataclass
+class StagedLoad:
+    """One module's validated load; `apply()` only assigns attributes and copies checked tensors."""
+
+    module: QuantizedModule
+    action: str  # "none" | "clear" | "keep" | "install"
+    candidate: ModuleCandidate | None = None
+    name: str = ""
+    pinned: bool = False
+    copies: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+
+    def apply(self) -> None:
+        m = self.module
+        if self.action == "clear":
+            m._dq_runtime, m._dq_pinned_recipe = None, None
+            m._dq_weight_cache, m._dq_seen = {}, (-1, -1)
+            return
+        if self.action == "install":
+            if self.name:
+                m._set_path_name(self.name)
+            publish_candidates([self.candidate], self.candidate.runtime.recipe_key)
+        if self.action in ("keep", "install"):
+            m._dq_pinned_recipe = m._dq_runtime.recipe if self.pinned else None
+        with torch.no_grad():
+            for dst, src in self.copies:
+                dst.copy_(src)  # in place: quantizers view these tensors
+
+
+@contextmanager
+def _provisional_name(module: QuantizedModule, name: str):
+    """Plan an unnamed module under the checkpoint's name without leaving it there yet."""
+    if module.role_name or not name:
+        yield
+        return
+    saved = module._dq_path_name
+    module._dq_path_name = name
+    try:
+        yield
+    finally:
+        module._dq_path_name = saved
+
+
+def _match_buffers(targets: dict[str, Tensor], saved: dict[str, Tensor], where: str) -> list:
+    if targets.keys() != saved.keys():
+        raise ValueError(
+            f"{where}: the checkpoint holds scaling buffers {sorted(saved)}, the module's recipe "
+            f"state has {sorted(targets)} (corrupted checkpoint)"
+        )
+    for name, t in targets.items():
+        s = saved[name]
+        if s.shape != t.shape or s.dtype != t.dtype:
+            raise ValueError(
+                f"{where}: buffer {name!r} is {s.dtype} {tuple(s.shape)} in the checkpoint, the "
+                f"module's is {t.dtype} {tuple(t.shape)} (corrupted or from another model)"
+            )
+    return [(targets[n], saved[n]) for n in targets]
+
+
+def _mismatch(where: str, saved: Mapping[str, Any], rt: ModuleRuntime) -> RecipeUpdateError:
+    return RecipeUpdateError(
+        f"{where}: the checkpoint was taken under recipe {saved['recipe_key_repr']}, but the "
+        f"module runs {rt.recipe_key!r}; loading would mix recipes. Switch the model to the "
+        f"checkpoint's recipe first ({ONE_LINER}) or load into a fresh model."
+    )
+
+
+def stage_extra_state(module: QuantizedModule, state: object, where: str = "") -> StagedLoad:
+    """Validate `state` against `module` and prepare its load; mutates nothing."""
+    where = where or f"module {module.role_name or type(module).__name__!r}"
+    saved = parse_extra_state(state, where)
+    if not module.owns_quantizers:
+        if saved["recipe_key"] is not None:
+            raise ValueError(
+                f"{where}: the checkpoint has a recipe for a module without quantizers"
+            )
+        return StagedLoad(module, "none")
+    if saved["recipe_key"] is None:
+        return StagedLoad(module, "clear" if module._dq_runtime is not None else "none")
+    rt, name = module._dq_runtime, saved["module"]
+    if rt is not None:
+        if recipe_digest(rt.recipe_key) != saved["recipe_key"]:
+            raise _mismatch(where, saved, rt)
+        staged = StagedLoad(module, "keep", pinned=saved["pinned"])
+    else:
+        recipe = rebuild_recipe(saved, where)
+        with _provisional_name(module, name):
+            candidate = plan_module(module, recipe)
+        rt = candidate.runtime
+        staged = StagedLoad(module, "install", candidate, "" if module.role_name else name)
+        staged.pinned = saved["pinned"]
+    have = {"forward": _encode_roles(rt.fwd_roles), "backward": _encode_roles(rt.bwd_roles)}
+    if have != saved["roles"]:
+        raise RecipeUpdateError(
+            f"{where}: the module's quantizer roles {have} differ from the checkpoint's "
+            f"{saved['roles']} (renamed or restructured module); its scaling state would land in "
+            "other slots"
+        )
+    staged.copies = _match_buffers(_runtime_buffers(rt), saved["buffers"], where)
+    return staged
+
+
+def load_module_extra_state(module: QuantizedModule, state: object) -> None:
+    """What `QuantizedModule.set_extra_state` does: validate, then load (see the docstring)."""
+    stage_extra_state(module, state).apply()
+
+
+# ---- whole models ---------------------------------------------------------------------------------
+def _unwrap(state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
+    if state_dict.get("format") == CHECKPOINT_FORMAT and isinstance(
+        state_dict.get("model"), Mapping
+    ):
+        return state_dict["model"]  # a checkpoint written by `save`
+    return state_dict
+
+
+def recipe_of(state_dict: Mapping[str, Any]) -> Recipe:
+    """The recipe the checkpoint's dist-quant modules ran: `ONE_LINER` switches a model to it.
+
+    Accepts a model state dict or a checkpoint written by `save`. ValueError when no module ran a
+    recipe or they ran several (load into a fresh model then: each module takes its own).
+    """
+    found: dict[str, tuple[str, dict]] = {}
+    for key, value in _unwrap(state_dict).items():
+        if key.endswith(EXTRA_STATE_SUFFIX) and isinstance(value, Mapping):
+            if value.get("format") != FORMAT:
+                continue  # another library's extra state
+            saved = parse_extra_state(value, f"{key!r}")
+            if saved["recipe_key"] is not None:
+                found.setdefault(saved["recipe_key"], (key, saved))
+    if not found:
+        raise ValueError("recipe_of: no dist-quant module in this state dict ran a recipe")
+    if len(found) > 1:
+        ran = "; ".join(f"{k!r}: {s['recipe_key_repr']}" for k, s in found.values())
+        raise ValueError(
+            f"recipe_of: the modules ran {len(found)} different recipes ({ran}); one apply_recipe "
+            "cannot reproduce that: load into a fresh model, where each module takes its own"
+        )
+    key, saved = next(iter(found.values()))
+    return rebuild_recipe(saved, f"{key!r}")
+
+
+def _dq_modules_by_key(model: nn.Module) -> dict[str, QuantizedModule]:
+    return {
+        prefix + ("." if prefix else "") + EXTRA_STATE_SUFFIX: m
+        for prefix, m in model.named_modules(remove_duplicate=False)
+        if isinstance(m, QuantizedModule)
+    }
+
+
+def stage_model(
+    model: nn.Module, state_dict: Mapping[str, Any], strict: bool = True
+) -> Callable[[], _IncompatibleKeys]:
+    """Validate all of `state_dict` against `model`; return the function that loads it."""
+    if not isinstance(state_dict, Mapping):
+        raise ValueError(f"load_state_dict: expected a mapping, got {type(state_dict).__name__}")
+    expected = model.state_dict(keep_vars=True)
+    missing = [k for k in expected if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in expected]
+    if strict and (missing or unexpected):
+        raise ValueError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+    problems = []
+    for k, want in expected.items():
+        got = state_dict.get(k)
+        if isinstance(want, Tensor) and k in state_dict:
+            if not isinstance(got, Tensor):
+                problems.append(f"{k!r} is a {type(got).__name__}, not a tensor")
+            elif got.shape != want.shape:
+                problems.append(f"{k!r} is {tuple(got.shape)}, the model's {tuple(want.shape)}")
+    if problems:
+        raise ValueError("load_state_dict: " + "; ".join(problems))
+    owners = _dq_modules_by_key(model)
+    staged = [
+        stage_extra_state(owners[k], state_dict[k], f"{k!r}") for k in owners if k in state_dict
+    ]
+    rest: OrderedDict[str, Any] = OrderedDict(
+        (k, v) for k, v in state_dict.items() if k not in owners
+    )
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        rest._metadata = metadata  # torch's per-module versions
+
+    def commit() -> _IncompatibleKeys:
+        model.load_state_dict(rest, strict=False)  # shapes checked above: cannot stop half-way
+        for s in staged:
+            s.apply()
+        return _IncompatibleKeys(missing, unexpected)
+
+    return commit
+
+
+def load_state_dict(
+    model: nn.Module, state_dict: Mapping[str, Any], strict: bool = True
+) -> _IncompatibleKeys:
+    """`model.load_state_dict`, all or nothing: every dist-quant extra state and every tensor's
+    shape is validated before anything is copied. Raises ValueError / RecipeUpdateError naming the
+    key; the model is then exactly as before."""
+    return stage_model(model, state_dict, strict)()
+
+
+# ---- plain torch.save ---------------------------------------------------------------------------
+PathLike = str | os.PathLike[str] | IO[bytes]
+
+
+def save(
+    f: PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    job: Mapping[str, Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> None:
+    """`torch.save` of the model (with its dist-quant state), the optimizer, the job state
+    (`job_state(...)`) and `extra` (plain data: step, RNG states...); `load` reads it back."""
+    torch.save(
+        {
+            "format": CHECKPOINT_FORMAT,
+            "model": model.state_dict(),
+            "optimizer": None if optimizer is None else optimizer.state_dict(),
+            "job": None if job is None else dict(job),
+            "extra": None if extra is None else dict(extra),
+        },
+        f,
+    )
+
+
+def load(
+    f: PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    map_location: Any = None,
+    strict: bool = True,
+) -> dict[str, Any]:
+    """Load a checkpoint written by `save` (with `weights_only=True`: no code runs but the recipes'
+    own factory imports). Validates the model state, then loads the optimizer (torch checks it
+    before changing anything), then the model. Returns {"job": ..., "extra": ...}."""
+    ckpt = torch.load(f, map_location=map_location, weights_only=True)
+    if not isinstance(ckpt, Mapping) or ckpt.get("format") != CHECKPOINT_FORMAT:
+        got = ckpt.get("format") if isinstance(ckpt, Mapping) else type(ckpt).__name__
+        raise ValueError(f"load: not a {CHECKPOINT_FORMAT!r} checkpoint (got {got!r})")
+    commit = stage_model(model, ckpt["model"], strict)
+    if optimizer is not None:
+        if ckpt["optimizer"] is None:
+            raise ValueError("load: the checkpoint holds no optimizer state")
+        optimizer.load_state_dict(ckpt["optimizer"])
+    commit()
+    return {"job": ckpt["job"], "extra": ckpt["extra"]}
+
+
+_DCP_NAMES = ("dcp_load", "dcp_save", "dcp_state_dict")
+
+
+def __getattr__(name: str) -> Any:
+    # torch.distributed.checkpoint is imported only by jobs that use it (it adds ~1 s to import)
+    if name in _DCP_NAMES:
+        from dist_quant import checkpoint_dcp
+
+        return getattr(checkpoint_dcp, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "FORMAT",
+    "ONE_LINER",
+    "job_state",
+    "load",
+    "load_state_dict",
+    "recipe_of",
+    "restore_job_state",
+    "save",
+    *_DCP_NAMES,
+]
