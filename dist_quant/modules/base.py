@@ -106,6 +106,18 @@ class QuantizedModule(nn.Module):
             self._dq_grad_input_role = role
             self._roles_changed()
 
+    # ---- checkpoints: recipe and scaling state (format and rules in dist_quant/checkpoint.py) --
+    def get_extra_state(self) -> dict[str, Any]:
+        from dist_quant.checkpoint import module_extra_state
+
+        return module_extra_state(self)
+
+    def set_extra_state(self, state: Any) -> None:
+        """Validates everything first; raises ValueError / RecipeUpdateError leaving it unchanged."""
+        from dist_quant.checkpoint import load_module_extra_state
+
+        load_module_extra_state(self, state)
+
     # ---- validation hook for runtime.validate_candidate -------------------------------------
     def validate_quantizers(self, quantizers: list, roles: tuple, *, fwd: bool) -> None:
         """Raise ValueError naming the role if a slot got a quantizer this module cannot use."""
