@@ -58,49 +58,44 @@ def fp8_encode(v, MAX_BITS: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.c
     """fp32 ``v`` -> FP8 byte (int32 in [0, 255]): clamp to +-max, round half to even, NaN -> 0x7F.
 
     Clamping first equals the reference's ``clamp(-max, max).to(fp8)``: a value <= max rounds to a
-    code <= max. The significand (implicit bit included) is shifted right so that one unit is the
-    target's quantum, ``2**(max(e, MIN_EXP) - MANT_BITS)``; a carry out of the mantissa lands in the
-    exponent field by plain addition, and a subnormal result carries into the smallest normal.
+    code <= max. Rounding: ``c = 2**(max(e, MIN_EXP) + 23 - MANT_BITS)`` has an fp32 ulp equal to
+    the FP8 quantum at ``|v|`` (exponent ``e``; subnormals share MIN_EXP), so the fp32 add
+    ``|v| + c`` rounds to the FP8 grid with ties to even and ``- c`` is exact. Packing: scaling by
+    ``2**(bias - 127)`` (exact; FP8 subnormals become fp32 subnormals) turns the fp32 exponent and
+    top mantissa bits into the FP8 exponent and mantissa fields. About a dozen ALU ops per element.
     """
     bits = v.to(tl.int32, bitcast=True)
-    sign = (bits >> 24) & 0x80
     mag = bits & 0x7FFFFFFF
     is_nan = mag > 0x7F800000
     mag = tl.minimum(mag, MAX_BITS)  # integer order of magnitudes = float order; inf -> max
-    exp_field = mag >> 23
-    sig = (mag & 0x7FFFFF) | tl.where(exp_field > 0, 0x800000, 0)
-    e = tl.maximum(exp_field, 1) - 127  # unbiased; fp32 subnormals share exponent -126
-    # Shifts past 25 would be undefined; every such value is below half the smallest FP8 quantum.
-    shift = tl.minimum(23 - MANT_BITS + tl.maximum(MIN_EXP - e, 0), 25)
-    n = sig >> shift
-    rem = sig & ((1 << shift) - 1)
-    half = 1 << (shift - 1)
-    n += ((rem > half) | ((rem == half) & ((n & 1) == 1))).to(tl.int32)
-    code = ((tl.maximum(e, MIN_EXP) - MIN_EXP) << MANT_BITS) + n
-    return tl.where(is_nan, 0x7F, code | sign)
+    c_bits = tl.maximum(mag & 0x7F800000, (MIN_EXP + 127) << 23) + ((23 - MANT_BITS) << 23)
+    c = c_bits.to(tl.float32, bitcast=True)
+    r = (mag.to(tl.float32, bitcast=True) + c) - c
+    code = (r * (2.0 ** (-126 - MIN_EXP))).to(tl.int32, bitcast=True) >> (23 - MANT_BITS)
+    return tl.where(is_nan, 0x7F, code | ((bits >> 24) & 0x80))
 
 
 @triton.jit
 def fp8_decode(
     byte, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, HAS_INF: tl.constexpr
 ) -> tl.tensor:
-    """FP8 byte (any integer type) -> exact fp32; NaN bits follow torch's own decode."""
+    """FP8 byte (any integer type) -> exact fp32; NaN bits follow torch's own decode.
+
+    The inverse of ``fp8_encode``'s packing: the FP8 fields shifted into fp32 position read as
+    ``value * 2**(bias - 127)`` (an fp32 subnormal for FP8 subnormals); the multiply undoes that
+    exactly.
+    """
     code = byte.to(tl.int32) & 0xFF
-    sign = (code & 0x80) << 24
     mag = code & 0x7F
-    exp_field = mag >> MANT_BITS
-    mant = mag & ((1 << MANT_BITS) - 1)
-    normal = ((exp_field + (126 + MIN_EXP)) << 23) | (mant << (23 - MANT_BITS))
-    # Subnormal: mant * 2**(MIN_EXP - MANT_BITS), exact in fp32; its bits via a float multiply.
-    subnormal = (mant.to(tl.float32) * (2.0 ** (MIN_EXP - MANT_BITS))).to(tl.int32, bitcast=True)
-    out = tl.where(exp_field == 0, subnormal, normal)
-    if HAS_INF:
-        all_ones = (1 << (7 - MANT_BITS)) - 1
+    f = (mag << (23 - MANT_BITS)).to(tl.float32, bitcast=True) * (2.0 ** (126 + MIN_EXP))
+    out = f.to(tl.int32, bitcast=True)
+    if HAS_INF:  # E5M2: exponent all ones is inf (mantissa 0) or NaN
+        mant = code & ((1 << MANT_BITS) - 1)
         special = tl.where(mant == 0, 0x7F800000, 0x7FC00000 | (mant << (23 - MANT_BITS)))
-        out = tl.where(exp_field == all_ones, special, out)
-    else:
+        out = tl.where(mag >= (0x7F >> MANT_BITS) << MANT_BITS, special, out)
+    else:  # E4M3FN: only S.1111.111 is NaN
         out = tl.where(mag == 0x7F, 0x7FF00000, out)
-    return (out | sign).to(tl.float32, bitcast=True)
+    return (out | ((code & 0x80) << 24)).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -1,0 +1,110 @@
+"""Triton kernels through the ``dist_quant.kernels`` dispatchers at real sizes on a CUDA device.
+
+The dispatchers must route CUDA tensors to Triton and match the reference (run on the CPU, where it
+is the definition) bit for bit on 1D/2D/3D and non-contiguous inputs of millions of elements.
+"""
+
+import pytest
+import torch
+from dist_quant.kernels import reference as ref
+from triton_cases import assert_bitwise_equal, random_values, with_specials
+
+from dist_quant import kernels as K
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = [(2**22 + 3,), (4096, 4100), (3, 1000, 1537)]
+
+
+def _inputs(dtype: torch.dtype = torch.bfloat16, specials: bool = True):
+    """(cpu, cuda) pairs: the SHAPES, plus a transposed and a sliced 2D view made on the device."""
+    pairs = []
+    for i, shape in enumerate(SHAPES):
+        x = random_values(shape, dtype, seed=200 + i)
+        x = with_specials(x) if specials else x
+        pairs.append((x, x.cuda()))
+    base = random_values((3000, 2050), dtype, seed=210).cuda()
+    for view in (base.t(), base[7:2900, 1:2001:2]):
+        pairs.append((view.cpu(), view))
+    return pairs
+
+
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_per_tensor_casts_and_amax(fp8_dtype):
+    for x, xd in _inputs():
+        scale = torch.tensor([0.37])
+        slot = torch.tensor([1.0], device="cuda")
+        q = K.cast_to_fp8_with_amax(xd, scale.cuda(), fp8_dtype, slot)
+        assert_bitwise_equal(q, ref.cast_to_fp8(x, scale, fp8_dtype), "cast")
+        exp_amax = ref.amax(x)
+        assert_bitwise_equal(K.amax(xd), exp_amax, "amax")
+        assert_bitwise_equal(slot, torch.maximum(torch.tensor([1.0]), exp_amax), "amax slot")
+        q, q_t = K.cast_transpose(xd, scale.cuda(), fp8_dtype)
+        exp_q, exp_t = ref.cast_transpose(x, scale, fp8_dtype)
+        assert_bitwise_equal(q, exp_q, "cast_transpose q")
+        assert_bitwise_equal(q_t, exp_t, "cast_transpose q_t")
+        assert_bitwise_equal(K.dequantize(q, 2.7), ref.dequantize(exp_q, 2.7), "dequantize")
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+def test_current_scaling_cast(transpose):
+    for x, xd in _inputs(specials=False):  # a planted NaN/inf would force scale 1
+        out = K.current_scaling_cast(
+            xd, torch.float8_e4m3fn, use_power_2_scales=not transpose, transpose=transpose
+        )
+        a = ref.amax(x)
+        scale, scale_inv = ref.current_scale(
+            a, torch.float8_e4m3fn, use_power_2_scales=not transpose
+        )
+        assert_bitwise_equal(out.amax, a, "amax")
+        assert_bitwise_equal(out.scale, scale.reshape(1), "scale")
+        assert_bitwise_equal(out.scale_inv, scale_inv.reshape(1), "scale_inv")
+        if transpose:
+            exp_q, exp_t = ref.cast_transpose(x, scale, torch.float8_e4m3fn)
+            assert_bitwise_equal(out.data_t, exp_t, "q_t")
+        else:
+            exp_q = ref.cast_to_fp8(x, scale, torch.float8_e4m3fn)
+        assert_bitwise_equal(out.data, exp_q, "q")
+
+
+@pytest.mark.parametrize("columnwise", [False, True])
+def test_mxfp8_cast_and_dequantize(columnwise):
+    for x, xd in _inputs():
+        q, e8m0 = K.mxfp8_cast(xd, torch.float8_e4m3fn, columnwise=columnwise)
+        exp_q, exp_e = ref.mxfp8_cast(x, torch.float8_e4m3fn, columnwise=columnwise)
+        assert_bitwise_equal(q, exp_q.contiguous(), "q")
+        assert_bitwise_equal(e8m0, exp_e, "e8m0")
+        got = K.mxfp8_dequantize(q, e8m0, columnwise=columnwise, dtype=torch.bfloat16)
+        exp = ref.mxfp8_dequantize(exp_q, exp_e, columnwise=columnwise, dtype=torch.bfloat16)
+        assert_bitwise_equal(got, exp.contiguous() if not columnwise else exp, "dequantize")
+
+
+@pytest.mark.parametrize("block_dim", [1, 2])
+def test_block_cast_and_dequantize(block_dim):
+    for x, xd in _inputs(torch.float32):
+        q, s_inv = K.block_cast(xd, torch.float8_e4m3fn, block_dim=block_dim)
+        exp_q, exp_s = ref.block_cast(x, torch.float8_e4m3fn, block_dim=block_dim)
+        assert_bitwise_equal(q, exp_q.contiguous(), "q")
+        assert_bitwise_equal(s_inv, exp_s, "scale_inv")
+        got = K.block_dequantize(q, s_inv, block_dim=block_dim, dtype=torch.bfloat16)
+        exp = ref.block_dequantize(exp_q, exp_s, block_dim=block_dim, dtype=torch.bfloat16)
+        assert_bitwise_equal(got, exp, "dequantize")
+
+
+def test_delayed_update_of_a_model_in_one_launch():
+    g = torch.Generator().manual_seed(220)
+    groups_cpu = []
+    for i in range(200):  # 100 modules x 2 directions, 3 slots each, 1024-step history
+        h = torch.rand(1024, 3, generator=g) * 10
+        h[5, i % 3] = float("nan") if i % 7 == 0 else h[5, i % 3]
+        scale = torch.rand(3, generator=g) + 0.5
+        limit = 448.0 if i % 2 else 57344.0
+        groups_cpu.append((h, scale, limit, i % 3, ("max", "most_recent")[i % 2]))
+    groups = [(h.cuda(), s.cuda(), lim, m, a) for h, s, lim, m, a in groups_cpu]
+    for _ in range(2):
+        K.delayed_scaling_update_groups(groups)
+        for h, s, lim, m, a in groups_cpu:
+            ref.delayed_scaling_update(h, s, lim, margin=m, algo=a)
+        for (h, s, *_), (eh, es, *_) in zip(groups, groups_cpu):
+            assert_bitwise_equal(h, eh, "history")
+            assert_bitwise_equal(s, es, "scale")
