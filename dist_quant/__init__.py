@@ -4,6 +4,7 @@ Public names are listed in API.md; each is importable from here.
 """
 
 from dist_quant.context import autocast
+from dist_quant.convert import convert_model
 from dist_quant.factory_keys import quantizer_factory
 from dist_quant.formats import Format
 from dist_quant.modules import (
@@ -41,6 +42,7 @@ from dist_quant.tensor import Float8BlockwiseTensor, Float8Tensor, MXFP8Tensor, 
 __all__ = [
     "apply_recipe",
     "autocast",
+    "convert_model",
     "current_recipe",
     "CustomRecipe",
     "DelayedScaling",

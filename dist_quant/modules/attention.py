@@ -105,7 +105,8 @@ def fp8_attention(
 ) -> torch.Tensor:
     """Emulated FP8 attention on (batch, heads, seq, head_dim) tensors; fp32 math, output in q's
     dtype. `masked` (broadcast to (b, h, sq, sk)) is True where a query may not see a key."""
-    q_, k_, v_ = (_round(t.float(), slots.qkv, slots.dqkv, slots) for t in (q, k, v))
+    # contiguous: the layout permutes leave strided views, and cast kernels want dense rows
+    q_, k_, v_ = (_round(t.float().contiguous(), slots.qkv, slots.dqkv, slots) for t in (q, k, v))
     scores = (q_ @ k_.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (b, h, sq, sk)
     scores = _round(scores, None, slots.dp, slots)
     if masked is not None:

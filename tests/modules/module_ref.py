@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -98,6 +99,12 @@ def ref_attention(q, k, v, masked, *, fp8: bool = True):
         scores = scores.masked_fill(masked, float("-inf"))
     p = qdq(torch.softmax(scores, -1), E4M3, fp8=fp8)
     return qdq(p @ v, E4M3, E5M2, fp8=fp8)
+
+
+def math_sdpa():
+    """Pin SDPA to its math backend: on CUDA the fused backends may accumulate a backward pass in
+    a run-dependent order, which would break bit-for-bit comparisons of two identical calls."""
+    return sdpa_kernel(SDPBackend.MATH)
 
 
 def sdpa_plain(q, k, v, attn_mask_type: str, attention_mask=None):

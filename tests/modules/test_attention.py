@@ -9,6 +9,7 @@ from module_ref import (
     E5M2,
     assert_fp8_close,
     leaves,
+    math_sdpa,
     ref_attention,
     ref_linear,
     sdpa_plain,
@@ -51,10 +52,11 @@ def test_attention_without_fp8_dpa_is_sdpa_bit_for_bit(mask_type, recipe):
     dpa = dq.DotProductAttention(H, D, attn_mask_type=mask_type, name="attn", device=DEVICE)
     q, k, v, do = qkv()
     mask = padding_mask() if mask_type == "padding" else None
-    got = run_dpa(dpa, q, k, v, do, mask, recipe=recipe, enabled=recipe is not None)
-    q2, k2, v2 = leaves(q, k, v, dtype=torch.float32)
-    out = sdpa_plain(q2, k2, v2, mask_type, mask)
-    out.backward(do)
+    with math_sdpa():
+        got = run_dpa(dpa, q, k, v, do, mask, recipe=recipe, enabled=recipe is not None)
+        q2, k2, v2 = leaves(q, k, v, dtype=torch.float32)
+        out = sdpa_plain(q2, k2, v2, mask_type, mask)
+        out.backward(do)
     for a, b in zip(got, [out, q2.grad, k2.grad, v2.grad]):
         assert torch.equal(a, b)
     if recipe is not None:

@@ -79,8 +79,9 @@ def test_current_scaling_matches_float64_rederivation_per_expert():
 )
 def test_split_padding_is_exact_against_unpadded_linears(recipe):
     """Each expert equals a `Linear` with its weights run on its rows alone (a Linear never pads):
-    same quantized operands, so only fp32 accumulation order may differ (a padded wgrad sums extra
-    zero terms), far below one FP8 step (2^-4 relative)."""
+    same quantized operands, so only the fp32 accumulation may differ (a padded wgrad sums extra
+    zero terms; on CUDA a padded split may take `_scaled_mm` where the unpadded one is emulated):
+    at most ~K * 2^-24 relative for K <= 64 terms, far below one FP8 step (2^-4 relative)."""
     mod = make(2)
     x, dy = inputs(2)
     got = run(mod, x, dy, recipe)
@@ -100,7 +101,7 @@ def test_split_padding_is_exact_against_unpadded_linears(recipe):
             (got[0][rows : rows + m], got[1][rows : rows + m], got[2 + 2 * i], got[3 + 2 * i]),
             (yi, xi.grad, lin.weight.grad, lin.bias.grad),
         ):
-            torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-5)
         rows += m
 
 
@@ -174,3 +175,16 @@ def test_bad_splits_raise_naming_the_module():
         mod(x, [10])
     with pytest.raises(ValueError, match="'experts'.*ints >= 0"):
         mod(x, [11, -1])
+
+
+def test_weight_cache_keeps_one_entry_per_expert_and_skips_empty_ones():
+    mod = make(6)
+    x, _ = inputs(6)
+    recipe = dq.Float8CurrentScaling()
+    with dq.autocast(recipe=recipe):
+        mod(x, SPLITS, is_first_microbatch=True)
+    first = {k: v[1] for k, v in mod._dq_weight_cache.items()}
+    assert sorted(first) == ["weight0", "weight2", "weight3"]  # expert 1 got no rows
+    with dq.autocast(recipe=recipe):
+        mod(x, SPLITS, is_first_microbatch=False)
+    assert all(mod._dq_weight_cache[k][1] is v for k, v in first.items())

@@ -6,6 +6,7 @@ from module_ref import (
     DEVICE,
     assert_fp8_close,
     leaves,
+    math_sdpa,
     ref_activation,
     ref_attention,
     ref_linear,
@@ -49,15 +50,17 @@ def inputs(seed: int = 0):
 def test_disabled_autocast_is_plain_pytorch_math_bit_for_bit():
     layer = make_layer()
     x, dy = inputs()
-    got = run(layer, x, dy, enabled=False)
-    x2, *params = leaves(x, *layer.parameters(), dtype=torch.float32)
-    ln1_w, ln1_b, wqkv, bqkv, wo, bo, ln2_w, ln2_b, w1, b1, w2, b2 = params
-    mixed = F.linear(F.layer_norm(x2, (HIDDEN,), ln1_w, ln1_b, 1e-5), wqkv, bqkv)
-    q, k, v = mixed.reshape(S, B, 3, HEADS, D).unbind(2)
-    h = x2 + F.linear(sdpa_plain(q, k, v, "causal"), wo, bo)
-    a = F.gelu(F.linear(F.layer_norm(h, (HIDDEN,), ln2_w, ln2_b, 1e-5), w1, b1), approximate="tanh")
-    y = h + F.linear(a, w2, b2)
-    y.backward(dy)
+    with math_sdpa():
+        got = run(layer, x, dy, enabled=False)
+        x2, *params = leaves(x, *layer.parameters(), dtype=torch.float32)
+        ln1_w, ln1_b, wqkv, bqkv, wo, bo, ln2_w, ln2_b, w1, b1, w2, b2 = params
+        mixed = F.linear(F.layer_norm(x2, (HIDDEN,), ln1_w, ln1_b, 1e-5), wqkv, bqkv)
+        q, k, v = mixed.reshape(S, B, 3, HEADS, D).unbind(2)
+        h = x2 + F.linear(sdpa_plain(q, k, v, "causal"), wo, bo)
+        mlp_in = F.layer_norm(h, (HIDDEN,), ln2_w, ln2_b, 1e-5)
+        a = F.gelu(F.linear(mlp_in, w1, b1), approximate="tanh")
+        y = h + F.linear(a, w2, b2)
+        y.backward(dy)
     for t, r in zip(got, [y, x2.grad] + [p.grad for p in params]):
         assert torch.equal(t, r)
 
