@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import secrets
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,9 +37,12 @@ from dist_quant.coordinator.endpoint import (
 from dist_quant.coordinator.faults import Fault
 from dist_quant.coordinator.log import DecisionLog
 from dist_quant.coordinator.participant import Participant
+from dist_quant.coordinator.protocol import Stop
 from dist_quant.coordinator.transport import Transport, TransportError
+from dist_quant.coordinator.wire import CLOSED, rank_queue, seal
 
 TRANSPORTS = ("auto", "store", "ray")
+_DRAIN_S = 1.0  # how long rank 0's close waits for the other ranks' listeners to stop
 
 
 def attach(
@@ -78,7 +82,7 @@ def attach(
     endpoint: dict[str, Any]
     if rank == 0:
         try:
-            host_side = _Host.start(kind, host or "127.0.0.1", world)
+            host_side = _Host.start(kind, host or "127.0.0.1", world, resolve_run_dir(run_dir))
             endpoint = host_side.endpoint
         except Exception as e:  # noqa: BLE001 - reported to every rank after the gather
             endpoint = {"error": f"rank 0 could not start the coordinator: {type(e).__name__}: {e}"}
@@ -94,7 +98,7 @@ def attach(
         tp_groups = check_tp_groups([g["tp"] for g in gathered])
         on_close: list[Callable[[], None]] = []
         if host_side is not None:
-            host_side.run_coordinator(tp_groups, resolve_run_dir(run_dir), tuple(faults))
+            host_side.run_coordinator(tp_groups, tuple(faults))
             on_close.append(host_side.close)
         rank_transport = _connect(endpoint)
     except BaseException:
@@ -171,35 +175,64 @@ def _connect(endpoint: dict[str, Any]) -> Transport:
 
 
 class _Host:
-    """What rank 0 runs for the job: the server side of the transport and the coordinator."""
+    """What rank 0 runs for the job: the transport's server side and the coordinator.
 
-    def __init__(self, kind: str, endpoint: dict[str, Any], server: Any) -> None:
+    Everything that can fail for local reasons (port, run_dir, endpoint file) happens in `start`,
+    before the gather, so that every rank learns of it; a client that finds the endpoint before
+    the coordinator thread runs just waits in the inbox queue."""
+
+    def __init__(self, kind: str, endpoint: dict[str, Any], server: Any, run_dir: Path) -> None:
         self.kind = kind
         self.endpoint = endpoint
         self._server = server
+        self._run_dir = run_dir
         self._coordinator: Coordinator | None = None
-        self._run_dir: Path | None = None
+        self._world = 0
 
     @classmethod
-    def start(cls, kind: str, host: str, world: int) -> _Host:
+    def start(cls, kind: str, host: str, world: int, run_dir: Path) -> _Host:
         token = secrets.token_hex(32)
         if kind == "ray":
             from dist_quant.coordinator.transport_ray import create_coordinator_actor
 
-            actor, address = create_coordinator_actor(world)
-            return cls(kind, {"transport": "ray", "address": address, "token": token}, actor)
-        from dist_quant.coordinator.transport_store import StoreServer
+            server, address = create_coordinator_actor(world)
+        else:
+            from dist_quant.coordinator.transport_store import StoreServer
 
-        server = StoreServer(host)
-        return cls(kind, {"transport": "store", "address": server.address, "token": token}, server)
+            server = StoreServer(host)
+            address = server.address
+        self = cls(kind, {"transport": kind, "address": address, "token": token}, server, run_dir)
+        self._world = world
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            info = {**self.endpoint, "world_size": world, "log": str(run_dir / LOG_FILE)}
+            write_endpoint(run_dir, info)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _drain_listeners(self) -> None:
+        """Stop every rank's listener and wait (bounded) until each said so, so that closing the
+        server leaves no peer blocked on it (c10d would print a stack trace on that peer)."""
+        tx = _connect(self.endpoint)
+        try:
+            stop = seal(Stop("coordinator closing"), self.endpoint["token"])
+            for r in range(self._world):
+                tx.push(rank_queue(r), stop)
+            deadline = time.monotonic() + _DRAIN_S
+            for _ in range(self._world):  # one per rank, this rank's own included
+                if tx.pop(CLOSED, max(deadline - time.monotonic(), 0.001)) is None:
+                    break  # a rank that exited without close(): nothing of it is blocked
+        finally:
+            tx.close()
 
     def run_coordinator(
-        self, tp_groups: tuple[tuple[int, ...], ...], run_dir: Path, faults: tuple[Fault, ...]
+        self, tp_groups: tuple[tuple[int, ...], ...], faults: tuple[Fault, ...]
     ) -> None:
         world = sum(len(g) for g in tp_groups)  # the groups partition the ranks
         token = self.endpoint["token"]
-        run_dir.mkdir(parents=True, exist_ok=True)
-        log_path = run_dir / LOG_FILE
+        log_path = self._run_dir / LOG_FILE
         if self.kind == "ray":
             from dist_quant.coordinator.transport_ray import start_coordinator_in_actor
 
@@ -216,14 +249,15 @@ class _Host:
                 faults=faults,
             )
             self._coordinator.start()
-        write_endpoint(run_dir, {**self.endpoint, "world_size": world, "log": str(log_path)})
-        self._run_dir = run_dir
 
     def close(self) -> None:
-        if self._run_dir is not None:
-            remove_endpoint(self._run_dir, self.endpoint["token"])
+        remove_endpoint(self._run_dir, self.endpoint["token"])
         if self._coordinator is not None:
             self._coordinator.stop()
+        try:
+            self._drain_listeners()
+        except TransportError:
+            pass  # the server is gone already: nobody left to wait for
         try:
             if self.kind == "ray":
                 from dist_quant.coordinator.transport_ray import stop_coordinator_actor

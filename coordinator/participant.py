@@ -18,6 +18,7 @@ Participant states (`_State`), changed only in `_set_state`:
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -38,7 +39,7 @@ from dist_quant.coordinator.protocol import (
     Vote,
 )
 from dist_quant.coordinator.transport import Transport, TransportError
-from dist_quant.coordinator.wire import INBOX, rank_queue, seal, unseal
+from dist_quant.coordinator.wire import CLOSED, INBOX, rank_queue, seal, unseal
 
 
 class _State(Enum):
@@ -103,10 +104,13 @@ class Participant:
         self._faults = tuple(faults)
         self._grace = decision_grace_s
         self._on_close = tuple(on_close)
+        self._closed = False
         self._say = SwitchLog(rank)
-        self._cond = threading.Condition(threading.Lock())
-        # Guarded by _cond:
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        # Guarded by _lock:
         self._state = _State.IDLE
+        self._nothing_pending = True  # self._state in _FAST, kept by _set_state for the fast path
         self._last_step: int | None = None
         self._switch_id = 0  # the newest switch this rank saw a Prepare for
         self._candidate: Any = None
@@ -121,10 +125,18 @@ class Participant:
 
     def start(self) -> Participant:
         self._listener.start()
+        # Rank 0 hosts the store: tearing it down during interpreter shutdown, under a listener
+        # still blocked on it, aborts the process. Closing at exit stops everything in order.
+        atexit.register(self.close)
         return self
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the listener (rank 0 also stops the coordinator and its store)."""
+        """Stop the listener (rank 0 also stops the coordinator and its store). Idempotent; runs
+        at interpreter exit if not called."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
         try:
             self._tx.push(rank_queue(self.rank), seal(Stop(f"rank {self.rank}"), self._token))
         except TransportError:
@@ -149,12 +161,11 @@ class Participant:
     def step_boundary(self, step: int) -> None:
         """Call once per optimizer step, before its forward. Publishes a committed recipe at the
         commit step; otherwise a lock and a flag check (no network call, no collective)."""
-        with self._cond:
-            first = self._last_step is None
-            self._last_step = step
-            if first:
+        with self._lock:
+            if self._last_step is None:
                 self._cond.notify_all()  # a listener may wait for the first boundary
-            if self._state in _FAST:
+            self._last_step = step
+            if self._nothing_pending:
                 return
             publish = self._boundary_slow(step)
         if publish:
@@ -232,6 +243,8 @@ class Participant:
                 self._say.warning(f"ignored message: {e}")
                 continue
             if isinstance(msg, Stop):
+                # Lets rank 0 close the store only once no listener is blocked on it.
+                self._send(self._rx, Stop(f"rank {self.rank}"), CLOSED)
                 return
             if isinstance(msg, Prepare):
                 self._on_prepare(msg)
@@ -329,6 +342,7 @@ class Participant:
                 step=step,
             )
             self._state = new
+            self._nothing_pending = new in _FAST
 
     def _break(self, reason: str, step: int | None) -> None:
         self._broken_reason = reason
@@ -344,8 +358,8 @@ class Participant:
         except Exception as e:  # noqa: BLE001 - status only; never fail a switch over it
             return f"unknown ({type(e).__name__}: {e})"
 
-    def _send(self, transport: Transport, msg: Message) -> None:
+    def _send(self, transport: Transport, msg: Message, queue: str = INBOX) -> None:
         try:
-            transport.push(INBOX, seal(msg, self._token))
+            transport.push(queue, seal(msg, self._token))
         except TransportError as e:
             self._say.warning(f"could not send {msg.kind}: {e}", switch_id=self._switch_id)

@@ -18,6 +18,7 @@ import json
 from dist_quant.coordinator.protocol import Message, ProtocolError
 
 INBOX = "inbox"  # everything addressed to the coordinator
+CLOSED = "closed"  # each rank's listener says here that it has stopped reading
 
 
 def rank_queue(rank: int) -> str:

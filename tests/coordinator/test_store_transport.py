@@ -11,6 +11,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 from dist_quant.coordinator import SwitchRequestError, attach, request_switch, status
+from dist_quant.coordinator.attach import check_tp_groups
 from dist_quant.coordinator.transport import TransportError
 from dist_quant.coordinator.transport_store import StoreServer, StoreTransport, parse_address
 from switch_harness import FAKE_HOOKS, FakeModel, wait_for
@@ -132,3 +133,34 @@ def test_idle_boundaries_make_no_store_call(single_rank, monkeypatch):
         assert dict(counts) == before
     finally:
         p.close()
+
+
+def test_attach_fails_on_every_rank_when_rank_0_cannot_use_the_run_dir(single_rank):
+    blocker = single_rank.parent / "not-a-dir"
+    blocker.write_text("x")
+    with pytest.raises(RuntimeError, match="rank 0 could not start the coordinator"):
+        attach(FakeModel(0), run_dir=blocker / "run", transport="store", **FAKE_HOOKS)
+
+
+def test_attach_refuses_an_uninitialised_process_group():
+    with pytest.raises(ValueError, match="not initialised"):
+        attach(FakeModel(0))
+
+
+@pytest.mark.parametrize(
+    "claims,error",
+    [
+        ([[0, 1], [0, 1], [2, 3], [2, 3]], None),
+        ([[0], [1]], None),
+        ([[1], [1]], "rank 0's tp_group \\[1\\] does not contain it"),
+        ([[0, 1], [1]], "rank 0 puts rank 1 in tp_group \\[0, 1\\], but rank 1 says"),
+        ([[0, 5], [1]], "names rank 5, not in \\[0, 2\\)"),
+    ],
+)
+def test_tp_group_claims_must_agree(claims, error):
+    if error is None:
+        groups = check_tp_groups(claims)
+        assert sorted(r for g in groups for r in g) == list(range(len(claims)))
+    else:
+        with pytest.raises(ValueError, match=error):
+            check_tp_groups(claims)
