@@ -195,8 +195,9 @@ def validate_candidate(candidate: ModuleCandidate) -> None:
     """Every slot got a quantizer this module supports; raises RecipeUpdateError naming the role."""
     rt = candidate.runtime
     try:
-        candidate.module.validate_quantizers(rt.fwd_quantizers, rt.fwd_roles, fwd=True)
-        candidate.module.validate_quantizers(rt.bwd_quantizers, rt.bwd_roles, fwd=False)
+        module = candidate.module
+        module.validate_quantizers(rt.fwd_quantizers, rt.fwd_roles, fwd=True, recipe=rt.recipe)
+        module.validate_quantizers(rt.bwd_quantizers, rt.bwd_roles, fwd=False, recipe=rt.recipe)
     except (ValueError, TypeError, NotImplementedError) as e:
         name = candidate.module.role_name or type(candidate.module).__name__
         raise RecipeUpdateError(f"module {name!r}: {e}") from e

@@ -234,3 +234,16 @@ def test_current_recipe_reports_the_published_recipe():
     r = dq.Float8CurrentScaling()
     dq.apply_recipe(model, r)
     assert dq.current_recipe(model).key() == r.key()
+
+
+def test_fp8_attention_slot_with_unsupported_quantizer_is_refused_at_plan_time():
+    @dq.quantizer_factory(key="block-everywhere")
+    def block_everywhere(role):
+        return factories.float8_block_scaling(role)
+
+    model = nn.Sequential(dq.MultiheadAttention(32, 4, name="attn"))
+    with pytest.raises(dq.RecipeUpdateError, match=r"attn.*dpa/(qkv|s)"):
+        dq.apply_recipe(model, dq.CustomRecipe(block_everywhere, fp8_dpa=True))
+    assert model[0].core_attention._dq_runtime is None, "nothing published"
+    # without fp8_dpa the attention slots are never applied, so the same factory is accepted
+    dq.apply_recipe(model, dq.CustomRecipe(block_everywhere))

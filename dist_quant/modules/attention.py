@@ -163,7 +163,6 @@ class DotProductAttention(QuantizedModule):
         self.attn_mask_type, self.qkv_format = attn_mask_type, qkv_format
         # no parameters to take the device from: this empty buffer carries it through .to()
         self.register_buffer("_device_anchor", torch.empty(0, device=device), persistent=False)
-        self._checked_runtime: object = None
 
     def quantizer_device(self) -> torch.device:
         return self._device_anchor.device
@@ -187,29 +186,28 @@ class DotProductAttention(QuantizedModule):
         ]
 
     # ---- FP8 slots --------------------------------------------------------------------------
-    def _check_attention_quantizers(self, runtime: Any) -> None:
-        """ValueError naming the role if an attention slot holds a kind FP8 attention cannot use
-        (slots carrying a neighbouring linear's role are exempt: see the module docstring)."""
-        for quantizers, roles in (
-            (runtime.fwd_quantizers, runtime.fwd_roles),
-            (runtime.bwd_quantizers, runtime.bwd_roles),
-        ):
-            for q, role in zip(quantizers, roles):
-                if role.module_type == self.module_type and q.scaling not in ATTENTION_SCALINGS:
-                    raise ValueError(
-                        f"DotProductAttention {self.role_name!r}: role {role} got "
-                        f"{type(q).__name__} ({q.scaling!r} scaling); FP8 attention supports "
-                        "per-tensor FP8 (delayed or current), MXFP8 or identity"
-                    )
+    def validate_quantizers(
+        self, quantizers: list, roles: tuple, *, fwd: bool, recipe: Any
+    ) -> None:
+        """ValueError naming the role if, under an `fp8_dpa` recipe, an attention slot holds a kind
+        FP8 attention cannot use. Slots carrying a neighbouring linear's role are exempt (see the
+        module docstring), and without `fp8_dpa` the slots are never applied, so anything goes."""
+        super().validate_quantizers(quantizers, roles, fwd=fwd, recipe=recipe)
+        if not getattr(recipe, "fp8_dpa", False):
+            return
+        for q, role in zip(quantizers, roles):
+            if role.module_type == self.module_type and q.scaling not in ATTENTION_SCALINGS:
+                raise ValueError(
+                    f"DotProductAttention {self.role_name!r}: role {role} got "
+                    f"{type(q).__name__} ({q.scaling!r} scaling); FP8 attention supports "
+                    "per-tensor FP8 (delayed or current), MXFP8 or identity"
+                )
 
     def _fp8_slots(self, runtime: Any) -> _AttentionSlots | None:
         """The quantizers FP8 attention applies, or None when attention runs in high precision
         (no `fp8_dpa`, or every slot identity)."""
         if not getattr(runtime.recipe, "fp8_dpa", False):
             return None
-        if runtime is not self._checked_runtime:
-            self._check_attention_quantizers(runtime)
-            self._checked_runtime = runtime
         # identity: nothing to round; an unsupported kind (only possible on a boundary slot
         # carrying a linear's role): the tensor leaves in high precision, its consumer rounds it
         applied = [

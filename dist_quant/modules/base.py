@@ -119,8 +119,11 @@ class QuantizedModule(nn.Module):
         load_module_extra_state(self, state)
 
     # ---- validation hook for runtime.validate_candidate -------------------------------------
-    def validate_quantizers(self, quantizers: list, roles: tuple, *, fwd: bool) -> None:
-        """Raise ValueError naming the role if a slot got a quantizer this module cannot use."""
+    def validate_quantizers(
+        self, quantizers: list, roles: tuple, *, fwd: bool, recipe: Recipe
+    ) -> None:
+        """Raise ValueError naming the role if a slot got a quantizer this module cannot use under
+        `recipe` (plan time: nothing has been quantized yet)."""
         for q, role in zip(quantizers, roles):
             if not isinstance(q, Quantizer):
                 raise TypeError(f"slot {role} got {type(q).__name__}, not a Quantizer")
