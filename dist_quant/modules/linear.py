@@ -155,7 +155,7 @@ class LinearBase(QuantizedModule):
     ) -> torch.Tensor:
         """One GEMM triple: exact PyTorch when autocast is off or every operand is high precision,
         else quantized (the weight cached under `cache_slot`); `tp` splits it over ranks."""
-        if runtime is None or (slots.high_precision and not fp8_output):
+        if runtime is None or (slots.high_precision and not (fp8_output or fp8_grad_input)):
             if tp is not None:
                 return parallel_linear_hp(x, weight, bias, tp)
             return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
