@@ -27,6 +27,11 @@ from dist_quant.kernels._fp8_round import (
 
 FLOAT8_BLOCK = 128
 
+# GPU launch configurations (bench/bench_cast.py --sweep measures the alternatives); 128x128
+# tiles always use BM = 128.
+GPU_1X128 = {"BM": 16, "NB": 2, "num_warps": 4}
+GPU_128X128 = {"NB": 1, "num_warps": 8}
+
 
 @triton.jit
 def _block_cast_kernel(
@@ -93,17 +98,18 @@ def block_cast_triton(
     x2d = x.detach().reshape(rows, cols)
     gpu = is_gpu(x)
     if block_dim == 2:
-        bm, nb = 128, (1 if gpu else min(triton.next_power_of_2(n_tiles), 2))
+        nb = min(triton.next_power_of_2(n_tiles), 2)
+        cfg = {"BM": 128, **GPU_128X128} if gpu else {"BM": 128, "NB": nb, "num_warps": 1}
     elif gpu:
-        bm, nb = 16, 2
+        cfg = GPU_1X128
     else:  # interpreter: ~16K-element tiles
         nb = min(triton.next_power_of_2(n_tiles), 8)
         bm = min(triton.next_power_of_2(rows), max(1, 128 // nb))
-    grid = (triton.cdiv(rows, bm) * triton.cdiv(n_tiles, nb),)
+        cfg = {"BM": bm, "NB": nb, "num_warps": 1}
+    grid = (triton.cdiv(rows, cfg["BM"]) * triton.cdiv(n_tiles, cfg["NB"]),)
     _block_cast_kernel[grid](
         x2d, q.view(torch.uint8), scale_inv, rows, cols, n_tiles, x2d.stride(0), x2d.stride(1),
-        BM=bm, NB=nb, SQUARE=block_dim == 2, MAX_BITS=spec.max_bits, MANT_BITS=spec.mant_bits,
-        MIN_EXP=spec.min_exp, FP8_MAX=spec.max, POW2=bool(use_power_2_scales),
-        num_warps=(8 if block_dim == 2 else 4) if gpu else 1,
+        SQUARE=block_dim == 2, MAX_BITS=spec.max_bits, MANT_BITS=spec.mant_bits,
+        MIN_EXP=spec.min_exp, FP8_MAX=spec.max, POW2=bool(use_power_2_scales), **cfg,
     )  # fmt: skip
     return q, scale_inv

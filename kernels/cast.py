@@ -36,6 +36,13 @@ from dist_quant.kernels._fp8_round import (
 
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
+# GPU launch configurations (bench/bench_cast.py --sweep measures the alternatives).
+GPU_FLAT = {"BLOCK": 8192, "num_warps": 8}
+GPU_TILE = {"BM": 64, "BN": 64, "num_warps": 4}
+# Current scaling: walk the cast grid backwards, so the first tiles read are the ones the amax
+# pass read last and may still find in L2.
+GPU_REVERSE_AFTER_AMAX = True
+
 
 @dataclass(frozen=True)
 class AmaxPartials:
@@ -123,7 +130,7 @@ def _cast_kernel(
     code = fp8_encode(x * scale, MAX_BITS, MANT_BITS, MIN_EXP)
     tl.store(q_ptr + offs, code.to(tl.uint8), mask=mask)
     if WITH_AMAX:
-        tl.atomic_max(amax_acc_ptr, tl.max(abs_bits(x), axis=0))
+        tl.atomic_max(amax_acc_ptr, tl.max(abs_bits(x), axis=0), sem="relaxed")
 
 
 @triton.jit
@@ -183,7 +190,7 @@ def _cast_transpose_kernel(
     # The compiler picks a row-contiguous layout for this store (through shared memory).
     tl.store(qt_ptr + c[None, :] * rows + r[:, None], code, mask=mask)
     if WITH_AMAX:
-        tl.atomic_max(amax_acc_ptr, tl.max(tl.max(abs_bits(x), axis=1), axis=0))
+        tl.atomic_max(amax_acc_ptr, tl.max(tl.max(abs_bits(x), axis=1), axis=0), sem="relaxed")
 
 
 def cast_to_fp8_triton(
@@ -255,17 +262,17 @@ def launch_cast(
         WITH_AMAX=amax_out is not None,
         POW2=pow2,
         P_BLOCK=p_block,
-        REVERSE=partials is not None and is_gpu(x),
+        REVERSE=partials is not None and is_gpu(x) and GPU_REVERSE_AFTER_AMAX,
     )
     if not transpose:
         x_flat, q, q_flat = flat_pair(x, fp8_dtype)
         n = x_flat.numel()
         if n == 0:  # current.py handles an empty x itself (scale 1)
             return q, None
-        block = 8192 if is_gpu(x) else 1 << 15
-        _cast_kernel[(triton.cdiv(n, block),)](
+        cfg = GPU_FLAT if is_gpu(x) else {"BLOCK": 1 << 15, "num_warps": 1}
+        _cast_kernel[(triton.cdiv(n, cfg["BLOCK"]),)](
             x_flat, q_flat.view(torch.uint8), scale_t, acc, p, n_partials, eps, *outs, n,
-            BLOCK=block, num_warps=8 if is_gpu(x) else 1, **common,
+            **cfg, **common,
         )  # fmt: skip
         return q, None
     rows, cols = rows_cols(x, f"kernels.cast.{what}")
@@ -279,15 +286,16 @@ def launch_cast(
     except RuntimeError:  # a permuted N-D layout: write 2D, then copy into torch's layout
         q2d, copy_back = torch.empty((rows, cols), dtype=fp8_dtype, device=dev), True
     if is_gpu(x):
-        bm, bn, warps = 64, 64, 4
+        cfg = GPU_TILE
     else:  # interpreter: ~16K-element tiles shaped to the matrix (a (1, n) input is one row)
         bm = min(128, triton.next_power_of_2(rows))
-        bn, warps = min(triton.next_power_of_2(cols), max(128, (1 << 14) // bm)), 1
-    grid = (triton.cdiv(rows, bm) * triton.cdiv(cols, bn),)
+        bn = min(triton.next_power_of_2(cols), max(128, (1 << 14) // bm))
+        cfg = {"BM": bm, "BN": bn, "num_warps": 1}
+    grid = (triton.cdiv(rows, cfg["BM"]) * triton.cdiv(cols, cfg["BN"]),)
     _cast_transpose_kernel[grid](
         x2d, q2d.view(torch.uint8), q_t.view(torch.uint8), scale_t, acc, p, n_partials, eps,
         *outs, rows, cols, x2d.stride(0), x2d.stride(1), q2d.stride(0), q2d.stride(1),
-        BM=bm, BN=bn, num_warps=warps, **common,
+        **cfg, **common,
     )  # fmt: skip
     if copy_back:
         q.copy_(q2d.view(q.shape))

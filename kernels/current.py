@@ -30,10 +30,9 @@ from dist_quant.kernels._fp8_round import (
 )
 from dist_quant.kernels.cast import AmaxPartials, launch_cast
 
-# Persistent amax grid: this many programs per SM (GPU); 4 programs on the CPU interpreter.
-_PROGRAMS_PER_SM = 4
-_AMAX_BLOCK_GPU = 4096
-_AMAX_BLOCK_CPU = 1 << 15
+# GPU amax pass: BLOCK elements per loop step, PROGRAMS_PER_SM persistent programs per SM
+# (bench/bench_cast.py --sweep measures the alternatives). The interpreter uses 4 programs.
+GPU_AMAX = {"BLOCK": 4096, "num_warps": 8, "PROGRAMS_PER_SM": 4}
 
 
 class CurrentScalingCast(NamedTuple):
@@ -89,17 +88,15 @@ def _amax_partials(x: torch.Tensor) -> torch.Tensor:
     x_flat = dense_flat(x)
     n = x_flat.numel()
     if is_gpu(x):
-        block = _AMAX_BLOCK_GPU
+        block, warps = GPU_AMAX["BLOCK"], GPU_AMAX["num_warps"]
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        programs = min(triton.cdiv(n, block), sms * _PROGRAMS_PER_SM)
+        programs = min(triton.cdiv(n, block), sms * GPU_AMAX["PROGRAMS_PER_SM"])
     else:
-        block = _AMAX_BLOCK_CPU
+        block, warps = 1 << 15, 1
         programs = min(triton.cdiv(n, block), 4)
     partials = torch.empty(programs, dtype=torch.int32, device=x.device)
     iters = triton.cdiv(triton.cdiv(n, block), programs)
-    _amax_partials_kernel[(programs,)](
-        x_flat, partials, n, iters, BLOCK=block, num_warps=8 if is_gpu(x) else 1
-    )
+    _amax_partials_kernel[(programs,)](x_flat, partials, n, iters, BLOCK=block, num_warps=warps)
     return partials
 
 

@@ -27,6 +27,11 @@ from dist_quant.kernels._fp8_round import (
 
 _OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
+# GPU launch configurations (bench/bench_cast.py --sweep measures the alternatives). Grouped:
+# BM rows x (128 // G) groups of G per program.
+GPU_FLAT = {"BLOCK": 8192, "num_warps": 8}
+GPU_GROUPED = {"BM": 32, "num_warps": 4}
+
 
 @triton.jit
 def _store_out(ptr, val, mask, OUT_KIND: tl.constexpr):
@@ -119,11 +124,10 @@ def dequantize_triton(
     q_flat, out, out_flat = flat_pair(q, dtype)
     n = q_flat.numel()
     if n:
-        block = 8192 if is_gpu(q) else 1 << 15
-        _dequantize_flat_kernel[(triton.cdiv(n, block),)](
-            q_flat.view(torch.uint8), s, _store_view(out_flat), n, BLOCK=block,
-            MANT_BITS=spec.mant_bits, MIN_EXP=spec.min_exp, HAS_INF=spec.has_inf,
-            OUT_KIND=kind, num_warps=8 if is_gpu(q) else 1,
+        cfg = GPU_FLAT if is_gpu(q) else {"BLOCK": 1 << 15, "num_warps": 1}
+        _dequantize_flat_kernel[(triton.cdiv(n, cfg["BLOCK"]),)](
+            q_flat.view(torch.uint8), s, _store_view(out_flat), n, MANT_BITS=spec.mant_bits,
+            MIN_EXP=spec.min_exp, HAS_INF=spec.has_inf, OUT_KIND=kind, **cfg,
         )  # fmt: skip
     return out
 
@@ -148,19 +152,17 @@ def _launch_grouped(
     q2d = q.reshape(rows, cols).view(torch.uint8)
     scales = scales.contiguous()
     n_groups = scales.shape[1]
-    gpu = is_gpu(q)
-    if row_group > 1:
-        bm, nb = (32, 1) if gpu else (128, min(triton.next_power_of_2(n_groups), 2))
-    elif gpu:
-        bm, nb = 32, max(1, 128 // group)
+    if is_gpu(q):
+        cfg = {"NB": max(1, 128 // group), **GPU_GROUPED}
     else:  # interpreter: ~16K-element tiles
         nb = min(triton.next_power_of_2(n_groups), 512 // group)
         bm = min(triton.next_power_of_2(rows), max(1, 16384 // (nb * group)))
-    grid = (triton.cdiv(rows, bm) * triton.cdiv(n_groups, nb),)
+        cfg = {"BM": bm, "NB": nb, "num_warps": 1}
+    grid = (triton.cdiv(rows, cfg["BM"]) * triton.cdiv(n_groups, cfg["NB"]),)
     _dequantize_grouped_kernel[grid](
         q2d, scales, _store_view(out), rows, cols, n_groups, q2d.stride(0), q2d.stride(1),
-        BM=bm, NB=nb, G=group, ROW_GROUP=row_group, E8M0=e8m0, MANT_BITS=spec.mant_bits,
-        MIN_EXP=spec.min_exp, HAS_INF=spec.has_inf, OUT_KIND=kind, num_warps=4 if gpu else 1,
+        G=group, ROW_GROUP=row_group, E8M0=e8m0, MANT_BITS=spec.mant_bits,
+        MIN_EXP=spec.min_exp, HAS_INF=spec.has_inf, OUT_KIND=kind, **cfg,
     )  # fmt: skip
     return out
 

@@ -26,6 +26,10 @@ from dist_quant.kernels._fp8_round import (
 
 MXFP8_BLOCK = 32
 
+# GPU launch configurations (bench/bench_cast.py --sweep measures the alternatives).
+GPU_ROWWISE = {"BM": 32, "NB": 4, "num_warps": 4}
+GPU_COLUMNWISE = {"NB": 2, "BN": 64, "num_warps": 4}
+
 
 @triton.jit
 def _e8m0_and_multiplier(amax_bits, FP8_MAX: tl.constexpr):
@@ -129,14 +133,15 @@ def mxfp8_cast_triton(
         e8m0 = torch.empty((cols, n_blocks), dtype=torch.uint8, device=dev)
         if q.numel():
             if gpu:
-                nb, bn = 2, 64
+                cfg = GPU_COLUMNWISE
             else:  # interpreter: ~16K-element tiles
                 nb = min(triton.next_power_of_2(n_blocks), 4)
                 bn = min(triton.next_power_of_2(cols), max(128, 512 // nb))
-            grid = (triton.cdiv(n_blocks, nb) * triton.cdiv(cols, bn),)
+                cfg = {"NB": nb, "BN": bn, "num_warps": 1}
+            grid = (triton.cdiv(n_blocks, cfg["NB"]) * triton.cdiv(cols, cfg["BN"]),)
             _mxfp8_columnwise_kernel[grid](
                 x2d, q.view(torch.uint8), e8m0, rows, cols, n_blocks, x2d.stride(0),
-                x2d.stride(1), NB=nb, BN=bn, num_warps=4 if gpu else 1, **consts,
+                x2d.stride(1), **cfg, **consts,
             )  # fmt: skip
         return q, e8m0
     n_blocks = triton.cdiv(cols, MXFP8_BLOCK)
@@ -144,13 +149,14 @@ def mxfp8_cast_triton(
     e8m0 = torch.empty((rows, n_blocks), dtype=torch.uint8, device=dev)
     if q.numel():
         if gpu:
-            bm, nb = 32, 4
+            cfg = GPU_ROWWISE
         else:  # interpreter: ~16K-element tiles
             nb = min(triton.next_power_of_2(n_blocks), 16)
             bm = min(triton.next_power_of_2(rows), max(1, 512 // nb))
-        grid = (triton.cdiv(rows, bm) * triton.cdiv(n_blocks, nb),)
+            cfg = {"BM": bm, "NB": nb, "num_warps": 1}
+        grid = (triton.cdiv(rows, cfg["BM"]) * triton.cdiv(n_blocks, cfg["NB"]),)
         _mxfp8_rowwise_kernel[grid](
             x2d, q.view(torch.uint8), e8m0, rows, cols, n_blocks, x2d.stride(0), x2d.stride(1),
-            BM=bm, NB=nb, num_warps=4 if gpu else 1, **consts,
+            **cfg, **consts,
         )  # fmt: skip
     return q, e8m0
