@@ -142,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--tp",
         type=_positive_int,
         default=None,
-        help="tensor-parallel size; must divide --nproc (default min(2, nproc))",
+        help="tensor-parallel size; must divide --nproc (default 1 until tensor-parallel "
+        "attention lands, then min(2, nproc))",
     )
     demo.add_argument(
         "--steps", type=_positive_int, default=200, help="optimizer steps (default 200)"
@@ -340,4 +341,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the imported module's main, not this __main__ copy: the handlers raise the CliError of
+    # `dist_quant.launch.cli`, which a second copy of the class would not catch.
+    from dist_quant.launch.cli import main as _main
+
+    sys.exit(_main())

@@ -30,7 +30,7 @@ from dist_quant.launch.demo_schedule import Phase, Schedule, load_schedule_file,
 class DemoOptions:
     nproc: int = 2
     tp: int | None = None
-    """Tensor-parallel size; None: min(2, nproc)."""
+    """Tensor-parallel size; None: `default_tp(nproc)`."""
     steps: int = 200
     launcher: str = "torchrun"
     schedule_file: str | None = None
@@ -45,12 +45,20 @@ class DemoOptions:
     """Vote deadline of each scheduled switch."""
 
 
+def default_tp(nproc: int) -> int:
+    """TP=1 until TransformerLayer's attention and MLP accept a tp_group.
+
+    TODO(issue 6): return min(2, nproc) once tensor-parallel attention/MLP land.
+    """
+    return 1
+
+
 def _resolve(opts: DemoOptions) -> tuple[dict[str, Any], Schedule]:
     """Validate the options (CliError 2 on any problem) -> (rank config, schedule)."""
     import torch
     from dist_quant.launch.demo_model import parse_gpt_spec
 
-    tp = opts.tp if opts.tp is not None else min(2, opts.nproc)
+    tp = opts.tp if opts.tp is not None else default_tp(opts.nproc)
     if opts.nproc % tp:
         raise CliError(f"demo: --tp {tp} must divide --nproc {opts.nproc}", 2)
     if opts.launcher not in ("torchrun", "ray"):

@@ -1,0 +1,193 @@
+"""The demo job end to end on CPU: real processes, real coordinator, real switches.
+
+What these catch: a scheduled switch that does not commit, ranks that switch at different steps
+(one step with two recipes in a TP group), a launcher that hides a failure, a job that stops
+learning across switches, and `dist-quant switch` from another process not reaching the job or
+disturbing it with a malformed recipe. The loss bound is loose on purpose (the last steps' mean
+below 60% of the first steps'): an untrained model sits at ln(64) = 4.16 nats and a working one
+reaches ~1.4 within 30 steps, so only a job that does not learn fails it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from dist_quant.launch.cli import main
+
+pytestmark = pytest.mark.distributed
+
+NPROC = 2
+
+
+def _demo_cmd(out: Path, *args: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "dist_quant.launch.cli",
+        "demo",
+        "--nproc",
+        str(NPROC),
+        "--out",
+        str(out),
+        *args,
+    ]
+
+
+def _rank_logs(out: Path) -> list[list[dict]]:
+    return [
+        [json.loads(line) for line in (out / "ranks" / f"rank{r}.jsonl").read_text().splitlines()]
+        for r in range(NPROC)
+    ]
+
+
+def _changes(log: list[dict]) -> list[tuple[int, str]]:
+    """(first step, recipe key) of every run of equal keys."""
+    runs = []
+    for rec in log:
+        if not runs or runs[-1][1] != rec["recipe"]:
+            runs.append((rec["step"], rec["recipe"]))
+    return runs
+
+
+def _check_scheduled_demo(out: Path, proc: subprocess.CompletedProcess, steps: int) -> None:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "dist-quant demo: phases" in proc.stdout
+    assert "every rank ran the same recipe at every step" in proc.stdout
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "bf16 tail" in (out / "summary.txt").read_text()
+
+    logs = _rank_logs(out)
+    assert [len(log) for log in logs] == [steps] * NPROC
+    runs = _changes(logs[0])
+    for log in logs[1:]:
+        assert _changes(log) == runs  # every rank switched at the same steps, to the same keys
+    kinds = [key.split(":")[0] for _, key in runs]
+    assert kinds == ["CustomRecipe", "DelayedScaling", "Float8CurrentScaling", "CustomRecipe"]
+    assert runs[0][1] == runs[3][1]  # warm-up and tail: the same bf16 recipe
+
+    switches = json.loads((out / "summary.json").read_text())["switches"]
+    assert [s["committed"] for s in switches] == [True, True, True]
+    # The coordinator's commit step is where every rank's log changes recipe.
+    assert [s["step"] for s in switches] == [start for start, _ in runs[1:]]
+    # Default schedule: fractions 0.25 / 0.55 / 0.85 of the run.
+    asked = [round(f * steps) for f in (0.25, 0.55, 0.85)]
+    assert [s["requested_step"] for s in switches] == asked
+    assert all(s["step"] >= a for s, a in zip(switches, asked, strict=True))
+
+    losses = [rec["loss"] for rec in logs[0]]
+    first, last = sum(losses[:4]) / 4, sum(losses[-4:]) / 4
+    assert last < 0.6 * first, (first, last)
+
+
+def test_demo_under_torchrun_commits_every_scheduled_switch_on_every_rank(tmp_path) -> None:
+    out = tmp_path / "run"
+    steps = 30
+    proc = subprocess.run(
+        _demo_cmd(out, "--steps", str(steps), "--step-delay", "0.02"),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    _check_scheduled_demo(out, proc, steps)
+
+
+@pytest.mark.ray
+def test_demo_under_ray_commits_every_scheduled_switch_on_every_rank(tmp_path) -> None:
+    out = tmp_path / "run"
+    steps = 30
+    proc = subprocess.run(
+        _demo_cmd(out, "--steps", str(steps), "--step-delay", "0.02", "--launcher", "ray"),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    _check_scheduled_demo(out, proc, steps)
+
+
+def _wait_for(cond, what: str, proc: subprocess.Popen, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if proc.poll() is not None:
+            raise AssertionError(f"the demo exited ({proc.returncode}) while waiting for {what}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def test_switch_from_another_process_commits_and_a_malformed_one_leaves_the_job_running(
+    tmp_path, capsys
+) -> None:
+    out = tmp_path / "run"
+    steps = 120
+    schedule = tmp_path / "schedule.json"
+    schedule.write_text(json.dumps([{"step": 0, "recipe": "bf16"}]))
+    log0 = out / "ranks" / "rank0.jsonl"
+    with open(tmp_path / "demo.log", "w") as demo_log:
+        demo = subprocess.Popen(
+            _demo_cmd(
+                out,
+                "--steps",
+                str(steps),
+                "--step-delay",
+                "0.05",
+                "--recipe-schedule",
+                str(schedule),
+            ),
+            stdout=demo_log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            _wait_for(
+                lambda: (
+                    (out / "coordinator.json").exists()
+                    and log0.exists()
+                    and len(log0.read_text().splitlines()) >= 2
+                ),
+                "the first steps",
+                demo,
+            )
+            run_dir = ["--run-dir", str(out)]
+
+            # A recipe that parses but does not exist: every rank votes no, the job goes on.
+            assert main(["switch", '{"type": "Bogus"}', *run_dir]) == 1
+            aborted = capsys.readouterr().out
+            assert "aborted" in aborted
+            for r in range(NPROC):
+                assert f"rank {r}: " in aborted
+            assert aborted.count("unknown recipe type 'Bogus'") == NPROC
+            steps_after_abort = len(log0.read_text().splitlines())
+
+            # Unparseable input never reaches the job.
+            assert main(["switch", '{"type": ', *run_dir]) == 2
+            assert "not valid JSON" in capsys.readouterr().err
+
+            assert main(["status", *run_dir]) == 0
+            status = capsys.readouterr().out
+            assert "ABORT" in status and all(f"rank {r}:" in status for r in range(NPROC))
+
+            assert main(["switch", "current", *run_dir]) == 0
+            committed = capsys.readouterr().out
+            assert "committed" in committed
+            step = int(committed.split("from step ")[1].split()[0])
+            assert demo.wait(timeout=400) == 0, (tmp_path / "demo.log").read_text()[-3000:]
+        finally:
+            if demo.poll() is None:
+                demo.terminate()
+                demo.wait(timeout=60)
+
+    logs = _rank_logs(out)
+    assert [len(log) for log in logs] == [steps] * NPROC  # trained to the end after the abort
+    assert steps_after_abort < steps
+    for log in logs:
+        runs = _changes(log)
+        assert [start for start, _ in runs] == [0, step]
+        assert runs[0][1].startswith("CustomRecipe:")  # bf16 until the committed step
+        assert runs[1][1].startswith("Float8CurrentScaling:")
+    assert _changes(logs[0]) == _changes(logs[1])
+    phases = json.loads((out / "summary.json").read_text())["phases"]
+    assert [p["label"] for p in phases] == ["bf16", "switched by hand"]

@@ -1,0 +1,127 @@
+"""The `dist-quant` command line: help everywhere, one-line errors with the documented exit codes."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from dist_quant.launch.cli import CliError, main, parse_recipe_arg
+
+COMMANDS = ["demo", "run", "switch", "status", "roles"]
+
+
+@pytest.mark.parametrize("argv", [[], *([c] for c in COMMANDS)])
+def test_help_exits_0_and_shows_usage(argv: list[str], capsys) -> None:
+    assert main([*argv, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: dist-quant{' ' + argv[0] if argv else ''}")
+
+
+def test_top_level_help_lists_every_command(capsys) -> None:
+    main(["--help"])
+    out = capsys.readouterr().out
+    for command in COMMANDS:
+        assert command in out
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        ([], "required"),
+        (["train"], "invalid choice"),
+        (["demo", "--nproc", "0"], "must be >= 1"),
+        (["demo", "--launcher", "mpi"], "invalid choice"),
+        (["switch"], "RECIPE"),
+        (["switch", "current", "--at-step", "-3"], "must be >= 0"),
+        (["switch", "current", "--timeout", "0"], "positive number"),
+        (["switch", "current", "--run-dir", "a", "--address", "h:1"], "not allowed with"),
+        (["run", "script.py"], "--nproc"),
+    ],
+)
+def test_usage_errors_are_one_line_and_exit_2(argv, match: str, capsys) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and match in err
+
+
+def test_recipe_argument_forms(tmp_path) -> None:
+    assert parse_recipe_arg("current") == "current"
+    assert parse_recipe_arg('{"type": "DelayedScaling", "margin": 1}') == {
+        "type": "DelayedScaling",
+        "margin": 1,
+    }
+    (tmp_path / "r.json").write_text(json.dumps({"type": "Float8CurrentScaling"}))
+    (tmp_path / "r.yaml").write_text("type: DelayedScaling\namax_history_len: 16\n")
+    assert parse_recipe_arg(str(tmp_path / "r.json")) == {"type": "Float8CurrentScaling"}
+    assert parse_recipe_arg(str(tmp_path / "r.yaml")) == {
+        "type": "DelayedScaling",
+        "amax_history_len": 16,
+    }
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ('{"type": "DelayedScaling",', "not valid JSON"),
+        ("[1, 2]", "holds a list"),
+        ("missing.yaml", "does not exist"),
+        ("   ", "empty"),
+    ],
+)
+def test_unparseable_recipes_are_usage_errors(text: str, match: str) -> None:
+    with pytest.raises(CliError, match=match) as info:
+        parse_recipe_arg(text)
+    assert info.value.code == 2
+
+
+def test_switch_without_a_job_exits_2_with_one_line(tmp_path, capsys) -> None:
+    assert main(["switch", "current", "--run-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "coordinator.json does not exist" in err
+    assert main(["status", "--run-dir", str(tmp_path)]) == 2
+    assert "coordinator.json does not exist" in capsys.readouterr().err
+
+
+def test_switch_with_an_address_but_no_token_exits_2(monkeypatch, capsys) -> None:
+    monkeypatch.delenv("DIST_QUANT_TOKEN", raising=False)
+    assert main(["switch", "current", "--address", "127.0.0.1:1"]) == 2
+    assert "token" in capsys.readouterr().err
+
+
+def test_installed_command_prints_no_traceback(tmp_path) -> None:
+    """The console script's process: exit code 2 and one line on stderr, nothing on stdout."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dist_quant.launch.cli",
+            "switch",
+            "current",
+            "--run-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+def test_demo_refuses_bad_options_before_starting_anything(tmp_path, capsys) -> None:
+    assert main(["demo", "--nproc", "2", "--tp", "3", "--out", str(tmp_path)]) == 2
+    assert "--tp 3 must divide --nproc 2" in capsys.readouterr().err
+    bad = tmp_path / "schedule.yaml"
+    bad.write_text("- {step: 0, recipe: bf16}\n- {step: 5, recipe: {type: Bogus}}\n")
+    assert main(["demo", "--recipe-schedule", str(bad), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "phase 1: invalid recipe" in err
+    assert main(["demo", "--model", "gpt:hidden=30,heads=4", "--out", str(tmp_path)]) == 2
+    assert "multiple of heads" in capsys.readouterr().err
+    assert not (tmp_path / "ranks").exists()
+
+
+def test_run_with_a_missing_script_exits_2(tmp_path, capsys) -> None:
+    assert main(["run", "--nproc", "2", str(tmp_path / "nope.py")]) == 2
+    assert "does not exist" in capsys.readouterr().err

@@ -1,0 +1,72 @@
+"""Recipe schedules: where each phase starts, and every way a schedule file can be wrong."""
+
+import json
+
+import pytest
+from dist_quant.launch.demo_schedule import load_schedule_file, resolve_schedule
+
+
+def test_default_schedule_is_bf16_delayed_current_bf16_at_quarter_points() -> None:
+    s = resolve_schedule(None, 200)
+    assert [p.start for p in s.phases] == [0, 50, 110, 170]
+    assert [p.recipe for p in s.phases] == ["bf16", "delayed", "current", "bf16"]
+    assert [p.label for p in s.switches] == ["fp8 delayed", "fp8 current", "bf16 tail"]
+
+
+def test_steps_and_fractions_mix_and_labels_default_to_the_recipe() -> None:
+    raw = {
+        "phases": [
+            {"step": 0, "recipe": "delayed"},
+            {
+                "fraction": 0.5,
+                "recipe": {"type": "Float8CurrentScaling", "use_power_2_scales": True},
+            },
+            {"step": 90, "recipe": "bf16", "label": "tail"},
+        ]
+    }
+    s = resolve_schedule(raw, 100)
+    assert [p.start for p in s.phases] == [0, 50, 90]
+    assert [p.label for p in s.phases] == ["delayed", "Float8CurrentScaling", "tail"]
+    assert s.phases[1].recipe == {"type": "Float8CurrentScaling", "use_power_2_scales": True}
+
+
+def test_yaml_and_json_files_load_to_the_same_schedule(tmp_path) -> None:
+    phases = [{"step": 0, "recipe": "bf16"}, {"step": 5, "recipe": "current"}]
+    (tmp_path / "s.json").write_text(json.dumps(phases))
+    (tmp_path / "s.yaml").write_text("- {step: 0, recipe: bf16}\n- {step: 5, recipe: current}\n")
+    a = resolve_schedule(load_schedule_file(tmp_path / "s.json"), 10)
+    b = resolve_schedule(load_schedule_file(tmp_path / "s.yaml"), 10)
+    assert a == b
+
+
+@pytest.mark.parametrize(
+    "raw, match",
+    [
+        ([], "non-empty list"),
+        ([{"step": 1, "recipe": "bf16"}], "must start at step 0"),
+        ([{"step": 0, "recipe": "bf16"}, {"step": 0, "recipe": "current"}], "increasing steps"),
+        ([{"step": 0, "recipe": "bf16"}, {"step": 10, "recipe": "current"}], "only 10 steps"),
+        ([{"step": 0, "fraction": 0.0, "recipe": "bf16"}], "exactly one of"),
+        ([{"step": 0, "recipe": "bf16", "when": 3}], "unknown field"),
+        ([{"step": 0}], "missing 'recipe'"),
+        ([{"fraction": 1.5, "recipe": "bf16"}], r"fraction must be a number in \[0, 1\)"),
+        ([{"step": -1, "recipe": "bf16"}], "step must be an integer >= 0"),
+        (
+            [{"step": 0, "recipe": {"type": "Bogus"}}],
+            "phase 0: invalid recipe: unknown recipe type",
+        ),
+        ([{"step": 0, "recipe": "fp4"}], "phase 0: invalid recipe"),
+        ({"stages": []}, 'exactly one key, "phases"'),
+    ],
+)
+def test_bad_schedules_are_refused_naming_the_phase_and_field(raw, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        resolve_schedule(raw, 10)
+
+
+def test_unreadable_and_unparseable_files_are_refused(tmp_path) -> None:
+    with pytest.raises(ValueError, match="cannot read"):
+        load_schedule_file(tmp_path / "missing.yaml")
+    (tmp_path / "bad.yaml").write_text("phases: [ {step: 0\n")
+    with pytest.raises(ValueError, match="not valid YAML/JSON"):
+        load_schedule_file(tmp_path / "bad.yaml")
