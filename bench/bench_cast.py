@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
+import triton.language as tl
 from dist_quant.kernels import block, cast, current, dequantize, mxfp8
 from dist_quant.kernels import reference as ref
 from triton.testing import do_bench
@@ -50,6 +51,17 @@ class Case:
 def _compiled(fn: Callable, *args) -> Callable[[], object]:
     c = torch.compile(fn, dynamic=False)
     return lambda: c(*args)
+
+
+def _try_ms(fn: Callable[[], object] | None, what: str) -> float:
+    """Median ms, or NaN (with the reason printed) when the variant fails, e.g. cannot compile."""
+    if fn is None:
+        return float("nan")
+    try:
+        return _ms(fn)
+    except Exception as exc:  # a failed baseline must not end the whole run
+        print(f"  ({what} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]})")
+        return float("nan")
 
 
 def _delayed_cast_ref(x, scale, slot):
@@ -197,7 +209,7 @@ def run_table(sizes: list[int], with_compile: bool) -> list[dict]:
     rows = []
     for n in sizes:
         copy = copy_ms(n)
-        copy_bw = 4 * n / copy / 1e9
+        copy_bw = 4 * n / copy / 1e6  # ms -> GB/s
         print(f"\n## {n // M}M bf16 elements: device copy {copy * 1e3:.1f} us = {copy_bw:.0f} GB/s")
         print(
             f"{'operation':44s} {'triton us':>10s} {'eager us':>10s} {'compile us':>10s} "
@@ -206,9 +218,9 @@ def run_table(sizes: list[int], with_compile: bool) -> list[dict]:
         cases = build_cases(n, with_compile) + ([update_case()] if n == sizes[0] else [])
         for case in cases:
             t = _ms(case.triton)
-            e = _ms(case.eager)
-            c = _ms(case.compiled) if case.compiled is not None else float("nan")
-            bw = case.bytes_moved / t / 1e9
+            e = _try_ms(case.eager, f"{case.name} eager")
+            c = _try_ms(case.compiled, f"{case.name} torch.compile")
+            bw = case.bytes_moved / t / 1e6
             print(
                 f"{case.name:44s} {t * 1e3:10.1f} {e * 1e3:10.1f} {c * 1e3:10.1f} "
                 f"{e / t:8.2f}x {c / t:9.2f}x {bw:7.0f} {100 * bw / copy_bw:6.0f}%",
@@ -219,6 +231,78 @@ def run_table(sizes: list[int], with_compile: bool) -> list[dict]:
                      gbps=bw, copy_gbps=copy_bw)
             )  # fmt: skip
             torch._dynamo.reset()
+    return rows
+
+
+@triton.jit
+def _probe_bytes_kernel(x_ptr, q_ptr, n, BLOCK: tl.constexpr):
+    """Data movement of a per-tensor cast without any rounding: bf16 in, its high byte out."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    tl.store(q_ptr + offs, (x.to(tl.int16, bitcast=True) >> 8).to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _probe_hw_cast_kernel(x_ptr, q_ptr, scale_ptr, acc_ptr, n, BLOCK: tl.constexpr):
+    """Saturating cast through the GPU's FP8 conversion instruction, plus the amax atomic."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    v = tl.minimum(tl.maximum(x * tl.load(scale_ptr), -448.0), 448.0)
+    tl.store(q_ptr + offs, v.to(tl.float8e4nv), mask=mask)
+    bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    tl.atomic_max(acc_ptr, tl.max(bits, axis=0), sem="relaxed")
+
+
+@triton.jit
+def _probe_transpose_kernel(x_ptr, q_ptr, qt_ptr, rows, cols, BM: tl.constexpr, BN: tl.constexpr):
+    """Data movement of cast+transpose without rounding: high bytes to q and to q^T."""
+    pid = tl.program_id(0)
+    n_col_tiles = tl.cdiv(cols, BN)
+    r = ((pid // n_col_tiles) * BM + tl.arange(0, BM)).to(tl.int64)
+    c = ((pid % n_col_tiles) * BN + tl.arange(0, BN)).to(tl.int64)
+    mask = (r < rows)[:, None] & (c < cols)[None, :]
+    x = tl.load(x_ptr + r[:, None] * cols + c[None, :], mask=mask, other=0.0)
+    b = (x.to(tl.int16, bitcast=True) >> 8).to(tl.uint8)
+    tl.store(q_ptr + r[:, None] * cols + c[None, :], b, mask=mask)
+    tl.store(qt_ptr + c[None, :] * rows + r[:, None], b, mask=mask)
+
+
+def _probe_cases(n: int) -> dict[str, tuple[int, Callable[[], object]]]:
+    x = torch.randn(n // 8192, 8192, device="cuda", dtype=torch.bfloat16)
+    q8 = torch.empty(x.shape, device="cuda", dtype=torch.uint8)
+    qf = torch.empty(x.shape, device="cuda", dtype=E4M3)
+    qt = torch.empty(x.shape[::-1], device="cuda", dtype=torch.uint8)
+    scale, acc = torch.tensor([0.5], device="cuda"), torch.zeros(1, device="cuda")
+    cfg, tile = dict(cast.GPU_FLAT), dict(cast.GPU_TILE)
+    grid = (triton.cdiv(n, cfg["BLOCK"]),)
+    t_grid = (triton.cdiv(x.shape[0], tile["BM"]) * triton.cdiv(x.shape[1], tile["BN"]),)
+    return {
+        "probe: bytes only, 3 B/elem": (
+            3 * n, lambda: _probe_bytes_kernel[grid](x, q8, n, **cfg)),
+        "probe: hardware FP8 cvt + amax, 3 B/elem": (
+            3 * n, lambda: _probe_hw_cast_kernel[grid](x, qf, scale, acc, n, **cfg)),
+        "probe: transpose bytes only, 4 B/elem": (
+            4 * n, lambda: _probe_transpose_kernel[t_grid](x, q8, qt, *x.shape, **tile)),
+        "triton delayed cast + amax (exact)": (
+            3 * n, lambda: K.cast_to_fp8_with_amax(x, scale, E4M3, acc)),
+        "triton delayed cast + transpose + amax (exact)": (
+            4 * n, lambda: K.cast_transpose_with_amax(x, scale, E4M3, acc)),
+    }  # fmt: skip
+
+
+def run_probes(sizes: list[int]) -> list[dict]:
+    """What the per-tensor casts cost without exact FP8 rounding, in the same run as the copy."""
+    rows = []
+    for n in sizes:
+        copy_bw = 4 * n / copy_ms(n) / 1e6
+        print(f"\n## probes, {n // M}M bf16 elements (copy {copy_bw:.0f} GB/s)")
+        for name, (nbytes, fn) in _probe_cases(n).items():
+            t = _ms(fn)
+            bw = nbytes / t / 1e6
+            print(f"{name:48s} {t * 1e3:8.1f} us {bw:7.0f} GB/s {100 * bw / copy_bw:5.0f}% copy")
+            rows.append(dict(n=n, op=name, triton_us=t * 1e3, gbps=bw, copy_gbps=copy_bw))
     return rows
 
 
@@ -273,7 +357,7 @@ def _sweep_op(name: str, x: torch.Tensor) -> Callable[[], object]:
 def _as_bytes(out: object) -> list[torch.Tensor]:
     """Every tensor in an op's output, as raw bytes (to compare configurations bit for bit)."""
     if isinstance(out, torch.Tensor):
-        return [out.contiguous().view(torch.uint8)]
+        return [out.reshape(-1).contiguous().view(torch.uint8)]
     if isinstance(out, (tuple, list)):
         return [b for o in out for b in _as_bytes(o)]
     return []
@@ -321,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="64,256", help="millions of bf16 elements")
     parser.add_argument("--sweep", action="store_true", help="sweep launch configurations")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile columns")
+    parser.add_argument("--probes", action="store_true", help="data-movement-only probe kernels")
     parser.add_argument("--json", help="write the measurements here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -330,6 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": triton.__version__}  # fmt: skip
+    torch._dynamo.config.cache_size_limit = 64
+    if args.probes:
+        out["probes"] = run_probes(sizes)
     if args.sweep:
         out["sweep"] = run_sweep(sizes)
     out["table"] = run_table(sizes, with_compile=not args.no_compile)
