@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-# The quantizer-facing kernels; the kernels engineer switches this to the dispatchers.
-from dist_quant.kernels import reference as fp8_kernels
+# The quantizer-facing kernels: dispatchers that run Triton for CUDA tensors, the reference else.
+from dist_quant import kernels as fp8_kernels
 from dist_quant.tensor import Float8BlockwiseTensor, Float8Tensor, MXFP8Tensor, QuantizedTensor
 
 _HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -41,7 +41,14 @@ from dist_quant.kernels.dequantize import (
 from dist_quant.kernels.mxfp8 import mxfp8_cast_triton
 from torch import Tensor
 
+# Constants and helpers of the reference, so this module is a drop-in for it.
+FP8_DTYPES = reference.FP8_DTYPES
+FLT_MAX = reference.FLT_MAX
+fp8_max = reference.fp8_max
+
 __all__ = [
+    "FLT_MAX",
+    "FP8_DTYPES",
     "CurrentScalingCast",
     "amax",
     "block_cast",
@@ -55,6 +62,7 @@ __all__ = [
     "delayed_scaling_update",
     "delayed_scaling_update_groups",
     "dequantize",
+    "fp8_max",
     "mxfp8_cast",
     "mxfp8_dequantize",
     "reference",
