@@ -61,9 +61,10 @@ class GPTSpec:
             )
 
     def to_spec(self) -> str:
-        return "gpt:" + ",".join(
-            f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
-        )
+        """The spec string, with the MLP width spelled out (`ffn=0` would hide it)."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        values["ffn"] = self.ffn_size
+        return "gpt:" + ",".join(f"{k}={v}" for k, v in values.items())
 
 
 def parse_gpt_spec(spec: str) -> GPTSpec:

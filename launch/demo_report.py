@@ -18,6 +18,11 @@ from typing import Any
 _EDGE = 5  # steps averaged for a phase's first/last loss: one step is too noisy to read
 
 
+def _edge(n: int) -> int:
+    """Steps to average at each end of an n-step phase: up to _EDGE, and no overlap."""
+    return max(1, min(_EDGE, n // 2))
+
+
 def short_key(recipe: Any) -> str:
     """`TypeName:8 hex digits` of a recipe's semantic key: equal keys print equal."""
     digest = hashlib.sha256(repr(recipe.key()).encode()).hexdigest()[:8]
@@ -93,8 +98,9 @@ def summarize(
     for ph in phases:
         losses, times = ph.pop("losses"), ph.pop("times")
         ph["steps"] = len(losses)
-        ph["loss_first"] = _mean(losses[:_EDGE])
-        ph["loss_last"] = _mean(losses[-_EDGE:])
+        edge = _edge(len(losses))
+        ph["loss_first"] = _mean(losses[:edge])
+        ph["loss_last"] = _mean(losses[-edge:])
         ph["loss_mean"] = _mean(losses)
         t0 = prev_end_t if prev_end_t is not None else times[0]
         n = len(times) if prev_end_t is not None else len(times) - 1
@@ -124,8 +130,8 @@ def summarize(
         "ranks": sorted(logs),
         "steps_logged_by_rank": {r: len(log) for r, log in sorted(logs.items())},
         "mismatched_steps": mismatched,
-        "loss_start": _mean(losses[:_EDGE]),
-        "loss_end": _mean(losses[-_EDGE:]),
+        "loss_start": _mean(losses[: _edge(len(losses))]),
+        "loss_end": _mean(losses[-_edge(len(losses)) :]),
         "entropy_floor": entropy_floor,
         "steps_per_s": (len(rank0) - 1) / total_s if total_s > 0 else None,
         "losses": losses,

@@ -84,3 +84,12 @@ def test_bad_specs_and_recipes_are_one_line_errors(argv, code: int, match: str, 
         assert main(argv) == code
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and match in err
+
+
+def test_model_spec_defaults_and_round_trip() -> None:
+    spec = parse_gpt_spec("gpt")
+    assert (spec.layers, spec.hidden, spec.heads, spec.vocab, spec.seq) == (2, 64, 4, 64, 32)
+    assert spec.to_spec() == "gpt:layers=2,hidden=64,heads=4,ffn=256,vocab=64,seq=32"
+    assert parse_gpt_spec(spec.to_spec()).ffn_size == spec.ffn_size == 4 * 64
+    with pytest.raises(ValueError, match="multiples of the tensor-parallel size 3"):
+        spec.check_tp(3)
