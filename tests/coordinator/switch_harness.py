@@ -182,10 +182,12 @@ def train_worker(rank: int, world: int, cfg: dict) -> dict:
         **FAKE_HOOKS,
     )
     recipes: list[str] = []
+    states: list[str] = []
     step = 0
     while step < cfg["max_steps"]:
         participant.step_boundary(step)
         recipes.append(model.recipe)
+        states.append(participant.state)
         stop = float(os.path.exists(cfg["stop_file"]))
         if cfg.get("collectives", True):
             x = torch.ones(1)
@@ -197,7 +199,7 @@ def train_worker(rank: int, world: int, cfg: dict) -> dict:
             break
         time.sleep(cfg["step_s"])
         step += 1
-    result = {"recipes": recipes, "address": participant.address, "state": participant.state}
+    result = {"recipes": recipes, "states": states, "state": participant.state}
     (Path(cfg["run_dir"]) / f"rank{rank}.json").write_text(json.dumps(result))
     participant.close()
     return result
