@@ -3,6 +3,7 @@
 Public names are listed in API.md; each is importable from here.
 """
 
+from dist_quant import checkpoint  # a namespace: dq.checkpoint.load_state_dict, recipe_of, ...
 from dist_quant.context import autocast
 from dist_quant.convert import convert_model
 from dist_quant.factory_keys import quantizer_factory
@@ -40,6 +41,7 @@ from dist_quant.state import RecipeState
 from dist_quant.tensor import Float8BlockwiseTensor, Float8Tensor, MXFP8Tensor, QuantizedTensor
 
 __all__ = [
+    "checkpoint",
     "apply_recipe",
     "autocast",
     "convert_model",

@@ -425,3 +425,89 @@ def test_save_load_round_trip_restores_optimizer_and_returns_job_and_extra(tmp_p
     torch.save({"model": model.state_dict()}, tmp_path / "plain.pt")
     with pytest.raises(ValueError, match="not a 'dist_quant.checkpoint/1' checkpoint"):
         ckpt.load(tmp_path / "plain.pt", fresh)
+
+
+def test_dcp_load_into_a_model_on_another_recipe_is_refused_before_any_weight_changes(tmp_path):
+    model, _ = trained()
+    with pytest.warns(UserWarning, match="single process"):  # DCP without a process group
+        ckpt.dcp_save(model, tmp_path / "dcp", extra={"step": 3})
+    other, _ = trained(CURRENT, seed=1)
+    snap = snapshot(other)
+    extra = {"step": -1}
+    with pytest.warns(UserWarning), pytest.raises(dq.RecipeUpdateError, match="'0._extra_state'"):
+        ckpt.dcp_load(other, tmp_path / "dcp", extra=extra)
+    assert_unchanged(other, snap)  # DCP loaded into copies; the refusal came before any copy
+    fresh = mlp(seed=2)
+    with pytest.warns(UserWarning):
+        assert ckpt.dcp_load(fresh, tmp_path / "dcp", extra=extra) is None
+    assert extra == {"step": 3}
+    for name, t in scaling_buffers(model).items():
+        assert torch.equal(scaling_buffers(fresh)[name], t), name
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(p, q)
+
+
+# ---- the coordinator's part of the checkpoint ----------------------------------------------------
+class FakeParticipant:
+    """What job_state reads of a participant: its rank and its public state."""
+
+    def __init__(self, state: str = "idle") -> None:
+        self.rank, self.state = 0, state
+
+
+def write_log(run_dir: Path, records: list[dict]) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps(r, sort_keys=True) + "\n" for r in records]
+    (run_dir / "decisions.jsonl").write_text("".join(lines))
+
+
+SWITCH_1 = [
+    {"event": "open", "switch_id": 1, "recipe": "current", "time": 1.0},
+    {"event": "decision", "switch_id": 1, "commit": True, "step": 5, "time": 2.0},
+    {"event": "open", "switch_id": 2, "recipe": "mxfp8", "time": 3.0},
+    {"event": "decision", "switch_id": 2, "commit": False, "step": None, "time": 4.0},
+]
+
+
+def test_job_state_records_the_log_and_last_commit_and_restores_it_into_a_new_run_dir(tmp_path):
+    write_log(tmp_path / "a", SWITCH_1)
+    state = ckpt.job_state(FakeParticipant(), step=8, run_dir=tmp_path / "a")
+    assert state["decisions"] == SWITCH_1
+    assert state["last_commit"] == {"switch_id": 1, "step": 5, "recipe": "current"}
+    model = mlp()
+    dq.apply_recipe(model, dq.Float8CurrentScaling())
+    commit = ckpt.restore_job_state(state, run_dir=tmp_path / "b", model=model)
+    assert commit == state["last_commit"]
+    lines = (tmp_path / "b" / "decisions.jsonl").read_text().splitlines()
+    assert [json.loads(x) for x in lines[:-1]] == SWITCH_1
+    marker = json.loads(lines[-1])
+    assert (marker["event"], marker["step"], marker["last_commit"]) == ("restored", 8, 1)
+    # the same job's run directory (a restart): the log already begins with the records
+    ckpt.restore_job_state(state, run_dir=tmp_path / "a")
+    assert len((tmp_path / "a" / "decisions.jsonl").read_text().splitlines()) == 5
+
+
+@pytest.mark.parametrize("phase", ["voted", "committing", "broken"])
+def test_job_state_refuses_while_a_switch_is_undecided_or_unpublished(tmp_path, phase):
+    with pytest.raises(ValueError, match=f"rank 0 is '{phase}'"):
+        ckpt.job_state(FakeParticipant(phase), step=8, run_dir=tmp_path)
+
+
+def test_job_state_refuses_a_commit_for_a_step_the_checkpoint_has_not_reached(tmp_path):
+    write_log(tmp_path, SWITCH_1)
+    with pytest.raises(ValueError, match="switch 1 is committed for step >= 5"):
+        ckpt.job_state(FakeParticipant(), step=5, run_dir=tmp_path)
+
+
+def test_restore_job_state_refuses_another_jobs_log_and_a_model_on_another_recipe(tmp_path):
+    write_log(tmp_path / "a", SWITCH_1)
+    state = ckpt.job_state(FakeParticipant(), step=8, run_dir=tmp_path / "a")
+    write_log(tmp_path / "other", SWITCH_1[2:])
+    with pytest.raises(ValueError, match="does not begin with this checkpoint's 4 records"):
+        ckpt.restore_job_state(state, run_dir=tmp_path / "other")
+    model, _ = trained()  # on DELAYED, but switch 1 set "current"
+    with pytest.raises(ValueError, match="last committed switch \\(1, step 5\\)"):
+        ckpt.restore_job_state(state, run_dir=tmp_path / "c", model=model)
+    assert not (tmp_path / "c").exists()
+    with pytest.raises(ValueError, match="corrupted job state"):
+        ckpt.restore_job_state({**state, "last_commit": None}, run_dir=tmp_path / "c")
