@@ -98,7 +98,7 @@ def attach(
         tp_groups = check_tp_groups([g["tp"] for g in gathered])
         on_close: list[Callable[[], None]] = []
         if host_side is not None:
-            host_side.run_coordinator(tp_groups, tuple(faults))
+            host_side.run_coordinator(tp_groups, tuple(faults), decision_grace_s / 2)
             on_close.append(host_side.close)
         rank_transport = _connect(endpoint)
     except BaseException:
@@ -228,7 +228,10 @@ class _Host:
             tx.close()
 
     def run_coordinator(
-        self, tp_groups: tuple[tuple[int, ...], ...], faults: tuple[Fault, ...]
+        self,
+        tp_groups: tuple[tuple[int, ...], ...],
+        faults: tuple[Fault, ...],
+        commit_window_s: float,
     ) -> None:
         world = sum(len(g) for g in tp_groups)  # the groups partition the ranks
         token = self.endpoint["token"]
@@ -236,7 +239,9 @@ class _Host:
         if self.kind == "ray":
             from dist_quant.coordinator.transport_ray import start_coordinator_in_actor
 
-            start_coordinator_in_actor(self._server, token, world, tp_groups, str(log_path), faults)
+            start_coordinator_in_actor(
+                self._server, token, world, tp_groups, str(log_path), faults, commit_window_s
+            )
         else:
             from dist_quant.coordinator.transport_store import StoreTransport
 
@@ -247,6 +252,7 @@ class _Host:
                 tp_groups=tp_groups,
                 log=DecisionLog(log_path),
                 faults=faults,
+                commit_window_s=commit_window_s,
             )
             self._coordinator.start()
 

@@ -70,7 +70,12 @@ class Coordinator:
         tp_groups: Sequence[Sequence[int]],
         log: DecisionLog,
         faults: Sequence[Fault] = (),
+        commit_window_s: float = 0.5,
     ) -> None:
+        """`commit_window_s`: a COMMIT whose logging ends later than this past the vote deadline
+        is turned into ABORT. Ranks wait at least `decision_grace_s` past the deadline before
+        giving up; keeping this window below that grace means no rank can have given up on a
+        switch that the others then publish (attach uses half the grace)."""
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self._out = transport
@@ -80,6 +85,7 @@ class Coordinator:
         self._tp_groups = tuple(tuple(g) for g in tp_groups)
         self._log = log
         self._faults = tuple(faults)
+        self._commit_window_s = commit_window_s
         self._events: queue.Queue[Message | ProtocolError | TransportError] = queue.Queue()
         self._phase = Phase.IDLE
         self._switch: _Switch | None = None
@@ -199,6 +205,13 @@ class Coordinator:
             self._say.error(f"cannot record the decision, aborting: {e}", switch_id=switch_id)
             decision = Decision(switch_id, False, None, dict(decision.reasons), f"{e}")
             self._append_best_effort({"event": "decision", **decision.to_dict()})
+        late = time.monotonic() - sw.deadline
+        if decision.commit and late > self._commit_window_s:
+            # Some rank may already have stopped waiting and kept its old recipe.
+            summary = f"COMMIT was logged {late:.2f} s after the vote deadline; aborted instead"
+            self._say.error(summary, switch_id=switch_id)
+            decision = Decision(switch_id, False, None, {}, summary)
+            self._append_best_effort({"event": "decision", **decision.to_dict()})
         sw.log_s = time.monotonic() - t0
         sw.decision = decision
         inject(self._faults, "publish", rank=None, switch_id=switch_id)
@@ -208,8 +221,8 @@ class Coordinator:
         self._reply(sw.request_id, "result", switch_id, body=self._result(sw).to_dict())
 
     def _append_best_effort(self, record: dict[str, Any]) -> None:
-        """Records whose loss is harmless: the ABORT after a failed COMMIT record (a switch
-        without a readable COMMIT recovers as aborted anyway) and the "published" marker."""
+        """Records whose loss is harmless: an ABORT after a COMMIT that failed or came too late
+        (the last decision record of a switch is its outcome) and the "published" marker."""
         try:
             self._log.append(record)
         except DecisionLogError as e:

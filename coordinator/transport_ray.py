@@ -38,6 +38,7 @@ class _CoordinatorActor:
         tp_groups: Sequence[Sequence[int]],
         log_path: str,
         faults: Sequence[Fault],
+        commit_window_s: float,
     ) -> None:
         self._coordinator = Coordinator(
             MemoryTransport(self._hub),
@@ -46,6 +47,7 @@ class _CoordinatorActor:
             tp_groups=tp_groups,
             log=DecisionLog(log_path),
             faults=faults,
+            commit_window_s=commit_window_s,
         )
         self._coordinator.start()
 
@@ -98,9 +100,10 @@ def start_coordinator_in_actor(
     tp_groups: Sequence[Sequence[int]],
     log_path: str,
     faults: Sequence[Fault],
+    commit_window_s: float,
 ) -> None:
     groups = [list(g) for g in tp_groups]
-    _ray().get(actor.start.remote(token, world_size, groups, log_path, faults))
+    _ray().get(actor.start.remote(token, world_size, groups, log_path, faults, commit_window_s))
 
 
 def stop_coordinator_actor(actor: Any) -> None:

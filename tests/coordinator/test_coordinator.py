@@ -1,6 +1,7 @@
 """The coordinator's state machine, driven by hand-played ranks and clients on a memory transport."""
 
 import threading
+import time
 
 import pytest
 from dist_quant.coordinator import SwitchBusyError, SwitchRequestError, fail_at, request_switch
@@ -26,7 +27,9 @@ TOKEN = "job-token"
 class Job:
     """A coordinator for `world` ranks (TP groups of two) plus a scripted side to talk to it."""
 
-    def __init__(self, tmp_path, world=2, log=None, faults=(), hub=None, transport=None):
+    def __init__(
+        self, tmp_path, world=2, log=None, faults=(), hub=None, transport=None, commit_window_s=0.5
+    ):
         self.hub = hub or MemoryHub()
         self.log = log or DecisionLog(tmp_path / "decisions.jsonl")
         self.coord = Coordinator(
@@ -36,6 +39,7 @@ class Job:
             tp_groups=[tuple(range(g, min(g + 2, world))) for g in range(0, world, 2)],
             log=self.log,
             faults=faults,
+            commit_window_s=commit_window_s,
         )
         self.coord.start()
         self.s = Script(MemoryTransport(self.hub), TOKEN)
@@ -276,5 +280,44 @@ def test_requests_from_two_threads_at_once_open_exactly_one_switch(tmp_path):
         for t in threads:
             t.join(5)
         assert outcomes[1].committed is True and outcomes[1].switch_id == 1
+    finally:
+        job.close()
+
+
+class SlowDecisionLog(DecisionLog):
+    """A decision record whose fsync takes 0.4 s (a stalled disk)."""
+
+    def append(self, record):
+        if record["event"] == "decision" and record["commit"]:
+            time.sleep(0.4)
+        super().append(record)
+
+
+def test_commit_logged_after_the_ranks_may_have_given_up_becomes_abort(tmp_path):
+    """Ranks give up `decision_grace_s` after the deadline; a COMMIT that only becomes durable
+    later than the commit window past the deadline must not be published."""
+    log = SlowDecisionLog(tmp_path / "d.jsonl")
+    job = Job(tmp_path, log=log, commit_window_s=0.1)
+    try:
+        job.request("r1", timeout_s=0.2)
+        job.prepares()
+        time.sleep(0.1)  # vote near the deadline; the decision is logged 0.4 s later
+        job.vote_all_yes(1)
+        body = job.result("r1").body
+        assert body["committed"] is False and "after the vote deadline" in body["summary"]
+        assert [job.s.recv(rank_queue(r)).commit for r in range(2)] == [False, False]
+        outcomes = [r["commit"] for r in log.records() if r["event"] == "decision"]
+        assert outcomes == [True, False]  # the ABORT is the switch's last word
+    finally:
+        job.close()
+
+
+def test_commit_logged_within_the_window_is_published(tmp_path):
+    job = Job(tmp_path, log=SlowDecisionLog(tmp_path / "d.jsonl"), commit_window_s=5.0)
+    try:
+        job.request("r1", timeout_s=0.2)
+        job.prepares()
+        job.vote_all_yes(1)
+        assert job.result("r1").body["committed"] is True
     finally:
         job.close()
