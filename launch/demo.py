@@ -169,19 +169,22 @@ class SwitchDriver(threading.Thread):
 
 
 # ---- launchers -------------------------------------------------------------------------------
-_ERROR_LINE = re.compile(r"^\s*(?:[\w.]+\.)?(\w*(?:Error|Exception)): (.+)$")
+# torchrun prefixes each line a rank prints with "[rank<r>]: ".
+_ERROR_LINE = re.compile(r"^\s*(?:\[rank(\d+)\]:\s*)?(?:[\w.]+\.)?(\w*(?:Error|Exception)): (.+)$")
 
 
-def _last_error(log_path: Path) -> str:
-    """The last `SomethingError: message` line a rank printed, skipping torchrun's own."""
+def _first_error(log_path: Path) -> str:
+    """The first `SomethingError: message` line a rank printed (the first failure is the cause;
+    peers that lose a collective partner fail after it), skipping torchrun's own."""
     try:
         lines = log_path.read_text(errors="replace").splitlines()
     except OSError:
         return ""
-    for line in reversed(lines):
+    for line in lines:
         m = _ERROR_LINE.match(line)
-        if m and m.group(1) not in ("ChildFailedError",):
-            return f"{m.group(1)}: {m.group(2).strip()}"
+        if m and m.group(2) != "ChildFailedError":
+            rank = f"rank {m.group(1)}: " if m.group(1) is not None else ""
+            return f"{rank}{m.group(2)}: {m.group(3).strip()}"
     return ""
 
 
@@ -206,7 +209,7 @@ class _TorchrunRunner:
         if rc is None:
             return False
         if rc != 0:
-            cause = _last_error(self.log_path)
+            cause = _first_error(self.log_path)
             raise CliError(
                 f"demo job failed (torchrun exit code {rc})"
                 + (f": {cause}" if cause else "")

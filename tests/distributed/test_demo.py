@@ -123,7 +123,7 @@ def test_switch_from_another_process_commits_and_a_malformed_one_leaves_the_job_
     tmp_path, capsys
 ) -> None:
     out = tmp_path / "run"
-    steps = 120
+    steps = 80
     schedule = tmp_path / "schedule.json"
     schedule.write_text(json.dumps([{"step": 0, "recipe": "bf16"}]))
     log0 = out / "ranks" / "rank0.jsonl"
@@ -191,3 +191,22 @@ def test_switch_from_another_process_commits_and_a_malformed_one_leaves_the_job_
     assert _changes(logs[0]) == _changes(logs[1])
     phases = json.loads((out / "summary.json").read_text())["phases"]
     assert [p["label"] for p in phases] == ["bf16", "switched by hand"]
+
+
+def test_a_failing_rank_fails_the_demo_with_one_line_naming_it(tmp_path) -> None:
+    """A first recipe that parses but cannot be built (its factory returns a str) fails on the
+    ranks, not in the launcher: the demo must exit 1 and say which rank failed and why."""
+    schedule = tmp_path / "schedule.yaml"
+    schedule.write_text('- {step: 0, recipe: {type: CustomRecipe, qfactory: "builtins:repr"}}\n')
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        _demo_cmd(out, "--steps", "5", "--recipe-schedule", str(schedule)),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 1
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in proc.stderr
+    assert err[0].startswith("dist-quant: demo job failed (torchrun exit code 1): rank ")
+    assert "layers.0.self_attention.qkv" in err[0] and "returned a str" in err[0]
