@@ -46,6 +46,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from dist_quant import kernels
+
 if TYPE_CHECKING:
     from dist_quant.state import DelayedGroup
 
@@ -132,8 +134,20 @@ def reduce_and_update(
             capacity = _capacity.get(group, 0)
         if reduced or capacity:
             _reduce(reduced, group, direction, capacity)
+    update_groups(groups)
+
+
+def update_groups(groups: Sequence[DelayedGroup]) -> None:
+    """History roll + scale compute of every group: the standard ones ("max" / "most_recent", no
+    custom scaling function) in one fused launch on CUDA, callables one by one."""
+    standard = [g for g in groups if g.is_standard]
+    if standard:
+        kernels.delayed_scaling_update_groups(
+            [(g.amax_history, g.scale, g.fp8_max, g.margin, g.algo) for g in standard]
+        )
     for g in groups:
-        g.update()
+        if not g.is_standard:
+            g.update()
 
 
 def _reduce(reduced: list[DelayedGroup], group: Any, direction: str, capacity: int) -> None:

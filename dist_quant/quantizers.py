@@ -101,10 +101,19 @@ class Float8Quantizer(Quantizer):
 
     def quantize(self, x: Tensor) -> Float8Tensor:
         x = self._check_input(x)
-        x_amax = fp8_kernels.amax(x)  # fp32 0-dim
-        self.amax.copy_(torch.maximum(self.amax, x_amax))  # running max; maximum keeps NaN
+        # One pass reads x, writes the FP8 bytes (and their transpose) and folds max(|x|) into
+        # the history slot; on CUDA a single Triton launch, no host sync.
+        if self.columnwise_usage and x.dim() >= 1:
+            data, data_t = fp8_kernels.cast_transpose_with_amax(
+                x, self.scale, self.fp8_dtype, amax_out=self.amax
+            )
+        else:
+            data = fp8_kernels.cast_to_fp8_with_amax(
+                x, self.scale, self.fp8_dtype, amax_out=self.amax
+            )
+            data_t = None
         scale_inv = torch.ones_like(self.scale) / self.scale  # a snapshot: scale changes later
-        return _per_tensor(self, x, self.scale, scale_inv)
+        return Float8Tensor(data, scale_inv, dtype=x.dtype, data_t=data_t)
 
 
 class Float8CurrentScalingQuantizer(Quantizer):
@@ -138,14 +147,24 @@ class Float8CurrentScalingQuantizer(Quantizer):
 
     def quantize(self, x: Tensor) -> Float8Tensor:
         x = self._check_input(x)
+        transpose = self.columnwise_usage and x.dim() >= 1
+        if self.amax_reduction_group is None:
+            # amax -> scale -> cast (+ transpose) without a host sync: two launches on CUDA.
+            out = fp8_kernels.current_scaling_cast(
+                x,
+                self.fp8_dtype,
+                amax_epsilon=self.amax_epsilon,
+                use_power_2_scales=self.use_power_2_scales,
+                transpose=transpose,
+            )
+            return Float8Tensor(out.data, out.scale_inv, dtype=x.dtype, data_t=out.data_t)
         x_amax = fp8_kernels.amax(x).reshape(1)  # (1,): a plain 1-element buffer to all-reduce
-        if self.amax_reduction_group is not None:
-            # Imported here: amax.py is the only core module that talks to other ranks.
-            # Contract: allreduce_current_amax(amax, group) all-reduces the fp32 tensor `amax` in
-            # place with MAX over `group` (a no-op for a group of one rank) and returns None.
-            from dist_quant.amax import allreduce_current_amax
+        # Imported here: amax.py is the only core module that talks to other ranks.
+        # Contract: allreduce_current_amax(amax, group) all-reduces the fp32 tensor `amax` in
+        # place with MAX over `group` (a no-op for a group of one rank) and returns None.
+        from dist_quant.amax import allreduce_current_amax
 
-            allreduce_current_amax(x_amax, self.amax_reduction_group)
+        allreduce_current_amax(x_amax, self.amax_reduction_group)
         scale, scale_inv = fp8_kernels.current_scale(
             x_amax,
             self.fp8_dtype,

@@ -55,12 +55,17 @@ class DelayedGroup:
     recipe: Recipe | None = None
     """Passed to `scaling_factor_compute_algo` (it may read the margin from it)."""
 
+    @property
+    def is_standard(self) -> bool:
+        """Updated by the reference formula alone (a fused kernel can do many such groups)."""
+        return isinstance(self.algo, str) and self.scaling_factor_compute_algo is None
+
     def update(self) -> None:
         """One step: amax from the history, new scale, history rolled; all in place.
 
         The step's amax row must already be reduced across ranks (`amax.py` does it).
         """
-        if isinstance(self.algo, str) and self.scaling_factor_compute_algo is None:
+        if self.is_standard:
             reference.delayed_scaling_update(
                 self.amax_history, self.scale, self.fp8_max, margin=self.margin, algo=self.algo
             )

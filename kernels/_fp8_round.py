@@ -1,13 +1,16 @@
 """Shared Triton helpers: exact FP8 encode/decode on integer bits, amax bits and scale formulas.
 
-Every kernel rounds to the FP8 grid explicitly on the fp32 bits (integer round-to-nearest-even,
-target subnormals included, saturating to +-max) and packs the FP8 byte itself, instead of calling
-``.to(tl.float8e4nv)``:
+Every kernel rounds to the FP8 grid explicitly in fp32 (round-to-nearest-even on the bits, target
+subnormals included, saturating to +-max). The final conversion of that exact value differs:
 
-- ``TRITON_INTERPRET=1``'s float8 conversion truncates (drops the rounding carry) and turns NaN/inf
-  into wrong codes (measured on Triton 3.9: 1+3*2**-8 -> 0x38, NaN -> 0x7C), so the CPU tests could
-  not be bit-exact through it;
-- integer packing needs no FP8 conversion instruction, so the same code is exact on any GPU.
+- under ``TRITON_INTERPRET=1`` the byte is packed with integer ops, because the interpreter's float8
+  conversion truncates (drops the rounding carry) and turns NaN/inf into wrong codes (measured on
+  Triton 3.9: 1+3*2**-8 -> 0x38, NaN -> 0x7C);
+- compiled for a GPU, the hardware converts the already-rounded value (exact: no rounding is left
+  to do), which costs fewer instructions than packing: these kernels are ALU-bound, not
+  memory-bound, with the integer packing (measured on H200, see BENCHMARKS.md).
+Both paths are checked bit for bit against ``reference.py``: the CPU tests run the first, the GPU
+tests the second.
 
 NaN becomes the byte 0x7F (a NaN in both formats). Its sign is not part of the contract: torch's own
 CPU cast yields 0x7F or 0xFF for the same NaN depending on input dtype and vector width.
@@ -19,6 +22,7 @@ GPUs, while the reference divides with IEEE round-to-nearest.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +57,11 @@ def f32_bits(value: float) -> int:
     return int(torch.tensor(value, dtype=torch.float32).view(torch.int32).item())
 
 
+_INTERPRETED = tl.constexpr(
+    os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+)
+
+
 @triton.jit
 def fp8_encode(v, MAX_BITS: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
     """fp32 ``v`` -> FP8 byte (int32 in [0, 255]): clamp to +-max, round half to even, NaN -> 0x7F.
@@ -71,8 +80,16 @@ def fp8_encode(v, MAX_BITS: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.c
     c_bits = tl.maximum(mag & 0x7F800000, (MIN_EXP + 127) << 23) + ((23 - MANT_BITS) << 23)
     c = c_bits.to(tl.float32, bitcast=True)
     r = (mag.to(tl.float32, bitcast=True) + c) - c
-    code = (r * (2.0 ** (-126 - MIN_EXP))).to(tl.int32, bitcast=True) >> (23 - MANT_BITS)
-    return tl.where(is_nan, 0x7F, code | ((bits >> 24) & 0x80))
+    if _INTERPRETED:
+        code = (r * (2.0 ** (-126 - MIN_EXP))).to(tl.int32, bitcast=True) >> (23 - MANT_BITS)
+        return tl.where(is_nan, 0x7F, code | ((bits >> 24) & 0x80))
+    else:
+        on_grid = tl.where(bits < 0, -r, r)  # finite (NaN became max above), exactly on the grid
+        if MANT_BITS == 3:
+            q = on_grid.to(tl.float8e4nv)
+        else:
+            q = on_grid.to(tl.float8e5)
+        return tl.where(is_nan, 0x7F, q.to(tl.uint8, bitcast=True).to(tl.int32))
 
 
 @triton.jit
