@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dist_quant.modules.linear import LinearBase
+from dist_quant.modules.linear import LinearBase, init_linear_
+from dist_quant.parallel import mark_sequence_parallel, mark_tp_split
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
@@ -47,6 +48,13 @@ def make_norm_params(
         module.register_parameter("layer_norm_bias", None)
 
 
+def mark_norm_sequence_parallel(module: nn.Module) -> None:
+    """Under SP the norm's parameter gradients are partial sums over this rank's sequence rows."""
+    mark_sequence_parallel(module.layer_norm_weight)
+    if module.layer_norm_bias is not None:
+        mark_sequence_parallel(module.layer_norm_bias)
+
+
 def apply_norm(
     x: torch.Tensor,
     normalization: str,
@@ -62,7 +70,14 @@ def apply_norm(
 
 
 class LayerNormLinear(LinearBase):
-    """`Linear(norm(x))`; with `return_layernorm_output=True` forward returns `(y, norm(x))`."""
+    """`Linear(norm(x))`; with `return_layernorm_output=True` forward returns `(y, norm(x))`.
+
+    Tensor parallel: `parallel_mode="column"` only (the norm needs whole rows); each rank keeps
+    `out_features / tp` weight rows. With `sequence_parallel` the norm runs on this rank's sequence
+    shard, and its output is all-gathered (as FP8 bytes for per-tensor FP8 input slots) before the
+    GEMM; `return_layernorm_output` then returns the local shard. The norm's parameters are marked
+    `sequence_parallel` (see `dist_quant.parallel.allreduce_sequence_parallel_grads`).
+    """
 
     def __init__(
         self,
@@ -92,19 +107,24 @@ class LayerNormLinear(LinearBase):
             raise ValueError(
                 f"{owner}: return_layernorm_output must be a bool, got {return_layernorm_output!r}"
             )
-        if parallel_mode is not None or tp_group is not None or sequence_parallel:
-            raise NotImplementedError("tensor parallelism lands with issue 6")
+        # the norm needs whole rows (all input features), so only the output features can split
+        self._init_parallel(owner, tp_group, parallel_mode, sequence_parallel, modes=("column",))
         self.in_features, self.out_features = in_features, out_features
         self.normalization, self.eps = normalization, float(eps)
         self.return_layernorm_output = return_layernorm_output
         dtype = params_dtype or torch.get_default_dtype()
         make_norm_params(self, normalization, in_features, dtype, device)
-        self.weight = nn.Parameter(
-            torch.empty(out_features, in_features, dtype=dtype, device=device)
-        )
-        self.bias = (
-            nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
-        )
+        rows = out_features
+        if parallel_mode == "column":
+            rows = self._check_divisible(owner, "out_features", out_features)
+        self.weight = nn.Parameter(torch.empty(rows, in_features, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.empty(rows, dtype=dtype, device=device)) if bias else None
+        if self.tp_size > 1:
+            mark_tp_split(self.weight, 0)
+            if self.bias is not None:
+                mark_tp_split(self.bias, 0)
+            if sequence_parallel:  # the norm sees only this rank's sequence rows
+                mark_norm_sequence_parallel(self)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -112,10 +132,7 @@ class LayerNormLinear(LinearBase):
         nn.init.ones_(self.layer_norm_weight)
         if self.layer_norm_bias is not None:
             nn.init.zeros_(self.layer_norm_bias)
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
-        if self.bias is not None:
-            bound = 1 / math.sqrt(self.in_features)
-            nn.init.uniform_(self.bias, -bound, bound)
+        init_linear_(self.weight, self.bias, self.in_features)
 
     def forward(
         self,

@@ -17,14 +17,18 @@ precision too (they feed the residual add / the norm's backward).
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dist_quant.modules.layernorm_linear import apply_norm, check_normalization, make_norm_params
-from dist_quant.modules.linear import LinearBase
+from dist_quant.modules.layernorm_linear import (
+    apply_norm,
+    check_normalization,
+    make_norm_params,
+    mark_norm_sequence_parallel,
+)
+from dist_quant.modules.linear import LinearBase, init_linear_
+from dist_quant.parallel import mark_sequence_parallel, mark_tp_split
 from dist_quant.roles import QuantizerRole
 
 ACTIVATIONS = ("gelu", "swiglu")
@@ -43,7 +47,13 @@ def activate(h: torch.Tensor, activation: str) -> torch.Tensor:
 
 
 class LayerNormMLP(LinearBase):
-    """`fc2(act(fc1(norm(x))))` with FP8 GEMMs under autocast; exact PyTorch math when off."""
+    """`fc2(act(fc1(norm(x))))` with FP8 GEMMs under autocast; exact PyTorch math when off.
+
+    Tensor parallel (`tp_group` of more than one rank; `parallel_mode` is not used): fc1 is
+    column-parallel and fc2 row-parallel, so the activation runs on `ffn_hidden_size / tp` features
+    per rank and the only forward collective is fc2's reduction (plus, with `sequence_parallel`,
+    fc1's all-gather of the norm output; the output then holds this rank's sequence rows).
+    """
 
     def __init__(
         self,
@@ -73,33 +83,43 @@ class LayerNormMLP(LinearBase):
                 f"{owner}: activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}"
             )
         check_normalization(owner, normalization, eps)
-        if parallel_mode is not None or tp_group is not None or sequence_parallel:
-            raise NotImplementedError("tensor parallelism lands with issue 6")
+        # fc1 is column-parallel and fc2 row-parallel whenever tp_group has more than one rank
+        self._init_parallel(owner, tp_group, parallel_mode, sequence_parallel, modes=())
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         self.activation, self.normalization, self.eps = activation, normalization, float(eps)
         dtype = params_dtype or torch.get_default_dtype()
-        fc1_out = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
+        ffn = self._check_divisible(owner, "ffn_hidden_size", ffn_hidden_size)  # per rank
+        fc1_out = 2 * ffn if activation == "swiglu" else ffn
         make_norm_params(self, normalization, hidden_size, dtype, device)
         for gemm, out_f, in_f in (
             ("fc1", fc1_out, hidden_size),
-            ("fc2", hidden_size, ffn_hidden_size),
+            ("fc2", hidden_size, ffn),
         ):
             w = nn.Parameter(torch.empty(out_f, in_f, dtype=dtype, device=device))
             self.register_parameter(f"{gemm}_weight", w)
             b = nn.Parameter(torch.empty(out_f, dtype=dtype, device=device)) if bias else None
             self.register_parameter(f"{gemm}_bias", b)
+        if self.tp_size > 1:
+            # swiglu's fc1 stacks [gate; up]: each half is split, so a rank holds matching rows
+            parts = 2 if activation == "swiglu" else 1
+            mark_tp_split(self.fc1_weight, 0, parts)
+            if bias:
+                mark_tp_split(self.fc1_bias, 0, parts)
+            mark_tp_split(self.fc2_weight, 1)
+            if sequence_parallel:
+                mark_norm_sequence_parallel(self)
+                if bias:
+                    mark_sequence_parallel(self.fc2_bias)  # added after the reduce-scatter
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        # each GEMM as nn.Linear initialises itself; the norm starts as the identity affine map
+        # each GEMM as nn.Linear initialises itself (with its unsharded fan-in); the norm starts as
+        # the identity affine map
         nn.init.ones_(self.layer_norm_weight)
         if self.layer_norm_bias is not None:
             nn.init.zeros_(self.layer_norm_bias)
-        for weight, bias in ((self.fc1_weight, self.fc1_bias), (self.fc2_weight, self.fc2_bias)):
-            nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
-            if bias is not None:
-                bound = 1 / math.sqrt(weight.shape[1])
-                nn.init.uniform_(bias, -bound, bound)
+        init_linear_(self.fc1_weight, self.fc1_bias, self.hidden_size)
+        init_linear_(self.fc2_weight, self.fc2_bias, self.ffn_hidden_size)
 
     def num_quantizers(self, *, fwd: bool) -> int:
         return FWD_SLOTS if fwd else BWD_SLOTS
@@ -142,7 +162,8 @@ class LayerNormMLP(LinearBase):
             fc1_slots,
             "fc1_weight",
             is_first_microbatch,
-        )  # (..., ffn) or (..., 2 * ffn) for swiglu
+            tp=self._tp_layout("column"),
+        )  # (..., ffn) or (..., 2 * ffn) for swiglu; per rank: ffn / tp (SP: sequence gathered)
         a = activate(h, self.activation)  # (..., ffn)
         return self._linear(
             a,
@@ -152,7 +173,8 @@ class LayerNormMLP(LinearBase):
             fc2_slots,
             "fc2_weight",
             is_first_microbatch,
-        )
+            tp=self._tp_layout("row"),
+        )  # (..., hidden): partial sums reduced over TP (SP: reduce-scattered to this rank's rows)
 
     def extra_repr(self) -> str:
         return (

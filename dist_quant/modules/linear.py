@@ -62,19 +62,27 @@ class LinearBase(QuantizedModule):
 
     # ---- tensor parallelism --------------------------------------------------------------------
     def _init_parallel(
-        self, owner: str, tp_group: Any, parallel_mode: str | None, sequence_parallel: bool
+        self,
+        owner: str,
+        tp_group: Any,
+        parallel_mode: str | None,
+        sequence_parallel: bool,
+        *,
+        modes: tuple[str, ...] = PARALLEL_MODES,
     ) -> None:
-        """Validate and store the TP settings; `tp_group=None` means one rank (nothing split)."""
-        if parallel_mode is not None and parallel_mode not in PARALLEL_MODES:
+        """Validate and store the TP settings; `tp_group=None` means one rank (nothing split).
+        `modes=()`: the module splits its GEMMs itself (LayerNormMLP) and takes no parallel_mode."""
+        if parallel_mode is not None and parallel_mode not in modes:
+            choices = ", ".join(repr(m) for m in (None, *modes))
             raise ValueError(
-                f"{owner}: parallel_mode must be None, 'column' or 'row', got {parallel_mode!r}"
+                f"{owner}: parallel_mode must be one of {choices}, got {parallel_mode!r}"
             )
         if not isinstance(sequence_parallel, bool):
             raise ValueError(
                 f"{owner}: sequence_parallel must be a bool, got {sequence_parallel!r}"
             )
-        if sequence_parallel and parallel_mode is None:
-            raise ValueError(f"{owner}: sequence_parallel needs parallel_mode 'column' or 'row'")
+        if sequence_parallel and parallel_mode is None and modes:
+            raise ValueError(f"{owner}: sequence_parallel needs parallel_mode {' or '.join(modes)}")
         self.tp_group, self.tp_size = tp_group, group_size(tp_group)
         self.parallel_mode, self.sequence_parallel = parallel_mode, sequence_parallel
         self._dq_tp_quantizers: tuple[Any, dict] = (None, {})

@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from harness import run_ranks
-from tp_check import Recorder, assert_close, check_exact, label_quantizers
+from tp_check import RECIPES, Recorder, assert_close, check_exact, label_quantizers
 
 import dist_quant as dq
 from dist_quant.parallel import allreduce_sequence_parallel_grads, load_full_state_dict_into_shards
@@ -36,23 +36,6 @@ pytestmark = pytest.mark.distributed
 SEQ, BATCH, IN, OUT = 8, 2, 32, 16
 RTOL = 1e-5
 
-
-@dq.quantizer_factory(key="tests.tp.mixed")
-def mixed_factory(role):
-    """Current scaling for activations and gradients, runtime-owned delayed scaling for weights."""
-    if role is not None and role.tensor_type == "weight":
-        return dq.DelayedScalingRequest(amax_history_len=4)
-    if role is not None and role.tensor_type in ("input", "grad_output"):
-        fmt = torch.float8_e5m2 if role.tensor_type == "grad_output" else torch.float8_e4m3fn
-        return dq.Float8CurrentScalingQuantizer(fmt)
-    return dq.IdentityQuantizer()
-
-
-RECIPES = {
-    "delayed": lambda: dq.DelayedScaling(amax_history_len=4),
-    "current": lambda: dq.Float8CurrentScaling(),
-    "custom": lambda: dq.CustomRecipe(mixed_factory),
-}
 
 # shard dim of each cast's 2D view on a TP rank, per layout: input (tokens, in), weight
 # (out, in), grad_output (tokens, out); None = the rank holds the whole tensor

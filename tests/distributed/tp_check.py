@@ -16,10 +16,29 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import dist_quant as dq
 from dist_quant.quantizers import Float8CurrentScalingQuantizer, Float8Quantizer
 from dist_quant.runtime import dist_quant_modules
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+@dq.quantizer_factory(key="tests.tp.mixed")
+def mixed_factory(role):
+    """Current scaling for activations and gradients, runtime-owned delayed scaling for weights."""
+    if role is not None and role.tensor_type == "weight":
+        return dq.DelayedScalingRequest(amax_history_len=4)
+    if role is not None and role.tensor_type in ("input", "grad_output"):
+        fmt = torch.float8_e5m2 if role.tensor_type == "grad_output" else torch.float8_e4m3fn
+        return dq.Float8CurrentScalingQuantizer(fmt)
+    return dq.IdentityQuantizer()
+
+
+RECIPES = {
+    "delayed": lambda: dq.DelayedScaling(amax_history_len=4),
+    "current": lambda: dq.Float8CurrentScaling(),
+    "custom": lambda: dq.CustomRecipe(mixed_factory),
+}
 
 
 class Recorder:

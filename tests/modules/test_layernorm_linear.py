@@ -98,5 +98,5 @@ def test_roles_are_linear_roles_and_constructor_rejects_bad_arguments():
         dq.LayerNormLinear(8, 8, normalization="BatchNorm")
     with pytest.raises(ValueError, match="eps"):
         dq.LayerNormLinear(8, 8, eps=-1.0)
-    with pytest.raises(NotImplementedError, match="tensor parallelism"):
-        dq.LayerNormLinear(8, 8, parallel_mode="column")
+    with pytest.raises(ValueError, match="parallel_mode must be one of None, 'column'"):
+        dq.LayerNormLinear(8, 8, parallel_mode="row")  # the norm needs whole rows
