@@ -21,7 +21,8 @@ import math
 import warnings
 
 import pytest
-from fuzz_models import fuzz_budget
+import torch
+from fuzz_models import Snapshot, Zoo, fuzz_budget
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -361,3 +362,36 @@ def test_deeply_nested_json_is_a_value_error():
 def test_amax_epsilon_beyond_the_float_range_is_a_value_error_naming_it():
     with pytest.raises(ValueError, match="amax_epsilon"):
         recipe_from_dict({"type": "Float8CurrentScaling", "amax_epsilon": 10**400})
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="DelayedScaling accepts any int margin, but 2.0**margin overflows for margin >= 1024: "
+    "the first delayed update at autocast exit raises OverflowError "
+    "(kernels/reference.py delayed_scaling_update; runtime._rescale_from_history too)",
+)
+def test_a_margin_the_recipe_accepts_trains_a_step():
+    try:
+        recipe = recipe_from_dict({"type": "DelayedScaling", "margin": 1024})
+    except ValueError as e:
+        assert "margin" in str(e)
+        return
+    fc = dq.Linear(16, 16)
+    dq.apply_recipe(fc, recipe)
+    with dq.autocast():
+        y = fc(torch.randn(4, 16))
+    y.sum().backward()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="runtime.plan_module wraps only ValueError/TypeError/NotImplementedError from "
+    "RecipeState.create: the allocator's RuntimeError for a huge amax history escapes apply_recipe",
+)
+def test_a_history_too_large_to_allocate_is_a_recipe_update_error_and_changes_nothing():
+    model = Zoo(4)
+    dq.apply_recipe(model, dq.Float8CurrentScaling())
+    before = Snapshot(model)
+    with pytest.raises(dq.RecipeUpdateError, match="'fc'"):
+        dq.apply_recipe(model, dq.DelayedScaling(amax_history_len=2**40))  # 2**40 x 3 fp32: 13 TB
+    before.check("after a recipe whose state cannot be allocated")
