@@ -19,7 +19,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: reliability.py
+_TESTS = Path(__file__).resolve().parents[1]
+for _path in (_TESTS, _TESTS / "distributed"):  # reliability.py; harness.py (empty TP shards)
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 import reliability  # noqa: E402
 
