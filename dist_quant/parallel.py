@@ -29,6 +29,7 @@ from dist_quant.quantizers import Float8CurrentScalingQuantizer, Quantizer
 from dist_quant.tensor import Float8Tensor, QuantizedTensor
 
 PARALLEL_MODES = ("column", "row")
+_EXTRA_STATE = "_extra_state"  # the key suffix nn.Module.state_dict gives get_extra_state()
 _PER_TENSOR = ("delayed", "current")
 
 
@@ -54,20 +55,25 @@ class TPLayout:
     def gathers_grad_output(self) -> bool:
         return self.mode == "row" and self.sequence_parallel
 
-    def shard_quantizers(self, input_q: Quantizer, weight_q: Quantizer, grad_output_q: Quantizer):
-        """The slots' quantizers, with current-scaling ones reducing their amax over the TP group
-        wherever the local operand is a shard of a larger tensor: the all-gathered SP operands
-        (required for an exact quantized all-gather) and every sharded weight, feature-sharded
-        input (row) and grad_output (column), so that TP quantizes each tensor with exactly the
-        scale a single rank would use. Replicated operands (a column GEMM's input without SP, a
-        row GEMM's grad_output without SP) are already whole and need no reduction."""
-        g = self.group
-        column, sp = self.mode == "column", self.sequence_parallel
-        return (
-            tp_amax_quantizer(input_q, g) if (sp or not column) else input_q,
-            tp_amax_quantizer(weight_q, g),
-            tp_amax_quantizer(grad_output_q, g) if (sp or column) else grad_output_q,
-        )
+    def shard_quantizers(self, quantizers: dict[str, Quantizer | None]) -> dict[str, Any]:
+        """The GEMM's quantizers by slot name (input, weight, output, grad_output, grad_input),
+        with current-scaling ones reducing their amax over the TP group wherever the rank's
+        tensor is a shard of a larger one: the all-gathered SP operands (required for an exact
+        quantized all-gather) and every other sharded operand (weights, feature-sharded
+        activations and gradients, SP-sharded outputs), so that TP quantizes each tensor with
+        exactly the scale a single rank would use. Replicated tensors (a column GEMM's input and
+        input gradient, a row GEMM's output and output gradient, without SP) are already whole."""
+        sp = self.sequence_parallel
+        if self.mode == "column":
+            sharded = {"input": sp, "weight": True, "output": True, "grad_output": True}
+            sharded["grad_input"] = sp
+        else:
+            sharded = {"input": True, "weight": True, "output": sp, "grad_output": sp}
+            sharded["grad_input"] = True
+        return {
+            slot: tp_amax_quantizer(q, self.group) if q is not None and sharded[slot] else q
+            for slot, q in quantizers.items()
+        }
 
 
 def group_size(group: Any) -> int:
@@ -121,9 +127,9 @@ def load_full_state_dict_into_shards(
     module's extra state then validates itself as it loads.
     """
     rank, size = group_rank(tp_group), group_size(tp_group)
-    targets: dict[str, torch.Tensor] = dict(model.named_parameters())
-    targets.update(model.named_buffers())
-    extra = {k for k in model.state_dict() if k not in targets}  # `<module>._extra_state`
+    current = model.state_dict(keep_vars=True)  # the Parameter objects, with their marks
+    extra = {k for k in current if k.rsplit(".", 1)[-1] == _EXTRA_STATE}
+    targets = {k: v for k, v in current.items() if k not in extra}
     missing = sorted((targets.keys() | extra) - full_state_dict.keys())
     unexpected = sorted(full_state_dict.keys() - targets.keys() - extra)
     if missing or unexpected:
@@ -145,7 +151,7 @@ def load_full_state_dict_into_shards(
             )
         staged.append((target, value))
     for key in sorted(extra):
-        owner = key.rsplit(".", 1)[0] if "." in key else ""
+        owner = key.rsplit(".", 1)[0] if "." in key else ""  # "" is the model itself
         model.get_submodule(owner).set_extra_state(full_state_dict[key])
     with torch.no_grad():
         for target, value in staged:

@@ -40,6 +40,7 @@ from dist_quant.modules.base import QuantizedModule, assign_role_names
 from dist_quant.modules.functional import fake_quantize
 from dist_quant.modules.layernorm_linear import LayerNormLinear
 from dist_quant.modules.linear import Linear
+from dist_quant.parallel import group_size, mark_tp_split, tp_amax_quantizer
 from dist_quant.quantizers import Quantizer
 from dist_quant.roles import QuantizerRole
 
@@ -123,7 +124,10 @@ class DotProductAttention(QuantizedModule):
     key is masked out, broadcastable to (batch, 1, seq_q, seq_kv)), "padding_causal", "no_mask".
 
     It has no weights, hence no `params_dtype` / `parallel_mode`; `device` places its
-    delayed-scaling buffers (they follow `.to()`).
+    delayed-scaling buffers (they follow `.to()`). With a `tp_group` of more than one rank the
+    inputs hold this rank's `num_attention_heads / tp` heads, and its current-scaling quantizers
+    reduce their amax over the group (every tensor here is a head shard), so each rank casts with
+    the scale of the whole tensor.
     """
 
     module_type = "dpa"
@@ -157,9 +161,20 @@ class DotProductAttention(QuantizedModule):
             raise ValueError(
                 f"{owner}: qkv_format must be one of {', '.join(QKV_FORMATS)}, got {qkv_format!r}"
             )
-        if tp_group is not None or sequence_parallel:
-            raise NotImplementedError("tensor parallelism lands with issue 6")
+        if sequence_parallel:
+            raise NotImplementedError(
+                f"{owner}: attention does not shard the sequence (no context parallelism); under "
+                "sequence parallelism MultiheadAttention's qkv GEMM hands it the whole sequence"
+            )
+        self.tp_group, self.tp_size = tp_group, group_size(tp_group)
+        if num_attention_heads % self.tp_size:
+            raise ValueError(
+                f"{owner}: num_attention_heads={num_attention_heads} must be divisible by the "
+                f"tensor-parallel size {self.tp_size}"
+            )
         self.num_attention_heads, self.kv_channels = num_attention_heads, kv_channels
+        self.local_heads = num_attention_heads // self.tp_size  # the heads this rank computes
+        self._dq_tp_quantizers: tuple[Any, list | None] = (None, None)
         self.attn_mask_type, self.qkv_format = attn_mask_type, qkv_format
         # no parameters to take the device from: this empty buffer carries it through .to()
         self.register_buffer("_device_anchor", torch.empty(0, device=device), persistent=False)
@@ -214,6 +229,14 @@ class DotProductAttention(QuantizedModule):
             None if q.scaling == "identity" or q.scaling not in ATTENTION_SCALINGS else q
             for q in (*runtime.fwd_quantizers, *runtime.bwd_quantizers)
         ]
+        if self.tp_size > 1:
+            cached_runtime, shard_qs = self._dq_tp_quantizers
+            if cached_runtime is not runtime:
+                shard_qs = [
+                    None if q is None else tp_amax_quantizer(q, self.tp_group) for q in applied
+                ]
+                self._dq_tp_quantizers = (runtime, shard_qs)
+            applied = shard_qs
         if all(q is None for q in applied):
             return None
         return _AttentionSlots(
@@ -254,7 +277,7 @@ class DotProductAttention(QuantizedModule):
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         owner = f"DotProductAttention {self.role_name!r}"
-        h, d = self.num_attention_heads, self.kv_channels
+        h, d = self.local_heads, self.kv_channels
         for label, t in (("query", query), ("key", key), ("value", value)):
             if t.dim() != 4 or t.shape[-2:] != (h, d):
                 raise ValueError(
@@ -303,6 +326,11 @@ class MultiheadAttention(QuantizedModule):
     those slots (the FP8 hand-over into and out of attention, emulated by quantize-dequantize; the
     receiving side quantizes again with its own slot of the same role, which reproduces on-grid
     values exactly under current scaling and may round twice under delayed scaling).
+
+    Tensor parallel (`tp_group` of more than one rank): qkv is column-parallel with each rank
+    holding its `num_attention_heads / tp` heads of q, k and v, attention runs on those heads, proj
+    is row-parallel (its partial sums reduced once, bias added after). With `sequence_parallel`
+    the input and output hold this rank's rows of dim 0 (the sequence, in "sbhd").
     """
 
     def __init__(
@@ -339,6 +367,13 @@ class MultiheadAttention(QuantizedModule):
             raise ValueError(f"{owner}: input_layernorm must be a bool, got {input_layernorm!r}")
         self.hidden_size, self.num_attention_heads = hidden_size, num_attention_heads
         self.kv_channels = hidden_size // num_attention_heads
+        tp_size = group_size(tp_group)
+        if num_attention_heads % tp_size:
+            raise ValueError(
+                f"{owner}: num_attention_heads={num_attention_heads} must be divisible by the "
+                f"tensor-parallel size {tp_size}"
+            )
+        self.local_heads = num_attention_heads // tp_size  # heads computed on this rank
         # Tensor parallelism, one place per GEMM: qkv splits heads (column), proj reduces (row).
         tp = tp_group is not None or sequence_parallel
         parallel = {"tp_group": tp_group, "sequence_parallel": sequence_parallel}
@@ -355,14 +390,20 @@ class MultiheadAttention(QuantizedModule):
             )
         else:
             self.qkv = Linear(hidden_size, 3 * hidden_size, parallel_mode=column, **common)
+        if tp_size > 1:
+            # the qkv rows stack [q; k; v] (all heads each): a rank takes its heads of all three
+            mark_tp_split(self.qkv.weight, 0, parts=3)
+            if self.qkv.bias is not None:
+                mark_tp_split(self.qkv.bias, 0, parts=3)
         self.core_attention = DotProductAttention(
             num_attention_heads,
             self.kv_channels,
             attn_mask_type=attn_mask_type,
             qkv_format=qkv_format,
             device=device,
-            **parallel,
+            tp_group=tp_group,  # the whole sequence arrives: qkv gathered it under SP
         )
+        # the context's features are head-major, so this rank's heads are proj's input shard
         self.proj = Linear(hidden_size, hidden_size, parallel_mode=row, **common)
 
     def _set_path_name(self, name: str) -> None:
@@ -390,11 +431,10 @@ class MultiheadAttention(QuantizedModule):
         runtime = self.core_attention.active_runtime()
         fp8_mha = runtime is not None and getattr(runtime.recipe, "fp8_mha", False)
         mixed = self.qkv(hidden_states, is_first_microbatch=is_first_microbatch, fp8_output=fp8_mha)
-        # (s, b, 3 * hidden) -> q, k, v each (s, b, heads, kv_channels)
-        q, k, v = mixed.reshape(
-            *mixed.shape[:2], 3, self.num_attention_heads, self.kv_channels
-        ).unbind(2)
-        context = self.core_attention(q, k, v, attention_mask)  # (s, b, hidden)
+        # (s, b, 3 * hidden / tp) -> q, k, v each (s, b, heads / tp, kv_channels); under SP the
+        # qkv GEMM has gathered the whole sequence
+        q, k, v = mixed.reshape(*mixed.shape[:2], 3, self.local_heads, self.kv_channels).unbind(2)
+        context = self.core_attention(q, k, v, attention_mask)  # (s, b, hidden / tp)
         return self.proj(context, is_first_microbatch=is_first_microbatch, fp8_grad_input=fp8_mha)
 
     def extra_repr(self) -> str:

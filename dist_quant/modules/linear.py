@@ -112,11 +112,12 @@ class LinearBase(QuantizedModule):
             self._dq_tp_quantizers = (runtime, table)
             if tp.group is not None and slots.reduction_group is None:
                 self._warn_unreduced_delayed(runtime)
-        key = (id(slots.input), id(slots.weight), id(slots.grad_output), tp.mode)
-        triple = table.get(key)
-        if triple is None:
-            triple = table[key] = tp.shard_quantizers(slots.input, slots.weight, slots.grad_output)
-        return dataclasses.replace(slots, input=triple[0], weight=triple[1], grad_output=triple[2])
+        names = ("input", "weight", "output", "grad_output", "grad_input")
+        key = (*(id(getattr(slots, n)) for n in names), tp.mode)
+        replaced = table.get(key)
+        if replaced is None:
+            replaced = table[key] = tp.shard_quantizers({n: getattr(slots, n) for n in names})
+        return dataclasses.replace(slots, **replaced)
 
     def _warn_unreduced_delayed(self, runtime: Any) -> None:
         if runtime.delayed_groups(fwd=True) or runtime.delayed_groups(fwd=False):

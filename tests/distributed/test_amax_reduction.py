@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from harness import expect_error, run_ranks
+from tp_check import CountMaxAllReduce
 
 import dist_quant as dq
 from dist_quant.amax import AmaxReductionMismatch
@@ -21,27 +22,6 @@ pytestmark = pytest.mark.distributed
 
 WIDTH, TOKENS, HIST = 16, 8, 4
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
-
-
-class CountMaxAllReduce:
-    """Counts all-reduce(MAX) calls (the amax reductions) while active."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def __enter__(self) -> CountMaxAllReduce:
-        self.orig = dist.all_reduce
-
-        def counting(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-            if op == dist.ReduceOp.MAX:
-                self.calls += 1
-            return self.orig(tensor, op=op, group=group, async_op=async_op)
-
-        dist.all_reduce = counting
-        return self
-
-    def __exit__(self, *exc) -> None:
-        dist.all_reduce = self.orig
 
 
 def stack(depth: int) -> torch.nn.Sequential:

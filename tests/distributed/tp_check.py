@@ -167,3 +167,27 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, rtol: float, what: str) 
     scale = want.double().abs().max().item()
     if not err <= rtol * scale:
         raise AssertionError(f"{what}: max error {err:.3e} > {rtol} * {scale:.3e}")
+
+
+class CountMaxAllReduce:
+    """Counts all-reduce(MAX) calls while active: `calls` all of them, `packed` those of the packed
+    delayed-scaling buffer (a current-scaling quantizer reduces a single amax element instead)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.packed = 0
+
+    def __enter__(self) -> CountMaxAllReduce:
+        self.orig = dist.all_reduce
+
+        def counting(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+            if op == dist.ReduceOp.MAX:
+                self.calls += 1
+                self.packed += tensor.numel() > 1
+            return self.orig(tensor, op=op, group=group, async_op=async_op)
+
+        dist.all_reduce = counting
+        return self
+
+    def __exit__(self, *exc) -> None:
+        dist.all_reduce = self.orig
