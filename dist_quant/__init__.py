@@ -4,6 +4,7 @@ Public names are listed in API.md; each is importable from here.
 """
 
 from dist_quant import checkpoint  # a namespace: dq.checkpoint.load_state_dict, recipe_of, ...
+from dist_quant.amax import AmaxReductionMismatch
 from dist_quant.context import autocast
 from dist_quant.convert import convert_model
 from dist_quant.factory_keys import quantizer_factory
@@ -17,6 +18,7 @@ from dist_quant.modules import (
     MultiheadAttention,
     TransformerLayer,
 )
+from dist_quant.parallel import allreduce_sequence_parallel_grads, load_full_state_dict_into_shards
 from dist_quant.quantizers import (
     Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,
@@ -41,6 +43,9 @@ from dist_quant.state import RecipeState
 from dist_quant.tensor import Float8BlockwiseTensor, Float8Tensor, MXFP8Tensor, QuantizedTensor
 
 __all__ = [
+    "AmaxReductionMismatch",
+    "allreduce_sequence_parallel_grads",
+    "load_full_state_dict_into_shards",
     "checkpoint",
     "apply_recipe",
     "autocast",
