@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from harness import run_ranks
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -42,8 +43,12 @@ def tp_mlp(rank: int, group) -> nn.Sequential:
         dq.Linear(WIDTH, HIDDEN, parallel_mode="column", tp_group=group),
         nn.Tanh(),
         dq.Linear(HIDDEN, WIDTH, parallel_mode="row", tp_group=group),
+        # fc1 holds gate and up: a fused split (parts=2), each part sharded on its own
+        dq.LayerNormMLP(WIDTH, HIDDEN, activation="swiglu", tp_group=group),
     )
-    dist.broadcast(model[2].bias.data, src=0, group=group)  # replicated: one value on every rank
+    for p in model.parameters():
+        if getattr(p, "tp_split", None) is None:  # replicated: one value on every rank
+            dist.broadcast(p.data, src=0, group=group)
     return model
 
 
@@ -54,7 +59,7 @@ def batch(step: int) -> torch.Tensor:
 def scaling_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for m in model.modules():
-        if isinstance(m, dq.Linear) and m._dq_runtime is not None:
+        if isinstance(m, (dq.Linear, dq.LayerNormMLP)) and m._dq_runtime is not None:
             for d, st in (("fwd", m._dq_runtime.fwd_state), ("bwd", m._dq_runtime.bwd_state)):
                 out.update(
                     {
@@ -102,6 +107,7 @@ def tp_job(rank: int, world: int, cfg: dict) -> dict:
                 )
                 torch.save(opt.state_dict(), f"{cfg['save_to']}/optim.rank{rank}.pt")
                 out["buffers_at_save"] = scaling_buffers(model)
+                out["params_at_save"] = {k: v.detach().clone() for k, v in model.named_parameters()}
             if participant is not None:
                 # rank 0 asks while every rank is before step REQUEST_AT, for a step none has passed
                 if rank == 0 and step == REQUEST_AT and not cfg.get("load"):
@@ -144,6 +150,20 @@ def assert_same_run(full: dict, resumed: dict) -> None:
         assert torch.equal(resumed["buffers"][name], t), name
 
 
+def assert_whole_tensors_in_unsharded_layout(checkpoint: Path, full: list) -> None:
+    """A single process reads the TP checkpoint's weights whole: column shards concatenated, and a
+    fused gate/up weight as [gate; up], each part gathered from both ranks (so it can reshard)."""
+    shards = [r["params_at_save"] for r in full]
+    want_column = torch.cat([shards[0]["0.weight"], shards[1]["0.weight"]])
+    parts = [[s["3.fc1_weight"].chunk(2)[p] for s in shards] for p in range(2)]
+    want_fused = torch.cat([torch.cat(ranks) for ranks in parts]).reshape(2, HIDDEN, WIDTH)
+    got = {"0.weight": torch.empty(HIDDEN, WIDTH), "3.fc1_weight": torch.empty(2, HIDDEN, WIDTH)}
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.load({"model": got}, checkpoint_id=checkpoint)
+    assert torch.equal(got["0.weight"], want_column)
+    assert torch.equal(got["3.fc1_weight"], want_fused)
+
+
 def test_tp2_delayed_scaling_resumes_each_ranks_shards_and_history_bit_identically(tmp_path):
     full, resumed = run_and_resume(tmp_path, switch=False)
     saved = [r["buffers_at_save"] for r in full]
@@ -154,6 +174,7 @@ def test_tp2_delayed_scaling_resumes_each_ranks_shards_and_history_bit_identical
         for name, t in saved[rank].items():
             assert torch.equal(resumed[rank]["buffers_after_load"][name], t), (rank, name)
         assert_same_run(full[rank], resumed[rank])
+    assert_whole_tensors_in_unsharded_layout(tmp_path / "dcp", full)
 
 
 def test_tp2_resume_after_coordinator_switch_is_bit_identical(tmp_path):
