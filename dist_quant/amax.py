@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from dist_quant import kernels
+from dist_quant.kernels import delayed_scaling_update_groups
 
 if TYPE_CHECKING:
     from dist_quant.state import DelayedGroup
@@ -142,7 +142,7 @@ def update_groups(groups: Sequence[DelayedGroup]) -> None:
     custom scaling function) in one fused launch on CUDA, callables one by one."""
     standard = [g for g in groups if g.is_standard]
     if standard:
-        kernels.delayed_scaling_update_groups(
+        delayed_scaling_update_groups(
             [(g.amax_history, g.scale, g.fp8_max, g.margin, g.algo) for g in standard]
         )
     for g in groups:

@@ -84,7 +84,9 @@ def fp8_encode(v, MAX_BITS: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.c
         code = (r * (2.0 ** (-126 - MIN_EXP))).to(tl.int32, bitcast=True) >> (23 - MANT_BITS)
         return tl.where(is_nan, 0x7F, code | ((bits >> 24) & 0x80))
     else:
-        on_grid = tl.where(bits < 0, -r, r)  # finite (NaN became max above), exactly on the grid
+        # |v| rounded, with v's sign put back on the bits: compiled `-r` is `0 - r`, which loses -0
+        sign = (bits >> 31) << 31
+        on_grid = (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
         if MANT_BITS == 3:
             q = on_grid.to(tl.float8e4nv)
         else:
