@@ -65,6 +65,17 @@ def gemm(
     return (out if bias is None else out + bias.float()).to(out_dtype)
 
 
+_capability: dict[torch.device, tuple[int, int]] = {}
+
+
+def _device_capability(device: torch.device) -> tuple[int, int]:
+    # cached: get_device_capability costs more host time than the rest of the dispatch
+    cap = _capability.get(device)
+    if cap is None:
+        cap = _capability[device] = torch.cuda.get_device_capability(device)
+    return cap
+
+
 def _can_use_scaled_mm(a: Tensor | GemmOperand, b: Tensor | GemmOperand) -> bool:
     if not (isinstance(a, GemmOperand) and isinstance(b, GemmOperand)):
         return False
@@ -74,7 +85,7 @@ def _can_use_scaled_mm(a: Tensor | GemmOperand, b: Tensor | GemmOperand) -> bool
         return False
     if a.data.device.type != "cuda" or b.data.device != a.data.device:
         return False
-    if torch.cuda.get_device_capability(a.data.device) < (8, 9):
+    if _device_capability(a.data.device) < (8, 9):
         return False
     m, k, n = a.shape[0], a.shape[1], b.shape[0]
     if min(m, k, n) == 0:  # nothing to multiply; the emulation handles empty shapes

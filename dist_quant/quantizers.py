@@ -112,7 +112,7 @@ class Float8Quantizer(Quantizer):
                 x, self.scale, self.fp8_dtype, amax_out=self.amax
             )
             data_t = None
-        scale_inv = torch.ones_like(self.scale) / self.scale  # a snapshot: scale changes later
+        scale_inv = torch.reciprocal(self.scale)  # IEEE 1/scale; a snapshot: scale changes later
         return Float8Tensor(data, scale_inv, dtype=x.dtype, data_t=data_t)
 
 

@@ -21,6 +21,7 @@ GPUs, while the reference divides with IEEE round-to-nearest.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -41,12 +42,20 @@ class Fp8Spec:
     has_inf: bool  # E5M2 has inf and several NaNs; E4M3FN has only S.1111.111 = NaN
 
 
+@functools.cache
+def _known_specs() -> dict[torch.dtype, Fp8Spec]:
+    # built once: f32_bits goes through a torch tensor, too slow for every launch
+    return {
+        torch.float8_e4m3fn: Fp8Spec(448.0, f32_bits(448.0), 3, -6, False),
+        torch.float8_e5m2: Fp8Spec(57344.0, f32_bits(57344.0), 2, -14, True),
+    }
+
+
 def fp8_spec(fp8_dtype: torch.dtype, where: str) -> Fp8Spec:
     """The ``Fp8Spec`` of ``fp8_dtype``; raises ``ValueError`` naming ``where`` otherwise."""
-    if fp8_dtype == torch.float8_e4m3fn:
-        return Fp8Spec(448.0, f32_bits(448.0), 3, -6, False)
-    if fp8_dtype == torch.float8_e5m2:
-        return Fp8Spec(57344.0, f32_bits(57344.0), 2, -14, True)
+    spec = _known_specs().get(fp8_dtype)
+    if spec is not None:
+        return spec
     raise ValueError(
         f"{where}: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype!r}"
     )

@@ -96,8 +96,8 @@ class _QuantizedLinear(torch.autograd.Function):
         else:
             slots.input.set_usage(rowwise=True, columnwise=weight.requires_grad)
             x_q = slots.input.quantize(x2d)
-        y = gemm(rowwise(x_q), rowwise(weight_q), out_dtype=torch.float32)  # (tokens, out_features)
         if tp is not None and tp.mode == "row":
+            y = gemm(rowwise(x_q), rowwise(weight_q), out_dtype=torch.float32)  # (tokens, out)
             # fp32 partial sums over this rank's input features -> full sums (SP: own rows only);
             # reduced in the GEMM's accumulation dtype, so TP only reorders the additions
             y = (
@@ -105,9 +105,13 @@ class _QuantizedLinear(torch.autograd.Function):
                 if tp.sequence_parallel
                 else all_reduce_sum(y, tp.group)
             )
-        if bias is not None:
-            y = y + bias.float()  # row-parallel: once, after the reduction
-        y = y.to(x.dtype)
+            if bias is not None:
+                y = y + bias.float()  # once, after the reduction
+            y = y.to(x.dtype)
+        else:
+            # bias added in fp32 before the one rounding to x.dtype (the GEMM epilogue on CUDA):
+            # the same bits as an fp32 output + bias + cast, without writing the fp32 output
+            y = gemm(rowwise(x_q), rowwise(weight_q), out_dtype=x.dtype, bias=bias)
         if fp8_output:
             y = fake_quantize(slots.output, y)
         ctx.slots, ctx.tp = slots, tp
@@ -141,14 +145,16 @@ class _QuantizedLinear(torch.autograd.Function):
         enrol_backward(slots.bwd_groups, slots.reduction_group)
         dx = dw = db = None
         if need_dx:
-            dx = gemm(rowwise(dy_q), columnwise(weight_q), out_dtype=torch.float32)
             if tp is not None and tp.mode == "column":
+                dx = gemm(rowwise(dy_q), columnwise(weight_q), out_dtype=torch.float32)
                 # fp32 partial input grads (one per output-feature shard) -> full sums (SP: own rows)
                 if tp.sequence_parallel:
                     dx = reduce_scatter_seq(dx, tp.group)
                 else:
                     dx = all_reduce_sum(dx, tp.group)
-            dx = dx.to(x_dtype)
+                dx = dx.to(x_dtype)
+            else:
+                dx = gemm(rowwise(dy_q), columnwise(weight_q), out_dtype=x_dtype)
             if ctx.fp8_grad_input:
                 dx = fake_quantize(slots.grad_input, dx)
             dx = dx.reshape(x_shape)
