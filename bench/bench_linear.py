@@ -52,6 +52,24 @@ def make_step(module, x, dy, recipe=None):
     return step
 
 
+def assert_no_host_sync(recipes: dict) -> None:
+    """One warmed-up FP8 step per recipe with torch's sync debug mode set to error: any
+    synchronising call inside the step raises (the mode does not see every kind of sync)."""
+    x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+    for label, recipe in recipes.items():
+        lin = dq.Linear(256, 256, params_dtype=torch.bfloat16, device="cuda")
+        step = make_step(lin, x, dy, recipe)
+        step()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        print(f"{label}: no host sync inside the step")
+
+
 def bench_shape(m: int, k: int, n: int, recipes: dict) -> dict[str, float]:
     torch.manual_seed(0)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -135,6 +153,7 @@ def main() -> None:
         "fp8 current": dq.Float8CurrentScaling(),
     }
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    assert_no_host_sync(recipes)
     print(f"{'shape MxKxN':>20} | {'recipe':>16} | {'ms':>8} | {'vs bf16':>7}")
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     for m, k, n in shapes:
