@@ -4,8 +4,9 @@ when CUDA has at least N GPUs.
 `run_ranks(fn, world_size, *args)` starts `world_size` processes, initialises the default process
 group in each, calls `fn(rank, world_size, *args)` and returns every rank's return value (in rank
 order). A failure on any rank fails the caller with that rank's traceback (and the traceback of every
-other rank that also failed). A rank that hangs (a collective another rank never joins) dumps the
-stacks of all its threads and exits at the deadline; the harness reports that stack.
+other rank that also failed). A collective that another rank never joins times out (the process
+group's timeout, `timeout_s`) and raises; a rank stuck anywhere else dumps the stacks of all its
+threads (at its own deadline, or when the harness gives up on it) and the harness reports them.
 
 Processes come from a forkserver that imported torch and dist_quant once, so a rank starts in well
 under a second instead of the ~2-3 s a fresh `spawn` interpreter pays for `import torch`. Nothing
@@ -21,6 +22,7 @@ import faulthandler
 import os
 import pickle
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -36,6 +38,7 @@ _PRELOAD = ["torch", "torch.distributed", "dist_quant"]
 _ctx = mp.get_context("forkserver")
 _ctx.set_forkserver_preload(_PRELOAD)
 _GRACE_S = 3.0  # after one rank fails, how long the others get to report their own failure
+_STACK_DUMP_AFTER_S = 6.0  # past the collective timeout, when a stuck rank dumps its stack
 
 
 class RankFailure(AssertionError):
@@ -75,8 +78,10 @@ def _rank_main(
     log = open(os.path.join(workdir, f"rank{rank}.log"), "w")  # noqa: SIM115 (lives until exit)
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
-    # At the deadline: write every thread's stack to the log, then exit (no hang, no orphan).
-    faulthandler.dump_traceback_later(timeout_s, exit=True, file=log)
+    # A collective times out first (the process group's timeout raises, with a traceback); a rank
+    # stuck elsewhere writes every thread's stack to its log a little later and exits.
+    faulthandler.dump_traceback_later(timeout_s + _STACK_DUMP_AFTER_S, exit=True, file=log)
+    faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)  # the harness asks for it
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     torch.set_num_threads(1)  # N ranks share the machine's cores
     backend = "nccl" if use_cuda(world_size) else "gloo"
@@ -136,7 +141,7 @@ def run_ranks(
             )
             p.start()
             procs.append(p)
-        results = _collect(procs, workdir, timeout_s + 10.0)
+        results = _collect(procs, workdir, timeout_s + _STACK_DUMP_AFTER_S + 10.0)
     finally:
         for p in procs:
             if p.is_alive():
@@ -176,14 +181,21 @@ def _collect(procs: list, workdir: str, deadline_s: float) -> list[Any]:
     failed = {r: o[1] for r, o in outcomes.items() if o[0] == "error"}
     if not failed and len(outcomes) == world_size:
         return [outcomes[r][1] for r in range(world_size)]
-    parts = [f"rank {r} failed:\n{msg}" for r, msg in sorted(failed.items())]
-    for rank in range(world_size):
-        if rank not in outcomes:
+    stuck = [rank for rank in range(world_size) if rank not in outcomes]
+    for rank in stuck:  # each writes its stack to its log before it is killed
+        if procs[rank].is_alive():
+            os.kill(procs[rank].pid, signal.SIGUSR1)
+    time.sleep(0.3 if stuck else 0.0)
+    parts = []
+    for rank in range(world_size):  # in rank order, every rank that did not finish cleanly
+        if rank in failed:
+            parts.append(f"rank {rank} failed:\n{failed[rank]}")
+        elif rank in stuck:
             procs[rank].kill()
             procs[rank].join(5.0)
             log = _tail(os.path.join(workdir, f"rank{rank}.log"))
             reason = "was still running" if failed else f"timed out after {deadline_s:.0f}s"
-            parts.append(f"rank {rank} {reason}; its log:\n{log}")
+            parts.append(f"rank {rank} {reason}; its stack:\n{log}")
     raise RankFailure("\n\n".join(parts))
 
 
