@@ -142,8 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--tp",
         type=_positive_int,
         default=None,
-        help="tensor-parallel size; must divide --nproc (default 1 until tensor-parallel "
-        "attention lands, then min(2, nproc))",
+        help="tensor-parallel size; must divide --nproc (default 2 for an even --nproc, else 1)",
     )
     demo.add_argument(
         "--steps", type=_positive_int, default=200, help="optimizer steps (default 200)"

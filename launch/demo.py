@@ -46,11 +46,8 @@ class DemoOptions:
 
 
 def default_tp(nproc: int) -> int:
-    """TP=1 until TransformerLayer's attention and MLP accept a tp_group.
-
-    TODO(issue 6): return min(2, nproc) once tensor-parallel attention/MLP land.
-    """
-    return 1
+    """Tensor parallel over pairs of ranks: 2 ranks are one TP=2 group, 4 are TP=2 x DP=2."""
+    return 2 if nproc % 2 == 0 else 1
 
 
 def _resolve(opts: DemoOptions) -> tuple[dict[str, Any], Schedule]:

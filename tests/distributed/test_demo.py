@@ -56,6 +56,7 @@ def _changes(log: list[dict]) -> list[tuple[int, str]]:
 
 def _check_scheduled_demo(out: Path, proc: subprocess.CompletedProcess, steps: int) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "(TP=2 x DP=1, cpu," in proc.stdout  # the default: one tensor-parallel pair
     assert "dist-quant demo: phases" in proc.stdout
     assert "every rank ran the same recipe at every step" in proc.stdout
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
