@@ -4,8 +4,9 @@
 name). It counts, for the test items under those two folders only:
 
 - scenarios run and passed: every test item is one scenario (a hypothesis test is one scenario
-  however many cases it draws); an item pinned `xfail(strict=True)` that fails as expected is a
-  known bug, counted apart; a setup error counts as run and not passed;
+  however many cases it draws); an item pinned `xfail(strict=True)` that fails as expected pins a
+  known bug and is counted apart (one that passes is a failure: run, not passed); a setup error
+  counts as run and not passed;
 - fuzz cases: every call of a hypothesis test's body (generation, shrinking and replay alike), by
   wrapping `test.hypothesis.inner_test`, the hook hypothesis documents for plugins;
 - states checked and states found corrupted: every comparison of a model's state against what
@@ -14,7 +15,8 @@ name). It counts, for the test items under those two folders only:
   difference.
 
 At the end of the session the terminal summary prints one line to paste into the README, e.g.
-`reliability: 42 scenarios run, 42 passed; 1830 fuzz cases; 0 states corrupted (312 checked)`.
+`reliability: 42 scenarios run, 42 passed; 1830 fuzz cases; 0 states corrupted (312 checked)`
+(plus `; N strict xfails pin known bugs` when there are such tests).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class Tally:
             f"({self.states_checked} checked)"
         )
         if self.known_bugs:
-            text += f"; {self.known_bugs} known bugs pinned as strict xfail"
+            text += f"; {self.known_bugs} strict xfails pin known bugs"
         return text
 
 
