@@ -349,8 +349,8 @@ def all_gather_quantized(
 
     Per-tensor FP8 (delayed or current scaling) is quantized locally and its bytes gathered as
     uint8, with each rank's scale_inv in the same message; the scales must agree bit for bit (else
-    ValueError naming `what`, on every rank), so the result is exactly the quantization of the
-    gathered tensor. Other quantizers (MXFP8, block, identity) gather the high-precision shards and
+    ValueError naming `what`, on every rank; on CUDA a device-side assert, to keep the host
+    unsynchronised), so the result is exactly the quantization of the gathered tensor. Other quantizers (MXFP8, block, identity) gather the high-precision shards and
     quantize the whole tensor, which is exact by construction.
     """
     size = group_size(group)
@@ -368,13 +368,19 @@ def all_gather_quantized(
     _all_gather_into(out, packed, group)  # (bytes + scale_inv) of each shard -> of every shard
     rows = out.view(size, packed.numel())
     scales = rows[:, data_u8.numel() :]
-    if not bool((scales == scales[:1]).all()):
-        got = rows[:, data_u8.numel() :].contiguous().view(torch.float32).reshape(-1).tolist()
-        raise ValueError(
-            f"{what}: the tensor-parallel ranks quantized their shards with different scales "
-            f"(scale_inv per rank {got}); a quantized all-gather needs one scale. Reduce the amax "
-            "over the TP group: autocast(amax_reduction_group=...) covering the TP ranks for "
-            "delayed scaling, amax_reduction_group on the quantizer for current scaling."
-        )
+    agree = (scales == scales[:1]).all()
+    advice = (
+        f"{what}: the tensor-parallel ranks quantized their shards with different scales; a "
+        "quantized all-gather needs one scale. Reduce the amax over the TP group: "
+        "autocast(amax_reduction_group=...) covering the TP ranks for delayed scaling, "
+        "amax_reduction_group on the quantizer for current scaling."
+    )
+    if x.device.type == "cuda":
+        # no host sync in the hot path: a mismatch trips a device-side assert (the module has
+        # already warned if autocast has no amax_reduction_group)
+        torch._assert_async(agree, advice)
+    elif not bool(agree):
+        got = scales.contiguous().view(torch.float32).reshape(-1).tolist()
+        raise ValueError(f"{advice} scale_inv per rank: {got}")
     data = rows[:, : data_u8.numel()].reshape(size * x.shape[0], *x.shape[1:])
     return Float8Tensor(data.view(q.data.dtype), q.scale_inv, dtype=x.dtype)
