@@ -83,6 +83,13 @@ class UpdateReport:
     reset: list[str] = field(default_factory=list)
 
 
+def _error(name: str, cause: BaseException) -> RecipeUpdateError:
+    """A RecipeUpdateError that names the module once (state errors often name it already)."""
+    text = str(cause)
+    prefix = f"module {name!r}"
+    return RecipeUpdateError(text if text.startswith(prefix) else f"{prefix}: {text}")
+
+
 def _roles_of(module: QuantizedModule, fwd: bool) -> tuple:
     n = module.num_quantizers(fwd=fwd)
     return tuple(module.get_quantizer_roles(fwd=fwd, num_quantizers=n))
@@ -170,7 +177,7 @@ def plan_module(
             device=device,
         )
     except (ValueError, TypeError, NotImplementedError) as e:
-        raise RecipeUpdateError(f"module {name!r}: {e}") from e
+        raise _error(name, e) from e
     notes, hooks = [], []
     for old, new, where in (
         (active.fwd_state if active else None, fwd_state, f"{name} forward"),
@@ -184,7 +191,7 @@ def plan_module(
         fwd_q = fwd_state.make_quantizers()
         bwd_q = bwd_state.make_quantizers()
     except (ValueError, TypeError) as e:
-        raise RecipeUpdateError(f"module {name!r}: {e}") from e
+        raise _error(name, e) from e
     rt = ModuleRuntime(recipe, recipe_key, fwd_roles, bwd_roles, fwd_state, bwd_state, fwd_q, bwd_q)
     candidate = ModuleCandidate(module, rt, unchanged=False, state_notes=notes, on_publish=hooks)
     validate_candidate(candidate)
@@ -200,7 +207,7 @@ def validate_candidate(candidate: ModuleCandidate) -> None:
         module.validate_quantizers(rt.bwd_quantizers, rt.bwd_roles, fwd=False, recipe=rt.recipe)
     except (ValueError, TypeError, NotImplementedError) as e:
         name = candidate.module.role_name or type(candidate.module).__name__
-        raise RecipeUpdateError(f"module {name!r}: {e}") from e
+        raise _error(name, e) from e
 
 
 def publish_candidates(candidates: list[ModuleCandidate], recipe_key: Hashable) -> UpdateReport:
