@@ -1,6 +1,6 @@
 """Hypothesis profiles for the fuzz suites, and the reliability tally (`tests/reliability.py`).
 
-Profiles (`DIST_QUANT_FUZZ_PROFILE`, default "ci"):
+Profiles, selected by `DIST_QUANT_FUZZ_PROFILE` (default "ci") for the tests of this folder only:
 - "ci": few examples per test, derandomized (the same cases on every run, so CI is reproducible
   and the tally's figures are stable), no example database written into the checkout;
 - "slow": 20x the examples, random seeds, the database kept in `.hypothesis/` so a failure
@@ -11,7 +11,6 @@ Neither profile has a deadline: CPU emulation of FP8 and a loaded CI machine mak
 timing meaningless.
 """
 
-import os
 import sys
 from pathlib import Path
 
@@ -33,7 +32,8 @@ _COMMON = {
 }
 settings.register_profile("ci", max_examples=10, derandomize=True, database=None, **_COMMON)
 settings.register_profile("slow", max_examples=200, **_COMMON)
-settings.load_profile(os.environ.get("DIST_QUANT_FUZZ_PROFILE", "ci"))
+# Not `settings.load_profile`: that would change every other hypothesis test in the session (they
+# keep hypothesis' defaults); each fuzz test takes the selected profile through `fuzz_budget`.
 
 
 def pytest_configure(config):

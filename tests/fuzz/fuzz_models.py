@@ -15,6 +15,8 @@ reliability tally through `check_state`.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from hypothesis import settings
 from reliability import check_state
@@ -28,9 +30,11 @@ _CI_EXAMPLES = 10  # max_examples of the "ci" profile (tests/fuzz/conftest.py)
 
 
 def fuzz_budget(ci_examples: int) -> settings:
-    """`settings` with `ci_examples` cases under the "ci" profile, proportionally more under "slow"."""
-    scale = settings.default.max_examples / _CI_EXAMPLES
-    return settings(max_examples=max(1, round(ci_examples * scale)))
+    """The selected profile (tests/fuzz/conftest.py) with `ci_examples` cases under "ci",
+    proportionally more under "slow"."""
+    profile = settings.get_profile(os.environ.get("DIST_QUANT_FUZZ_PROFILE", "ci"))
+    scale = profile.max_examples / _CI_EXAMPLES
+    return settings(profile, max_examples=max(1, round(ci_examples * scale)))
 
 
 class Zoo(nn.Module):
