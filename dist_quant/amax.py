@@ -187,7 +187,8 @@ def _reduce(reduced: list[DelayedGroup], group: Any, direction: str, capacity: i
 
 
 def _default_device(group: Any) -> torch.device:
-    if dist.get_backend(group) == "nccl":
+    # a rank with nothing to reduce still joins; its buffer must live where NCCL can move it
+    if "nccl" in dist.get_backend(group) and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

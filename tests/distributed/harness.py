@@ -1,5 +1,5 @@
-"""Run a test function on N ranks: torch.multiprocessing + a file rendezvous, gloo on CPU, NCCL
-when CUDA has at least N GPUs.
+"""Run a test function on N ranks: torch.multiprocessing + a file rendezvous, gloo on CPU, NCCL for
+CUDA tensors when CUDA has at least N GPUs (each rank on its own GPU: `rank_device()`).
 
 `run_ranks(fn, world_size, *args)` starts `world_size` processes, initialises the default process
 group in each, calls `fn(rank, world_size, *args)` and returns every rank's return value (in rank
@@ -51,7 +51,7 @@ def use_cuda(world_size: int) -> bool:
 
 def rank_device() -> torch.device:
     """The device a rank should compute on: its own GPU under NCCL, else the CPU."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
+    if dist.is_initialized() and "nccl" in dist.get_backend():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -84,8 +84,9 @@ def _rank_main(
     faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)  # the harness asks for it
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     torch.set_num_threads(1)  # N ranks share the machine's cores
-    backend = "nccl" if use_cuda(world_size) else "gloo"
-    if backend == "nccl":
+    # With enough GPUs, CUDA tensors go through NCCL and CPU tensors (the CPU tests) through gloo.
+    backend = "cpu:gloo,cuda:nccl" if use_cuda(world_size) else "gloo"
+    if use_cuda(world_size):
         torch.cuda.set_device(rank)
     outcome: tuple[str, Any]
     try:
