@@ -206,6 +206,11 @@ class _Host:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
             info = {**self.endpoint, "world_size": world, "log": str(run_dir / LOG_FILE)}
+            if kind == "ray":
+                import ray
+
+                # clients join this cluster, not whichever `ray.init(address="auto")` finds first
+                info["ray_address"] = ray.get_runtime_context().gcs_address
             write_endpoint(run_dir, info)
         except BaseException:
             self.close()

@@ -118,6 +118,7 @@ class Participant:
         self._give_up_at = 0.0
         self._commit_step: int | None = None
         self._given_up: set[int] = set()
+        self._decided: dict[int, tuple[bool, int | None]] = {}  # switch id -> (commit, step) acted on
         self._broken_reason = ""
         self._listener = threading.Thread(
             target=self._listen, name=f"dist_quant.participant.r{rank}", daemon=True
@@ -299,6 +300,20 @@ class Participant:
         ack = None
         with self._cond:
             step = self._last_step
+            seen = self._decided.get(d.switch_id)
+            if seen is not None:
+                # a decision is acted on once: an identical replay (a retry, or a message read
+                # twice from the store) changes nothing; a different one cannot come from a
+                # correct coordinator
+                if seen != (d.commit, d.step) and self._state is not _State.BROKEN:
+                    self._break(
+                        f"rank {self.rank} got two different decisions for switch {d.switch_id}",
+                        step,
+                    )
+                else:
+                    self._say.info("ignored a repeated decision", switch_id=d.switch_id)
+                self._cond.notify_all()
+                return
             if d.switch_id in self._given_up:
                 self._given_up.discard(d.switch_id)
                 if d.commit:
@@ -314,6 +329,7 @@ class Participant:
             elif d.switch_id != self._switch_id:
                 self._say.info("ignored decision of another switch", switch_id=d.switch_id)
             elif self._state is _State.VOTED:
+                self._decided[d.switch_id] = (d.commit, d.step)
                 if d.commit:
                     self._commit_step = d.step
                     self._set_state(_State.COMMITTING, step)

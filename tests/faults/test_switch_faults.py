@@ -247,13 +247,6 @@ def test_replayed_and_stale_messages_change_nothing(tmp_path):
     check_survivors(records, [0, 1], [(first["step"], CURRENT), (second.step, "MXFP8BlockScaling")])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="coordinator/participant.py Participant._on_decision: a COMMIT for the rank's current "
-    "switch id arriving in state IDLE breaks the rank ('got COMMIT ... without a YES vote'), "
-    "also when it is a replay of the COMMIT it already published: anyone who can read the store "
-    "can stop every rank of the job",
-)
 def test_a_replayed_commit_of_a_published_switch_is_ignored(tmp_path):
     job = Job(tmp_path, 2)
     try:
