@@ -178,6 +178,8 @@ def plan_module(
         )
     except (ValueError, TypeError, NotImplementedError) as e:
         raise _error(name, e) from e
+    except RuntimeError as e:  # the allocator: e.g. an amax history too large for the device
+        raise _error(name, RuntimeError(f"cannot allocate its recipe state: {e}")) from e
     notes, hooks = [], []
     for old, new, where in (
         (active.fwd_state if active else None, fwd_state, f"{name} forward"),
@@ -255,6 +257,29 @@ class ModelPlan:
         return report
 
 
+def _describe_quantizer(q: object) -> tuple:
+    """What a quantizer does to a tensor: its class and its scalar settings (not its buffers)."""
+    settings = sorted(
+        (k, str(v))
+        for k, v in vars(q).items()
+        if not k.startswith("_")
+        and k not in ("rowwise_usage", "columnwise_usage")
+        and isinstance(v, (bool, int, float, str, torch.dtype))
+    )
+    return (type(q).__name__, tuple(settings))
+
+
+def quantizers_fingerprint(candidates: list[ModuleCandidate]) -> str:
+    """Digest of every planned slot's quantizer, so ranks of a TP group that would quantize one
+    tensor differently (a factory answering per rank) cannot agree on a digest."""
+    h = hashlib.sha256()
+    for c in candidates:
+        rt = c.runtime
+        described = [_describe_quantizer(q) for q in (*rt.fwd_quantizers, *rt.bwd_quantizers)]
+        h.update(repr(described).encode())
+    return h.hexdigest()
+
+
 def roles_fingerprint(modules: list[QuantizedModule]) -> str:
     h = hashlib.sha256()
     for m in modules:
@@ -283,7 +308,9 @@ def plan_model(model: nn.Module, recipe: Recipe) -> ModelPlan:
     modules = dist_quant_modules(model)
     candidates = plan_modules(modules, recipe, recipe_key)
     digest = hashlib.sha256(
-        repr(recipe_key).encode() + roles_fingerprint(modules).encode()
+        repr(recipe_key).encode()
+        + roles_fingerprint(modules).encode()
+        + quantizers_fingerprint(candidates).encode()
     ).hexdigest()
     return ModelPlan(model, recipe, recipe_key, candidates, digest)
 

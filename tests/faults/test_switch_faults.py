@@ -322,12 +322,6 @@ def test_decision_log_filling_up_mid_switch_aborts_on_every_rank_then_recovers(t
     check_survivors(job.records(), [0, 1], [(switched.step, CURRENT)])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="runtime.plan_model's digest hashes the recipe key and the roles, not the planned "
-    "quantizers: a factory answering differently per rank plans different quantizers under one "
-    "key, the TP group's digests agree, and the switch commits two quantizations in one TP group",
-)
 def test_factory_answering_differently_on_two_ranks_of_a_tp_group_aborts(tmp_path):
     job = Job(tmp_path, 2, tp_group=[0, 1])
     result = None

@@ -165,11 +165,6 @@ def test_a_margin_the_recipe_accepts_trains_a_step():
     y.sum().backward()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="runtime.plan_module wraps only ValueError/TypeError/NotImplementedError from "
-    "RecipeState.create: the allocator's RuntimeError for a huge amax history escapes apply_recipe",
-)
 def test_a_history_too_large_to_allocate_is_a_recipe_update_error_and_changes_nothing():
     model = Zoo(4)
     dq.apply_recipe(model, dq.Float8CurrentScaling())
