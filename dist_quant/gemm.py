@@ -6,8 +6,11 @@ result ``(M, N)``. Paths, in order:
 1. both plain tensors of one dtype: ``torch.matmul`` in that dtype (the high-precision path);
 2. CUDA sm89+, both operands per-tensor FP8, not both E5M2 (no such cuBLASLt kernel), ``K`` and
    ``N`` divisible by 16 (cuBLASLt FP8 alignment): ``torch._scaled_mm`` with fp32 accumulation;
-3. otherwise the exact emulation: dequantize both to fp32, ``torch.matmul`` in fp32, cast to
-   ``out_dtype``. This is what CPUs and block-scaled operands use.
+3. CUDA sm90+, both operands Float8 block-scaled (1x128 or 128x128 tiles), output fp32/bf16/fp16:
+   the Triton block-scaled GEMM (``kernels/block_gemm.py``), which scales each 128-deep partial
+   product of the FP8 tensor cores and accumulates in fp32;
+4. otherwise the exact emulation: dequantize both to fp32, ``torch.matmul`` in fp32, cast to
+   ``out_dtype``. This is what CPUs use, and MXFP8 or mixed operands everywhere.
 """
 
 from __future__ import annotations
@@ -15,9 +18,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from dist_quant.kernels import block_scaled_gemm_triton
 from dist_quant.tensor import GemmOperand
 
 _SCALED_MM_ALIGN = 16
+_BLOCK_DIMS = {"block1d": 1, "block2d": 2}  # GemmOperand.scaling -> block_dim of its scale_inv
+_BLOCK_GEMM_OUT = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def gemm(
@@ -59,6 +65,12 @@ def gemm(
             bias=None if bias is None else bias.to(out_dtype),
             out_dtype=out_dtype,
         )
+    if _can_use_block_gemm(a, b, out_dtype):
+        return block_scaled_gemm_triton(
+            a.data, a.scale_inv, _BLOCK_DIMS[a.scaling],
+            b.data, b.scale_inv, _BLOCK_DIMS[b.scaling],
+            out_dtype=out_dtype, bias=bias,
+        )  # fmt: skip
     a_hp = a.dequantize(torch.float32) if isinstance(a, GemmOperand) else a.float()
     b_hp = b.dequantize(torch.float32) if isinstance(b, GemmOperand) else b.float()
     out = torch.matmul(a_hp, b_hp.t())
@@ -91,3 +103,18 @@ def _can_use_scaled_mm(a: Tensor | GemmOperand, b: Tensor | GemmOperand) -> bool
     if min(m, k, n) == 0:  # nothing to multiply; the emulation handles empty shapes
         return False
     return k % _SCALED_MM_ALIGN == 0 and n % _SCALED_MM_ALIGN == 0
+
+
+def _can_use_block_gemm(
+    a: Tensor | GemmOperand, b: Tensor | GemmOperand, out_dtype: torch.dtype
+) -> bool:
+    if not (isinstance(a, GemmOperand) and isinstance(b, GemmOperand)):
+        return False
+    if a.scaling not in _BLOCK_DIMS or b.scaling not in _BLOCK_DIMS:
+        return False
+    if out_dtype not in _BLOCK_GEMM_OUT:
+        return False
+    if a.data.device.type != "cuda" or b.data.device != a.data.device:
+        return False
+    # FP8 operands of tl.dot need FP8 tensor cores that the kernel was tuned for: Hopper and later
+    return _device_capability(a.data.device) >= (9, 0)

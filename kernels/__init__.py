@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 from dist_quant.kernels import reference
 from dist_quant.kernels.block import block_cast_triton
+from dist_quant.kernels.block_gemm import block_scaled_gemm_triton
 from dist_quant.kernels.cast import cast_to_fp8_triton, cast_transpose_triton
 from dist_quant.kernels.current import (
     CurrentScalingCast,
@@ -53,6 +54,7 @@ __all__ = [
     "amax",
     "block_cast",
     "block_dequantize",
+    "block_scaled_gemm_triton",
     "cast_to_fp8",
     "cast_to_fp8_with_amax",
     "cast_transpose",
