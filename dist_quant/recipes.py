@@ -44,6 +44,10 @@ AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 
 BUILTIN_RECIPE_NAMES = ("delayed", "current", "mxfp8", "block", "bf16")
 
+MAX_MARGIN = 127
+"""Largest margin: scales are divided by 2**margin in fp32, where 2**128 is inf. A larger margin
+could only give zero or denormal scales; Transformer Engine sets no bound and overflows instead."""
+
 # Field kinds for (de)serialisation, kept in each field's metadata next to its default.
 _FORMAT = {"kind": "format"}
 _CALLABLE = {"kind": "callable"}  # a callable, written as "pkg.module:qualname"
@@ -68,10 +72,32 @@ def check_format(
         )
 
 
-def check_int(owner: str, field: str, value: object, minimum: int) -> None:
+def check_int(
+    owner: str, field: str, value: object, minimum: int, maximum: int | None = None, why: str = ""
+) -> None:
     # bool is an int subclass; True as a margin is a bug, not 1
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{owner}.{field} must be an int >= {minimum}, got {value!r}")
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    if not is_int or value < minimum or (maximum is not None and value > maximum):
+        valid = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{owner}.{field} must be an int {valid}{why}, got {value!r}")
+
+
+def check_margin(owner: str, value: object) -> None:
+    check_int(owner, "margin", value, 0, MAX_MARGIN, " (2**margin must stay finite in fp32)")
+
+
+def check_float(owner: str, field: str, value: object, minimum: float) -> float:
+    """`value` as a float: an int or float, finite once converted, and >= minimum."""
+    problem = f"{owner}.{field} must be a finite float >= {minimum}, got {value!r}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(problem)
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond the float range
+        raise ValueError(f"{problem} (beyond the float range)") from None
+    if not (math.isfinite(number) and number >= minimum):  # NaN fails both
+        raise ValueError(problem)
+    return number
 
 
 def check_bool(owner: str, field: str, value: object) -> None:
@@ -146,7 +172,7 @@ class DelayedScaling(Recipe):
     """Per-tensor FP8 with scales from an amax history (Transformer Engine's default recipe)."""
 
     margin: int = 0
-    """Scales are divided by 2**margin, leaving headroom for amax growth."""
+    """Scales are divided by 2**margin, leaving headroom for amax growth; 0..MAX_MARGIN (127)."""
     fp8_format: Format = dataclasses.field(default=Format.HYBRID, metadata=_FORMAT)
     """HYBRID: E4M3 forward, E5M2 backward; E4M3: E4M3 both ways."""
     amax_history_len: int = 1024
@@ -166,7 +192,7 @@ class DelayedScaling(Recipe):
 
     def __post_init__(self) -> None:
         owner = "DelayedScaling"
-        check_int(owner, "margin", self.margin, 0)
+        check_margin(owner, self.margin)
         check_format(owner, "fp8_format", self.fp8_format, _PER_TENSOR_FORMATS, _NO_E5M2_FORWARD)
         check_int(owner, "amax_history_len", self.amax_history_len, 1)
         check_amax_algo(owner, "amax_compute_algo", self.amax_compute_algo)
@@ -200,11 +226,9 @@ class Float8CurrentScaling(Recipe):
         owner = "Float8CurrentScaling"
         check_format(owner, "fp8_format", self.fp8_format, _PER_TENSOR_FORMATS, _NO_E5M2_FORWARD)
         check_bool(owner, "use_power_2_scales", self.use_power_2_scales)
-        eps = self.amax_epsilon
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 <= eps < math.inf):
-            raise ValueError(f"{owner}.amax_epsilon must be a finite float >= 0, got {eps!r}")
+        eps = check_float(owner, "amax_epsilon", self.amax_epsilon, 0.0)
         # 0 and 0.0 must give the same key *and* the same JSON
-        object.__setattr__(self, "amax_epsilon", float(eps))
+        object.__setattr__(self, "amax_epsilon", eps)
         _check_fp8_attention(owner, self.fp8_dpa, self.fp8_mha)
 
 
@@ -345,6 +369,8 @@ def recipe_from_json(text: str) -> Recipe:
         raise ValueError(f"empty recipe; give JSON or one of {', '.join(BUILTIN_RECIPE_NAMES)}")
     try:
         value = json.loads(stripped)
+    except RecursionError as e:  # json nests by recursion: deep input exhausts the stack
+        raise ValueError("recipe JSON is nested too deeply to be a recipe") from e
     except json.JSONDecodeError as e:
         if stripped[0] in '{["':
             raise ValueError(f"recipe is not valid JSON: {e}") from e
@@ -372,10 +398,14 @@ def _import_callable(where: str, path: str) -> Callable:
     module_name, sep, qualname = path.partition(":")
     if not (sep and module_name and qualname):
         raise ValueError(f'{where}: expected an import path "pkg.module:name", got {path!r}')
+    if module_name.startswith("."):
+        raise ValueError(f"{where}: {path!r} is relative; give the absolute module name")
     try:
         obj: Any = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"{where}: cannot import module {module_name!r} of {path!r}: {e}") from e
+    except Exception as e:  # the module's own top-level code may raise anything
+        raise ValueError(
+            f"{where}: cannot import module {module_name!r} of {path!r}: {type(e).__name__}: {e}"
+        ) from e
     for part in qualname.split("."):
         try:
             obj = getattr(obj, part)
@@ -383,6 +413,8 @@ def _import_callable(where: str, path: str) -> Callable:
             raise ValueError(
                 f"{where}: {path!r} does not exist ({module_name!r} has no {qualname!r})"
             ) from None
+        except Exception as e:  # a module __getattr__ or class property may raise anything
+            raise ValueError(f"{where}: cannot resolve {path!r}: {type(e).__name__}: {e}") from e
     if not callable(obj):
         raise ValueError(f"{where}: {path!r} is a {type(obj).__name__}, not a callable")
     return obj

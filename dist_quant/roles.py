@@ -12,7 +12,13 @@ import dataclasses
 from collections.abc import Callable
 
 from dist_quant.formats import Format
-from dist_quant.recipes import check_amax_algo, check_bool, check_format, check_int
+from dist_quant.recipes import (
+    check_amax_algo,
+    check_bool,
+    check_format,
+    check_int,
+    check_margin,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +67,7 @@ class DelayedScalingRequest(QuantizerRequest):
     fp8_format: Format = Format.HYBRID
     """HYBRID: E4M3 forward, E5M2 backward; E4M3 / E5M2: that format both ways."""
     margin: int = 0
-    """The scale is divided by 2**margin."""
+    """The scale is divided by 2**margin; at most `recipes.MAX_MARGIN` (127)."""
     amax_history_len: int = 1024
     """Steps of amax kept."""
     amax_compute_algo: str | Callable = "max"
@@ -72,7 +78,7 @@ class DelayedScalingRequest(QuantizerRequest):
     def __post_init__(self) -> None:
         owner = "DelayedScalingRequest"
         check_format(owner, "fp8_format", self.fp8_format, tuple(Format))
-        check_int(owner, "margin", self.margin, 0)
+        check_margin(owner, self.margin)
         check_int(owner, "amax_history_len", self.amax_history_len, 1)
         check_amax_algo(owner, "amax_compute_algo", self.amax_compute_algo)
         check_bool(owner, "reduce_amax", self.reduce_amax)

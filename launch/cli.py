@@ -42,30 +42,34 @@ class _Parser(argparse.ArgumentParser):
 def parse_recipe_arg(text: str) -> str | dict[str, Any]:
     """RECIPE as given on the command line -> the payload the coordinator sends to ranks.
 
-    A path to a JSON/YAML file is read; text starting with `{` or `"` is JSON; anything else is
-    a built-in name (`delayed`, `current`, `mxfp8`, `block`, `bf16`). Unparseable input raises
-    CliError (exit 2); whether the recipe itself is valid is for the ranks (or `roles`) to say.
+    Text starting with `{`, `[` or `"` is inline JSON (never taken for a file name); else a path to
+    an existing JSON/YAML file is read; anything else is a built-in name (`delayed`, `current`,
+    `mxfp8`, `block`, `bf16`). Unparseable input raises CliError (exit 2); whether the recipe
+    itself is valid is for the ranks (or `roles`) to say.
     """
     import yaml
 
     stripped = text.strip()
     if not stripped:
         raise CliError("RECIPE is empty: give a built-in name, a JSON object or a file", 2)
-    path = Path(stripped)
-    if path.is_file():
-        try:
-            value = yaml.safe_load(path.read_text())
-        except (OSError, yaml.YAMLError) as e:
-            first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise CliError(f"recipe file {stripped!r} is not valid JSON/YAML: {first}", 2) from e
-        where = f"recipe file {stripped!r}"
-    elif stripped[0] in '{["':
+    if stripped[0] in '{["':
+        # inline JSON, decided before any file check: a long recipe is no valid file name
+        # (ENAMETOOLONG), and nobody names a recipe file "{..."
         try:
             value = json.loads(stripped)
         except json.JSONDecodeError as e:
             raise CliError(f"RECIPE is not valid JSON: {e}", 2) from e
+        except RecursionError as e:  # json nests by recursion: deep input exhausts the stack
+            raise CliError("RECIPE is JSON nested too deeply to be a recipe", 2) from e
         where = "RECIPE"
-    elif path.suffix.lower() in (".json", ".yaml", ".yml"):
+    elif _is_file(stripped):
+        try:
+            value = yaml.safe_load(Path(stripped).read_text())
+        except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError) as e:
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise CliError(f"recipe file {stripped!r} is not valid JSON/YAML: {first}", 2) from e
+        where = f"recipe file {stripped!r}"
+    elif Path(stripped).suffix.lower() in (".json", ".yaml", ".yml"):
         raise CliError(f"recipe file {stripped!r} does not exist", 2)
     else:
         return stripped
@@ -74,6 +78,14 @@ def parse_recipe_arg(text: str) -> str | dict[str, Any]:
             f"{where} holds a {type(value).__name__}; a recipe is an object or a built-in name", 2
         )
     return value
+
+
+def _is_file(text: str) -> bool:
+    """Whether `text` names an existing file; False where it cannot be a path at all (too long)."""
+    try:
+        return Path(text).is_file()
+    except (OSError, ValueError):  # ENAMETOOLONG and the like; NUL bytes on older Pythons
+        return False
 
 
 def _positive_int(text: str) -> int:

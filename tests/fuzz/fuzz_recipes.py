@@ -3,17 +3,17 @@
 `SPEC` is the tests' own statement of every recipe's fields (API.md and the recipe docstrings);
 `problems(d)` says which fields of a recipe dict are wrong by that statement; `recipe_dicts()`
 generates dicts with valid, edge, junk, missing and extra fields. Import paths are drawn from
-closed lists whose fate is known, so nothing with import-time side effects is ever imported.
-Two kinds of input that currently escape as other exception types (relative import paths, a
-module raising at import) are pinned as strict xfails in test_fuzz_recipe_input.py and are not
-generated here.
+closed lists whose fate is known, so nothing with import-time side effects is ever imported (a
+module raising at import is tried once, in test_fuzz_recipe_input.py).
 """
 
 from __future__ import annotations
 
 import importlib
 import math
+import sys
 
+import torch
 from hypothesis import strategies as st
 
 import dist_quant as dq
@@ -21,12 +21,15 @@ import dist_quant as dq
 # ---- the oracle ----------------------------------------------------------------------------------
 
 PER_TENSOR = {"HYBRID", "E4M3"}
+# the largest m whose 2**m is finite in fp32 (scales are divided by 2**margin there):
+# FLT_MAX = 0.99.. * 2**128, so 2**127 is the largest finite power of two
+MAX_MARGIN = math.frexp(torch.finfo(torch.float32).max)[1] - 1
 SPEC: dict[str, dict[str, tuple]] = {
     # field -> (kind, argument); kinds are checked by `problem` below
     "DelayedScaling": {
-        "margin": ("int", 0),
+        "margin": ("int", (0, MAX_MARGIN)),
         "fp8_format": ("format", PER_TENSOR),
-        "amax_history_len": ("int", 1),
+        "amax_history_len": ("int", (1, None)),
         "amax_compute_algo": ("algo", None),
         "scaling_factor_compute_algo": ("optional_callable", None),
         "reduce_amax": ("bool", None),
@@ -76,11 +79,20 @@ BAD_PATHS = [
     "math:",
     ":sqrt",
     "math::sqrt",
+    ".factories:current_scaling",  # relative
 ]
 
 
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _as_float(v: int | float) -> float:
+    """The float an int or float becomes; inf for an int beyond the float range."""
+    try:
+        return float(v)
+    except OverflowError:
+        return math.inf
 
 
 def _is_callable_path(v: object) -> bool:
@@ -90,14 +102,16 @@ def _is_callable_path(v: object) -> bool:
 def problem(kind: str, arg: object, value: object) -> bool:
     """True when `value` is not acceptable for a field of this kind (API.md, recipe docstrings)."""
     if kind == "int":
-        return not (_is_int(value) and value >= arg)
+        lo, hi = arg
+        return not (_is_int(value) and value >= lo and (hi is None or value <= hi))
     if kind == "bool":
         return not isinstance(value, bool)
     if kind == "format":
         return not (isinstance(value, str) and value in arg)
     if kind == "epsilon":
-        ok = (_is_int(value) or isinstance(value, float)) and 0 <= value < math.inf
-        return not ok
+        if not (_is_int(value) or isinstance(value, float)):
+            return True
+        return not (math.isfinite(_as_float(value)) and value >= 0)
     if kind == "algo":
         return not (value in ("max", "most_recent") or _is_callable_path(value))
     if kind == "optional_callable":
@@ -162,7 +176,8 @@ NONEXISTENT_MODULE = st.from_regex(r"\Adq_fuzz_no_such_[a-z]{1,8}(\.[a-z]{1,5})?
 def valid(kind: str, arg: object) -> st.SearchStrategy:
     """Values a field of this kind accepts."""
     if kind == "int":
-        return st.integers(arg, arg + 2**40)
+        lo, hi = arg
+        return st.integers(lo, lo + 2**40 if hi is None else hi)
     if kind == "bool":
         return st.booleans()
     if kind == "format":
@@ -183,7 +198,9 @@ def valid(kind: str, arg: object) -> st.SearchStrategy:
 def edge(kind: str, arg: object) -> st.SearchStrategy:
     """Values at and just past the edge of what a field of this kind accepts."""
     if kind == "int":
-        return st.sampled_from([arg - 1, arg, arg + 1, -(2**63), 2**64, 1.0 * arg, str(arg), True])
+        lo, hi = arg
+        edges = [lo - 1, lo, lo + 1, -(2**63), 2**64, 1.0 * lo, str(lo), True]
+        return st.sampled_from(edges + ([] if hi is None else [hi, hi + 1, 1024]))
     if kind == "bool":
         return st.sampled_from([0, 1, "true", "False", None, 1.0])
     if kind == "format":
@@ -191,6 +208,7 @@ def edge(kind: str, arg: object) -> st.SearchStrategy:
         return st.sampled_from(names)
     if kind == "epsilon":
         edges = [0, 0.0, -0.0, 1e-12, -1e-12, 1e308, math.inf, -math.inf, math.nan, True, "0.1"]
+        edges += [10**400, -(10**400), int(sys.float_info.max)]
         return st.sampled_from(edges)
     if kind == "algo":
         return st.one_of(
