@@ -30,12 +30,14 @@ from triton.testing import do_bench
 from dist_quant import kernels as K
 
 E4M3 = torch.float8_e4m3fn
-SWEEP = [
-    {"BM": 128, "BN": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4},
+SWEEP = [  # first = default; comments: shared memory of the FP8 stages, CTAs per SM it allows
+    {"BM": 128, "BN": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4},  # 128 KiB: 1 CTA
     {"BM": 128, "BN": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
-    {"BM": 128, "BN": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},
-    {"BM": 128, "BN": 256, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
-    {"BM": 64, "BN": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 5},
+    {"BM": 64, "BN": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3},  # 72 KiB: 3 CTAs
+    {"BM": 64, "BN": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},  # 96 KiB: 2 CTAs
+    {"BM": 128, "BN": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},  # 96 KiB: 2 CTAs
+    {"BM": 64, "BN": 256, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
+    {"BM": 128, "BN": 256, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},  # b scales as a vector
 ]
 
 
@@ -102,11 +104,16 @@ def _bench_size(size: int, sweep: bool) -> None:
     if not sweep:
         return
     default = dict(block_gemm.GPU_CONFIG)
+    reference_out = triton_gemm()
     for cfg in SWEEP:
         block_gemm.GPU_CONFIG = cfg
         try:
             ms = _ms(triton_gemm)
-            print(f"  sweep {cfg}: {ms:.3f} ms, {flop / ms / 1e9:.0f} TFLOP/s")
+            same = torch.equal(triton_gemm(), reference_out)
+            print(
+                f"  sweep {cfg}: {ms:.3f} ms, {flop / ms / 1e9:.0f} TFLOP/s, "
+                f"output {'byte-identical to' if same else 'DIFFERS from'} the default's"
+            )
         except Exception as exc:  # a config that cannot compile must not end the run
             print(f"  sweep {cfg}: failed ({type(exc).__name__}: {str(exc)[:100]})")
         finally:

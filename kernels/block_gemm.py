@@ -102,8 +102,18 @@ def _block_scaled_gemm_kernel(
     n_ok = rn < N
     a_rows = a_ptr + rm.to(tl.int64)[:, None] * stride_am
     b_rows = b_ptr + rn.to(tl.int64)[:, None] * stride_bn
-    as_rows = as_ptr + (rm // A_ROWS_PER_SCALE).to(tl.int64) * stride_asr
-    bs_rows = bs_ptr + (rn // B_ROWS_PER_SCALE).to(tl.int64) * stride_bsr
+    # A tile inside one 128-row scale group (128x128 operand, BM or BN <= 128) reads one scale per
+    # K block instead of a row vector, so the promotion below is one FMA per element.
+    A_ONE_SCALE: tl.constexpr = A_ROWS_PER_SCALE >= BM
+    B_ONE_SCALE: tl.constexpr = B_ROWS_PER_SCALE >= BN
+    if A_ONE_SCALE:
+        as_rows = as_ptr + ((pid_m * BM) // A_ROWS_PER_SCALE).to(tl.int64) * stride_asr
+    else:
+        as_rows = as_ptr + (rm // A_ROWS_PER_SCALE).to(tl.int64) * stride_asr
+    if B_ONE_SCALE:
+        bs_rows = bs_ptr + ((pid_n * BN) // B_ROWS_PER_SCALE).to(tl.int64) * stride_bsr
+    else:
+        bs_rows = bs_ptr + (rn // B_ROWS_PER_SCALE).to(tl.int64) * stride_bsr
 
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BK)):
@@ -115,9 +125,15 @@ def _block_scaled_gemm_kernel(
             a = _decoded(a, A_MANT, A_MIN_EXP, A_HAS_INF)
             b = _decoded(b, B_MANT, B_MIN_EXP, B_HAS_INF)
         partial = tl.dot(a, tl.trans(b))  # [BM, BN] fp32, a fresh accumulator per K block
-        a_s = tl.load(as_rows + kb * stride_ask, mask=m_ok, other=0.0)
-        b_s = tl.load(bs_rows + kb * stride_bsk, mask=n_ok, other=0.0)
-        acc += partial * a_s[:, None] * b_s[None, :]
+        if A_ONE_SCALE:
+            a_s = tl.load(as_rows + kb * stride_ask)
+        else:
+            a_s = tl.load(as_rows + kb * stride_ask, mask=m_ok, other=0.0)[:, None]
+        if B_ONE_SCALE:
+            b_s = tl.load(bs_rows + kb * stride_bsk)
+        else:
+            b_s = tl.load(bs_rows + kb * stride_bsk, mask=n_ok, other=0.0)[None, :]
+        acc += partial * (a_s * b_s)  # [BM, 1], [1, BN] or [BM, BN] scale
 
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -198,9 +214,10 @@ def block_scaled_gemm_triton(
         return out
     if is_gpu(a_data):
         cfg = GPU_CONFIG
-    else:  # interpreter: few, large programs (each op costs Python time, not FLOPs)
-        bm = min(max(triton.next_power_of_2(m), 16), 128)
-        bn = min(max(triton.next_power_of_2(n), 16), 128)
+    else:  # interpreter: few, large programs (each op costs Python time, not FLOPs); BM up to
+        # 256 and BN up to 64 run both scale paths (row vector and one per tile) on the CPU
+        bm = min(max(triton.next_power_of_2(m), 16), 256)
+        bn = min(max(triton.next_power_of_2(n), 16), 64)
         cfg = {"BM": bm, "BN": bn, "GROUP_M": 8, "num_warps": 1, "num_stages": 1}
     a_spec, b_spec = fp8_spec(a_data.dtype, what), fp8_spec(b_data.dtype, what)
     out_view = out.view(torch.int16) if out_dtype == torch.bfloat16 else out
