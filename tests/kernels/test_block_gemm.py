@@ -25,7 +25,9 @@ about 13 mantissa bits and truncates (DeepSeek-V3 3.3.2 measures ~14 bits on Hop
 term gamma_{k_max - 1} is replaced by ``TC_BLOCK_REL = 2**-9``, room for 16 truncations of 2**-13
 of the block's magnitude per 128-deep step (4 wgmma instructions of 32 products each). The kernel
 adds each block's result to the fp32 accumulator on the ordinary cores, so this error does not
-grow with K beyond the per-block sum (the DeepSeek promotion interval of 128).
+grow with K beyond the per-block sum (the DeepSeek promotion interval of 128). Measured on an H200
+(bench/bench_block_gemm.py, 2048^3): 2**-15.1 of |A| @ |B|.T on random data, 2**-10.2 on
+all-positive data, the worst case for a truncating accumulator.
 
 Rounding the fp32 result (plus bias, one more rounding) to bf16 or fp16 adds half an ulp of the
 output: 2**-8 or 2**-11 relative (unit roundoff of 8 and 11 significant bits).
