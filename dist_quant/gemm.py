@@ -57,14 +57,17 @@ def gemm(
     if _can_use_scaled_mm(a, b):
         # cuBLASLt wants a row-major and b column-major: b.data is (N, K) row-major, so b.data.t()
         # is (K, N) column-major without a copy. Scales as 0-dim fp32 (torch checks numel == 1).
-        return torch._scaled_mm(
+        # cuBLASLt's bias epilogue exists for 16-bit outputs only; an fp32 output adds it after
+        epilogue_bias = bias is not None and out_dtype != torch.float32
+        out = torch._scaled_mm(
             a.data.contiguous(),
             b.data.contiguous().t(),
             scale_a=a.scale_inv.float().reshape(()),
             scale_b=b.scale_inv.float().reshape(()),
-            bias=None if bias is None else bias.to(out_dtype),
+            bias=bias.to(out_dtype) if epilogue_bias else None,
             out_dtype=out_dtype,
         )
+        return out + bias.float() if bias is not None and not epilogue_bias else out
     if _can_use_block_gemm(a, b, out_dtype):
         return block_scaled_gemm_triton(
             a.data, a.scale_inv, _BLOCK_DIMS[a.scaling],

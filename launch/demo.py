@@ -22,6 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+# Imported here, not inside SwitchDriver's thread: a package imported for the first time from two
+# threads at once can be seen half-initialised (an ImportError seen once on a GPU host).
+from dist_quant.coordinator import SwitchBusyError, SwitchRequestError, request_switch
+from dist_quant.coordinator.endpoint import read_endpoint
 from dist_quant.launch.cli import CliError
 from dist_quant.launch.demo_schedule import Phase, Schedule, load_schedule_file, resolve_schedule
 
@@ -115,8 +119,6 @@ class SwitchDriver(threading.Thread):
             self.records.append(self._request(phase))
 
     def _wait_for_coordinator(self) -> bool:
-        from dist_quant.coordinator.endpoint import read_endpoint
-
         while not self.stop_event.wait(0.05):
             try:
                 if read_endpoint(self.run_dir)["token"] != self.stale_token:
@@ -126,8 +128,6 @@ class SwitchDriver(threading.Thread):
         return False
 
     def _request(self, phase: Phase) -> dict[str, Any]:
-        from dist_quant.coordinator import SwitchBusyError, SwitchRequestError, request_switch
-
         rec: dict[str, Any] = {
             "label": phase.label,
             "requested_step": phase.start,

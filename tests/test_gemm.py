@@ -144,3 +144,20 @@ def test_scaled_mm_path_matches_the_emulation_on_sm89_plus():
     # roughly 14 mantissa bits inside a K-chunk before promoting to fp32 (DeepSeek-V3 report,
     # section 3.3.2), so the bound is 2**-12 of sum |a_k b_k| rather than fp32's gamma_K.
     assert_fp32_accumulation_close(out.cpu(), a_cpu, b_cpu, rel=2.0**-12)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_scaled_mm_path_adds_the_bias_for_every_output_dtype(out_dtype):
+    """cuBLASLt takes a bias only for 16-bit outputs: an fp32 output must still get it."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("torch._scaled_mm needs compute capability 8.9+")
+    x, w = _x((64, 128), 10).cuda(), _x((48, 128), 11).cuda()
+    bias = torch.linspace(-3, 3, 48, device="cuda")
+    a = Float8CurrentScalingQuantizer(E4M3).quantize(x).rowwise_operand()
+    b = Float8CurrentScalingQuantizer(E4M3).quantize(w).rowwise_operand()
+    with_bias = gemm(a, b, out_dtype=out_dtype, bias=bias).float()
+    without = gemm(a, b, out_dtype=torch.float32)
+    # bf16 rounds the sum once: half a bf16 ulp of the largest magnitude
+    tol = 0.0 if out_dtype == torch.float32 else (without + bias).abs().max().item() * 2.0**-8
+    torch.testing.assert_close(with_bias, without + bias, rtol=0, atol=tol)
