@@ -53,14 +53,21 @@ class ModuleRuntime:
     bwd_state: RecipeState
     fwd_quantizers: list
     bwd_quantizers: list
+    _groups: dict[bool, list] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def key(self) -> tuple:
         return (self.recipe_key, self.fwd_roles, self.bwd_roles)
 
     def delayed_groups(self, fwd: bool) -> list:
-        state = self.fwd_state if fwd else self.bwd_state
-        return list(state.delayed_groups()) if hasattr(state, "delayed_groups") else []
+        """The state's delayed-scaling groups, built once per runtime: every forward asks, and the
+        buffers they view never change identity after publish (updates and loads work in place)."""
+        groups = self._groups.get(fwd)
+        if groups is None:
+            state = self.fwd_state if fwd else self.bwd_state
+            groups = list(state.delayed_groups())
+            self._groups[fwd] = groups
+        return groups
 
 
 @dataclass
