@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from dist_quant import context as _autocast
+from dist_quant import context as _context
 from dist_quant.recipes import Recipe
 from dist_quant.state import RecipeState
 
@@ -234,7 +234,7 @@ def publish_candidates(candidates: list[ModuleCandidate], recipe_key: Hashable) 
         report.changed.append(label)
         for note in c.state_notes:
             (report.reset if note.endswith("reset") else report.inherited).append(note)
-    _autocast.bump_recipe_revision()
+    _context.bump_recipe_revision()
     return report
 
 
@@ -327,7 +327,7 @@ def apply_recipe(model: nn.Module, recipe: Recipe) -> UpdateReport:
 
     Refused inside autocast (a step would run with two recipes) and during CUDA graph capture.
     """
-    if _autocast.in_autocast():
+    if _context.in_autocast():
         raise RecipeUpdateError("apply_recipe is refused inside autocast: call it between steps")
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise RecipeUpdateError("apply_recipe is refused during CUDA graph capture")

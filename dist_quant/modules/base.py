@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from dist_quant import context as _autocast
+from dist_quant import context as _context
 from dist_quant.amax import name_groups
 from dist_quant.quantizers import IdentityQuantizer, Quantizer
 from dist_quant.roles import QuantizerRole
@@ -146,16 +146,16 @@ class QuantizedModule(nn.Module):
 
     def active_runtime(self) -> ModuleRuntime | None:
         """The runtime for this forward, or None when autocast is off (exact high precision)."""
-        ctx = _autocast.current_context()
+        ctx = _context.current_context()
         if ctx is None or not ctx.enabled:
             return None
-        seen = (_autocast.recipe_revision(), self._dq_role_revision)
+        seen = (_context.recipe_revision(), self._dq_role_revision)
         if seen == self._dq_seen and self._dq_runtime is not None:
             return self._dq_runtime
         return self._resolve_runtime(ctx, seen)
 
     def _resolve_runtime(
-        self, ctx: _autocast.AutocastContext, seen: tuple[int, int]
+        self, ctx: _context.AutocastContext, seen: tuple[int, int]
     ) -> ModuleRuntime:
         from dist_quant.runtime import (
             dist_quant_modules,
@@ -178,7 +178,7 @@ class QuantizedModule(nn.Module):
                     stacklevel=3,
                 )
         else:
-            recipe = ctx.recipe if ctx.recipe is not None else _autocast.default_recipe()
+            recipe = ctx.recipe if ctx.recipe is not None else _context.default_recipe()
         key = recipe.key()
         try:
             if self._dq_runtime is not None and self._dq_runtime.recipe_key == key:
@@ -198,7 +198,7 @@ class QuantizedModule(nn.Module):
             raise
         if any(not c.unchanged for c in candidates):
             publish_candidates(candidates, key)
-            seen = (_autocast.recipe_revision(), self._dq_role_revision)
+            seen = (_context.recipe_revision(), self._dq_role_revision)
         self._dq_seen = seen
         return self._dq_runtime
 
@@ -209,7 +209,7 @@ class QuantizedModule(nn.Module):
         name_groups(groups, self.role_name)
         name_groups(runtime.delayed_groups(fwd=False), self.role_name)
         if groups:
-            _autocast.current_context().region.add(groups)
+            _context.current_context().region.add(groups)
 
     # ---- cached quantized weights ------------------------------------------------------------
     def quantize_weight(
