@@ -17,10 +17,18 @@ import dataclasses
 import enum
 import importlib
 import json
-import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from dist_quant.checks import (
+    AMAX_COMPUTE_ALGOS,
+    check_amax_algo,
+    check_bool,
+    check_float,
+    check_format,
+    check_int,
+    check_margin,
+)
 from dist_quant.factory_keys import callable_key, quantizer_factory
 from dist_quant.formats import Format
 
@@ -39,80 +47,12 @@ __all__ = [
     "recipe_from_json",
 ]
 
-AMAX_COMPUTE_ALGOS = ("max", "most_recent")
-"""Transformer Engine's names: max over the whole history, or the newest entry only."""
-
 BUILTIN_RECIPE_NAMES = ("delayed", "current", "mxfp8", "block", "bf16")
-
-MAX_MARGIN = 127
-"""Largest margin: scales are divided by 2**margin in fp32, where 2**128 is inf. A larger margin
-could only give zero or denormal scales; Transformer Engine sets no bound and overflows instead."""
 
 # Field kinds for (de)serialisation, kept in each field's metadata next to its default.
 _FORMAT = {"kind": "format"}
 _CALLABLE = {"kind": "callable"}  # a callable, written as "pkg.module:qualname"
 _ALGO = {"kind": "algo"}  # one of AMAX_COMPUTE_ALGOS or a callable
-
-
-# ---- field checks, shared with roles.py (DelayedScalingRequest) -----------------------------
-
-
-def check_format(
-    owner: str, field: str, value: object, allowed: tuple[Format, ...], why: str = ""
-) -> None:
-    if not isinstance(value, Format):
-        raise ValueError(
-            f"{owner}.{field} must be a dist_quant.Format "
-            f"({', '.join(f.name for f in Format)}), got {value!r}"
-        )
-    if value not in allowed:
-        raise ValueError(
-            f"{owner}.{field}={value.name} is not supported; "
-            f"valid: {', '.join(f.name for f in allowed)}{why}"
-        )
-
-
-def check_int(
-    owner: str, field: str, value: object, minimum: int, maximum: int | None = None, why: str = ""
-) -> None:
-    # bool is an int subclass; True as a margin is a bug, not 1
-    is_int = isinstance(value, int) and not isinstance(value, bool)
-    if not is_int or value < minimum or (maximum is not None and value > maximum):
-        valid = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        raise ValueError(f"{owner}.{field} must be an int {valid}{why}, got {value!r}")
-
-
-def check_margin(owner: str, value: object) -> None:
-    check_int(owner, "margin", value, 0, MAX_MARGIN, " (2**margin must stay finite in fp32)")
-
-
-def check_float(owner: str, field: str, value: object, minimum: float) -> float:
-    """`value` as a float: an int or float, finite once converted, and >= minimum."""
-    problem = f"{owner}.{field} must be a finite float >= {minimum}, got {value!r}"
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(problem)
-    try:
-        number = float(value)
-    except OverflowError:  # an int beyond the float range
-        raise ValueError(f"{problem} (beyond the float range)") from None
-    if not (math.isfinite(number) and number >= minimum):  # NaN fails both
-        raise ValueError(problem)
-    return number
-
-
-def check_bool(owner: str, field: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{owner}.{field} must be True or False, got {value!r}")
-
-
-def check_amax_algo(owner: str, field: str, value: object) -> None:
-    if callable(value):
-        return
-    if value not in AMAX_COMPUTE_ALGOS:
-        raise ValueError(
-            f"{owner}.{field} must be one of {', '.join(map(repr, AMAX_COMPUTE_ALGOS))} "
-            f"or a callable(amax_history) -> amax, got {value!r}"
-        )
 
 
 def _check_fp8_attention(owner: str, fp8_dpa: object, fp8_mha: object) -> None:

@@ -11,14 +11,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from dist_quant.formats import Format
-from dist_quant.recipes import (
+from dist_quant.checks import (
     check_amax_algo,
     check_bool,
     check_format,
     check_int,
     check_margin,
 )
+from dist_quant.formats import Format
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +67,7 @@ class DelayedScalingRequest(QuantizerRequest):
     fp8_format: Format = Format.HYBRID
     """HYBRID: E4M3 forward, E5M2 backward; E4M3 / E5M2: that format both ways."""
     margin: int = 0
-    """The scale is divided by 2**margin; at most `recipes.MAX_MARGIN` (127)."""
+    """The scale is divided by 2**margin; at most `checks.MAX_MARGIN` (127)."""
     amax_history_len: int = 1024
     """Steps of amax kept."""
     amax_compute_algo: str | Callable = "max"
