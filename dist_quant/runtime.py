@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -207,16 +208,39 @@ def plan_module(
     return candidate
 
 
+EMULATION_ENV = "DIST_QUANT_EMULATE_FP8"
+"""Set to 1 to run FP8 recipes emulated on a CUDA GPU without FP8 tensor cores (slow)."""
+
+
+def _gpu_without_fp8(device: torch.device) -> bool:
+    """A CUDA GPU older than compute capability 8.9 (Ada / Hopper), which has no FP8 GEMMs."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9)
+
+
 def validate_candidate(candidate: ModuleCandidate) -> None:
-    """Every slot got a quantizer this module supports; raises RecipeUpdateError naming the role."""
-    rt = candidate.runtime
+    """Every slot got a quantizer this module supports, and the device can run it; raises
+    RecipeUpdateError naming the module and role."""
+    rt, module = candidate.runtime, candidate.module
+    name = module.role_name or type(module).__name__
     try:
-        module = candidate.module
         module.validate_quantizers(rt.fwd_quantizers, rt.fwd_roles, fwd=True, recipe=rt.recipe)
         module.validate_quantizers(rt.bwd_quantizers, rt.bwd_roles, fwd=False, recipe=rt.recipe)
     except (ValueError, TypeError, NotImplementedError) as e:
-        name = candidate.module.role_name or type(candidate.module).__name__
         raise _error(name, e) from e
+    # Identity-only recipes (BF16) run anywhere; FP8 ones are emulated exactly on CPUs, but on an
+    # old GPU emulation would be a silent, large slowdown, so it must be asked for.
+    device = module.quantizer_device()
+    if _gpu_without_fp8(device) and os.environ.get(EMULATION_ENV) != "1":
+        pairs = zip((*rt.fwd_quantizers, *rt.bwd_quantizers), (*rt.fwd_roles, *rt.bwd_roles))
+        for q, role in pairs:
+            if q.scaling != "identity":
+                raise RecipeUpdateError(
+                    f"module {name!r}: role {role} needs an FP8 GEMM, which "
+                    f"{torch.cuda.get_device_name(device)} (compute capability "
+                    f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}) does not "
+                    f"have; set {EMULATION_ENV}=1 to run it emulated, or use an identity recipe "
+                    "such as 'bf16'"
+                )
 
 
 def publish_candidates(candidates: list[ModuleCandidate], recipe_key: Hashable) -> UpdateReport:

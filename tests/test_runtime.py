@@ -247,3 +247,23 @@ def test_fp8_attention_slot_with_unsupported_quantizer_is_refused_at_plan_time()
     assert model[0].core_attention._dq_runtime is None, "nothing published"
     # without fp8_dpa the attention slots are never applied, so the same factory is accepted
     dq.apply_recipe(model, dq.CustomRecipe(block_everywhere))
+
+
+def test_fp8_recipe_on_a_gpu_without_fp8_is_refused_unless_emulation_is_asked_for(monkeypatch):
+    """An old GPU is simulated: the check is what matters, not the device it runs on."""
+    from dist_quant import runtime
+
+    model = mlp(10, n=2)
+    monkeypatch.setattr(runtime, "_gpu_without_fp8", lambda device: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "Old GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
+    monkeypatch.delenv(runtime.EMULATION_ENV, raising=False)
+    with pytest.raises(
+        dq.RecipeUpdateError, match=r"layers\.0.*Old GPU.*8\.0.*DIST_QUANT_EMULATE_FP8"
+    ):
+        dq.apply_recipe(model, dq.Float8CurrentScaling())
+    assert dq.current_recipe(model) is None, "nothing published"
+    dq.apply_recipe(model, dq.recipe_from_dict("bf16"))  # identity-only recipes run anywhere
+    monkeypatch.setenv(runtime.EMULATION_ENV, "1")
+    dq.apply_recipe(model, dq.Float8CurrentScaling())
+    assert isinstance(dq.current_recipe(model), dq.Float8CurrentScaling)
