@@ -25,6 +25,14 @@ if TYPE_CHECKING:
     from dist_quant.runtime import ModuleRuntime
 
 
+def check_sizes(owner: str, **sizes: int) -> None:
+    """ValueError naming `owner` and every size unless all are positive (constructor arguments)."""
+    if any(v <= 0 for v in sizes.values()):
+        names = " and ".join(sizes)
+        got = ", ".join(str(v) for v in sizes.values())
+        raise ValueError(f"{owner}: {names} must be positive, got {got}")
+
+
 class QuantizedModule(nn.Module):
     """Base of dist-quant modules. Subclasses that own quantizers set `owns_quantizers = True`."""
 

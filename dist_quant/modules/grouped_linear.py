@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dist_quant.modules.base import check_sizes
 from dist_quant.modules.functional import LinearSlots
 from dist_quant.modules.linear import LinearBase
 from dist_quant.roles import QuantizerRole
@@ -70,11 +71,7 @@ class GroupedLinear(LinearBase):
         owner = f"GroupedLinear {name!r}"
         if isinstance(num_gemms, bool) or not isinstance(num_gemms, int) or num_gemms < 1:
             raise ValueError(f"{owner}: num_gemms must be an int >= 1, got {num_gemms!r}")
-        if in_features <= 0 or out_features <= 0:
-            raise ValueError(
-                f"{owner}: in_features and out_features must be positive, "
-                f"got {in_features}, {out_features}"
-            )
+        check_sizes(owner, in_features=in_features, out_features=out_features)
         if parallel_mode is not None or tp_group is not None or sequence_parallel:
             raise NotImplementedError("tensor parallelism lands with issue 6")
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dist_quant.modules.base import check_sizes
 from dist_quant.modules.linear import LinearBase, init_linear_
 from dist_quant.parallel import mark_sequence_parallel, mark_tp_split
 
@@ -97,11 +98,7 @@ class LayerNormLinear(LinearBase):
     ) -> None:
         super().__init__(name=name)
         owner = f"LayerNormLinear {name!r}"
-        if in_features <= 0 or out_features <= 0:
-            raise ValueError(
-                f"{owner}: in_features and out_features must be positive, "
-                f"got {in_features}, {out_features}"
-            )
+        check_sizes(owner, in_features=in_features, out_features=out_features)
         check_normalization(owner, normalization, eps)
         if not isinstance(return_layernorm_output, bool):
             raise ValueError(

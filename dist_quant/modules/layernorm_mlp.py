@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dist_quant.modules.base import check_sizes
 from dist_quant.modules.layernorm_linear import (
     apply_norm,
     check_normalization,
@@ -73,11 +74,7 @@ class LayerNormMLP(LinearBase):
     ) -> None:
         super().__init__(name=name)
         owner = f"LayerNormMLP {name!r}"
-        if hidden_size <= 0 or ffn_hidden_size <= 0:
-            raise ValueError(
-                f"{owner}: hidden_size and ffn_hidden_size must be positive, "
-                f"got {hidden_size}, {ffn_hidden_size}"
-            )
+        check_sizes(owner, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
         if activation not in ACTIVATIONS:
             raise ValueError(
                 f"{owner}: activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}"

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dist_quant.modules.base import QuantizedModule
+from dist_quant.modules.base import QuantizedModule, check_sizes
 from dist_quant.modules.functional import LinearSlots, parallel_linear_hp, quantized_linear
 from dist_quant.parallel import (
     PARALLEL_MODES,
@@ -255,11 +255,7 @@ class Linear(LinearBase):
     ) -> None:
         super().__init__(name=name)
         owner = f"Linear {name!r}"
-        if in_features <= 0 or out_features <= 0:
-            raise ValueError(
-                f"{owner}: in_features and out_features must be positive, "
-                f"got {in_features}, {out_features}"
-            )
+        check_sizes(owner, in_features=in_features, out_features=out_features)
         self._init_parallel(owner, tp_group, parallel_mode, sequence_parallel)
         self.in_features, self.out_features = in_features, out_features
         rows, cols = out_features, in_features
