@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from torch import nn
 from dist_quant.coordinator.coordinator import Coordinator
 from dist_quant.coordinator.endpoint import (
     LOG_FILE,
@@ -38,6 +39,7 @@ from dist_quant.coordinator.faults import Fault
 from dist_quant.coordinator.log import DecisionLog
 from dist_quant.coordinator.participant import Participant
 from dist_quant.coordinator.protocol import Stop
+from dist_quant.modules.base import assign_role_names
 from dist_quant.coordinator.transport import Transport, TransportError
 from dist_quant.coordinator.wire import CLOSED, rank_queue, seal
 
@@ -77,6 +79,8 @@ def attach(
     if rank < 0:
         raise ValueError(f"attach: global rank {dist.get_rank()} is not a member of `group`")
     tp = _tp_ranks(group, tp_group, rank)
+    if isinstance(model, nn.Module):
+        assign_role_names(model)  # fixed here, not by the listener thread's first plan
 
     host_side: _Host | None = None
     endpoint: dict[str, Any]

@@ -40,7 +40,6 @@ import hashlib
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -49,7 +48,7 @@ from torch import Tensor, nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from dist_quant.checkpoint_job import job_state, restore_job_state
-from dist_quant.modules.base import QuantizedModule
+from dist_quant.modules.base import QuantizedModule, assign_role_names, provisional_role_names
 from dist_quant.recipes import Recipe, recipe_from_dict
 from dist_quant.runtime import (
     ModuleCandidate,
@@ -206,19 +205,19 @@ class StagedLoad:
     module: QuantizedModule
     action: str  # "none" | "clear" | "keep" | "install"
     candidate: ModuleCandidate | None = None
-    name: str = ""
+    names: dict[nn.Module, str] | None = None  # plan the module's structure first, with these
     pinned: bool = False
     copies: list[tuple[Tensor, Tensor]] = field(default_factory=list)
 
     def apply(self) -> None:
         m = self.module
+        if self.names is not None:
+            assign_role_names(m, self.names)
         if self.action == "clear":
             m._dq_runtime, m._dq_pinned_recipe = None, None
             m._dq_weight_cache, m._dq_seen = {}, (-1, -1)
             return
         if self.action == "install":
-            if self.name:
-                m._set_path_name(self.name)
             publish_candidates([self.candidate], self.candidate.runtime.recipe_key)
         if self.action in ("keep", "install"):
             m._dq_pinned_recipe = m._dq_runtime.recipe if self.pinned else None
@@ -227,18 +226,18 @@ class StagedLoad:
                 dst.copy_(src)  # in place: quantizers view these tensors
 
 
-@contextmanager
-def _provisional_name(module: QuantizedModule, name: str):
-    """Plan an unnamed module under the checkpoint's name without leaving it there yet."""
-    if module.role_name or not name:
-        yield
-        return
-    saved = module._dq_path_name
-    module._dq_path_name = name
-    try:
-        yield
-    finally:
-        module._dq_path_name = saved
+def _checkpoint_names(owners: Mapping[str, QuantizedModule], state_dict: Mapping) -> dict:
+    """The names a loading model's not yet planned modules take from the checkpoint: the name each
+    ran with (a recipe ran, or a name was set), so its roles are the ones it checkpointed."""
+    names: dict[nn.Module, str] = {}
+    for key, m in owners.items():
+        value = state_dict.get(key)
+        if m.is_planned or not isinstance(value, Mapping) or value.get("format") != FORMAT:
+            continue  # a malformed entry is reported, naming its key, when it is staged
+        name = value.get("module")
+        if isinstance(name, str) and (name or value.get("recipe_key") is not None):
+            names[m] = name
+    return names
 
 
 def _match_buffers(targets: dict[str, Tensor], saved: dict[str, Tensor], where: str) -> list:
@@ -266,9 +265,22 @@ def _mismatch(where: str, saved: Mapping[str, Any], rt: ModuleRuntime) -> Recipe
 
 
 def stage_extra_state(module: QuantizedModule, state: object, where: str = "") -> StagedLoad:
-    """Validate `state` against `module` and prepare its load; mutates nothing."""
+    """Validate `state` against `module` and prepare its load; mutates nothing. A module not yet
+    planned is planned first (from itself, under the checkpoint's name), provisionally: its
+    names and boundary roles are fixed only when the load is applied."""
     where = where or f"module {module.role_name or type(module).__name__!r}"
     saved = parse_extra_state(state, where)
+    if module.is_planned:
+        return _stage_planned(module, saved, where)
+    names = _checkpoint_names({"": module}, {"": saved})
+    with provisional_role_names(module):
+        assign_role_names(module, names)
+        staged = _stage_planned(module, saved, where)
+    staged.names = names
+    return staged
+
+
+def _stage_planned(module: QuantizedModule, saved: dict[str, Any], where: str) -> StagedLoad:
     if not module.owns_quantizers:
         if saved["recipe_key"] is not None:
             raise ValueError(
@@ -277,18 +289,15 @@ def stage_extra_state(module: QuantizedModule, state: object, where: str = "") -
         return StagedLoad(module, "none")
     if saved["recipe_key"] is None:
         return StagedLoad(module, "clear" if module._dq_runtime is not None else "none")
-    rt, name = module._dq_runtime, saved["module"]
+    rt = module._dq_runtime
     if rt is not None:
         if recipe_digest(rt.recipe_key) != saved["recipe_key"]:
             raise _mismatch(where, saved, rt)
         staged = StagedLoad(module, "keep", pinned=saved["pinned"])
     else:
-        recipe = rebuild_recipe(saved, where)
-        with _provisional_name(module, name):
-            candidate = plan_module(module, recipe)
+        candidate = plan_module(module, rebuild_recipe(saved, where))
         rt = candidate.runtime
-        staged = StagedLoad(module, "install", candidate, "" if module.role_name else name)
-        staged.pinned = saved["pinned"]
+        staged = StagedLoad(module, "install", candidate, pinned=saved["pinned"])
     have = {"forward": _encode_roles(rt.fwd_roles), "backward": _encode_roles(rt.bwd_roles)}
     if have != saved["roles"]:
         raise RecipeUpdateError(
@@ -370,9 +379,14 @@ def stage_model(
     if problems:
         raise ValueError("load_state_dict: " + "; ".join(problems))
     owners = _dq_modules_by_key(model)
-    staged = [
-        stage_extra_state(owners[k], state_dict[k], f"{k!r}") for k in owners if k in state_dict
-    ]
+    # Loading is a plan of the model: its modules not planned yet are named (the checkpoint's
+    # names where it has them) and wired from the model's structure, provisionally until commit.
+    names = _checkpoint_names(owners, state_dict)
+    with provisional_role_names(model):
+        assign_role_names(model, names)
+        staged = [
+            stage_extra_state(owners[k], state_dict[k], f"{k!r}") for k in owners if k in state_dict
+        ]
     rest: OrderedDict[str, Any] = OrderedDict(
         (k, v) for k, v in state_dict.items() if k not in owners
     )
@@ -382,6 +396,7 @@ def stage_model(
 
     def commit() -> _IncompatibleKeys:
         model.load_state_dict(rest, strict=False)  # shapes checked above: cannot stop half-way
+        assign_role_names(model, names)  # the same plan as staged: names, then boundary roles
         for s in staged:
             s.apply()
         return _IncompatibleKeys(missing, unexpected)

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 if TYPE_CHECKING:
     from dist_quant.recipes import Recipe
@@ -30,7 +31,6 @@ class AmaxRegion:
     reduction_group: Any
     fwd_groups: dict[int, DelayedGroup] = field(default_factory=dict)
     failed: bool = False
-    root: nn.Module | None = None
 
     def add(self, groups: list[DelayedGroup]) -> None:
         for g in groups:
@@ -56,22 +56,57 @@ _local = _Local()
 _revision_lock = threading.Lock()
 _recipe_revision = 0
 _last_entered_key: Any = object()
-_named_roots: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_unplanned: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_unplanned_generation = 0
+CallPlanner = Callable[[nn.Module], None]
+_call_planner: CallPlanner | None = None
 
 
-def _name_modules_on_first_call(region: AmaxRegion) -> Any:
-    """Unnamed modules take their path in the model the first time it runs under autocast: the
-    first module called inside the outermost region is taken as the model's root."""
-    handle = None
+def track_unplanned(module: nn.Module) -> None:
+    """`module` (a dist-quant module just built or unpickled) has not been planned yet: while any
+    such module lives, outermost autocast regions plan each module as it is called."""
+    global _unplanned_generation
+    _unplanned.add(module)
+    _unplanned_generation += 1
+
+
+def mark_planned(module: nn.Module) -> None:
+    _unplanned.discard(module)
+
+
+def is_unplanned(module: nn.Module) -> bool:
+    return module in _unplanned
+
+
+def unplanned_generation() -> int:
+    """Bumped whenever a module joins the unplanned set (lets the planner memoise its walks)."""
+    return _unplanned_generation
+
+
+def set_call_planner(planner: CallPlanner) -> None:
+    """Install the function that plans a module called inside autocast (the modules layer's)."""
+    global _call_planner
+    _call_planner = planner
+
+
+def _plan_modules_as_called(region: AmaxRegion) -> RemovableHandle | None:
+    """A global forward pre-hook, only while unplanned dist-quant modules exist and only for this
+    region: every module called gets the chance to plan the unplanned modules of its subtree, so
+    each top-level block called in the region names its own subtree (not only the first one).
+    It removes itself as soon as nothing is left to plan, so a planned model pays nothing."""
+    planner = _call_planner
+    if planner is None or not _unplanned:
+        return None
+    handle: RemovableHandle | None = None
 
     def hook(module: nn.Module, args: Any) -> None:
-        handle.remove()
-        region.root = module
-        if module not in _named_roots:
-            from dist_quant.modules.base import assign_role_names
-
-            assign_role_names(module)
-            _named_roots.add(module)
+        ctx = current_context()
+        if ctx is None or ctx.region is not region:
+            return  # another thread's region, whose own hook plans its modules
+        if _unplanned:
+            planner(module)
+        if not _unplanned:
+            handle.remove()
 
     handle = nn.modules.module.register_module_forward_pre_hook(hook)
     return handle
@@ -137,7 +172,7 @@ def autocast(
     else:
         region = AmaxRegion(reduction_group=amax_reduction_group)
     _local.stack.append(AutocastContext(enabled, recipe, key, region))
-    naming = _name_modules_on_first_call(region) if outer is None else None
+    naming = _plan_modules_as_called(region) if outer is None else None
     ok = False
     try:
         yield

@@ -176,6 +176,7 @@ def plan_module(
             num_quantizers=len(fwd_roles),
             roles=list(fwd_roles),
             device=device,
+            module_name=name,
         )
         bwd_state = RecipeState.create(
             recipe,
@@ -183,6 +184,7 @@ def plan_module(
             num_quantizers=len(bwd_roles),
             roles=list(bwd_roles),
             device=device,
+            module_name=name,
         )
     except (ValueError, TypeError, NotImplementedError) as e:
         raise _error(name, e) from e

@@ -319,8 +319,8 @@ class Float8BlockScalingRecipeState(RecipeState):
 
 
 class CustomRecipeState(RecipeState):
-    """Per-slot quantizers from `CustomRecipe.qfactory(role)` (a bare `QuantizerRole()` for a slot
-    without one).
+    """Per-slot quantizers from `CustomRecipe.qfactory(role)` (`None` for a slot without a role,
+    as API.md says).
 
     The factory is called once per slot here, so a bad answer fails while planning, and those
     answers serve the first `make_quantizers()`; each later call asks the factory again, so every
@@ -353,13 +353,14 @@ class CustomRecipeState(RecipeState):
         )
         self._fp8_max = _fp8_max_tensor(self.fp8_dtype, n, self.device)
 
-    def _role(self, slot: int) -> QuantizerRole:
+    def _role(self, slot: int) -> str:
+        """The slot's role for messages; a role-less slot reads `<no role>`."""
         role = self.roles[slot]
-        return role if role is not None else QuantizerRole()
+        return "<no role>" if role is None else str(role)
 
     def _ask(self, slot: int) -> Quantizer | DelayedScalingRequest:
-        role, factory = self._role(slot), self.recipe.qfactory
-        where = f"{self._module_of(self.roles[slot])}, role {role} (slot {slot})"
+        role, factory = self.roles[slot], self.recipe.qfactory
+        where = f"{self._module_of(role)}, role {self._role(slot)} (slot {slot})"
         try:
             answer = factory(role)
         except Exception as e:

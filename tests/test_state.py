@@ -181,7 +181,7 @@ class RecordingFactory:
 
     def __call__(self, role):
         self.calls.append(role)
-        answer = self.answers.get(role.tensor_type, IdentityQuantizer)
+        answer = self.answers.get(None if role is None else role.tensor_type, IdentityQuantizer)
         return answer() if callable(answer) else answer
 
 
@@ -193,7 +193,7 @@ def _custom(factory, roles=LINEAR_FWD, mode="forward", **kwargs):
 def test_custom_factory_is_called_once_per_slot_with_its_role():
     factory = RecordingFactory({"input": lambda: Float8CurrentScalingQuantizer(E4M3)})
     state = _custom(factory)
-    expected = [LINEAR_FWD[0], LINEAR_FWD[1], QuantizerRole()]
+    expected = [LINEAR_FWD[0], LINEAR_FWD[1], None]  # a role-less slot is asked with None
     assert factory.calls == expected
     first = state.make_quantizers()
     assert factory.calls == expected  # the answers given at create serve the first call
@@ -272,9 +272,9 @@ def test_bad_factory_answers_name_module_and_role():
     with pytest.raises(TypeError, match="role linear/input@layers.0.fc1.*returned a str"):
         _custom(RecordingFactory({"input": "fp8"}))
     with pytest.raises(ValueError, match="unnamed module, role <no role>"):
-        _custom(RecordingFactory({"": None}))
+        _custom(RecordingFactory({None: None}))
     with pytest.raises(ValueError, match="module 'blk.proj', role <no role>"):
-        _custom(RecordingFactory({"": None}), roles=[None], module_name="blk.proj")
+        _custom(RecordingFactory({None: None}), roles=[None], module_name="blk.proj")
 
     def broken(role):
         raise KeyError("no rule")

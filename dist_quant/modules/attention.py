@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from dist_quant import context as _context
 from dist_quant.amax import enrol_backward
-from dist_quant.modules.base import QuantizedModule, assign_role_names
+from dist_quant.modules.base import QuantizedModule
 from dist_quant.modules.functional import fake_quantize
 from dist_quant.modules.layernorm_linear import LayerNormLinear
 from dist_quant.modules.linear import Linear
@@ -316,8 +316,10 @@ class MultiheadAttention(QuantizedModule):
     `core_attention` (DotProductAttention) -> `proj` (Linear). Input and output are
     (seq, batch, hidden) ("sbhd", Transformer Engine's default) or (batch, seq, hidden) ("bshd").
 
-    Every forward wires the FP8 boundary roles between the children (setting an equal role is a
-    no-op, so nothing is rebuilt when nothing changed):
+    When the block is first planned (`apply_recipe`, the first autocast call, `attach`,
+    `dq.checkpoint.load`, whichever comes first; its children are named by then) it wires the FP8
+    boundary roles between the children, once; a forward never changes them, and a role set by
+    hand afterwards stays:
         qkv.output_quantizer_role                = dpa/qkv@<core_attention>
         proj.grad_input_quantizer_role           = dpa/do@<core_attention>
         core_attention.output_quantizer_role     = linear/input@<proj>
@@ -406,13 +408,6 @@ class MultiheadAttention(QuantizedModule):
         # the context's features are head-major, so this rank's heads are proj's input shard
         self.proj = Linear(hidden_size, hidden_size, parallel_mode=row, **common)
 
-    def _set_path_name(self, name: str) -> None:
-        # Name the children now and wire their roles, so that a recipe planned before the first
-        # forward (apply_recipe, the coordinator) already sees the boundary roles.
-        super()._set_path_name(name)
-        assign_role_names(self)
-        self._wire_boundary_roles()
-
     def _wire_boundary_roles(self) -> None:
         dpa, qkv, proj = self.core_attention, self.qkv, self.proj
         qkv.output_quantizer_role = QuantizerRole(dpa.module_type, "qkv", dpa.role_name)
@@ -427,7 +422,6 @@ class MultiheadAttention(QuantizedModule):
         *,
         is_first_microbatch: bool | None = None,
     ) -> torch.Tensor:
-        self._wire_boundary_roles()
         runtime = self.core_attention.active_runtime()
         fp8_mha = runtime is not None and getattr(runtime.recipe, "fp8_mha", False)
         mixed = self.qkv(hidden_states, is_first_microbatch=is_first_microbatch, fp8_output=fp8_mha)

@@ -10,6 +10,9 @@ the default) and, if the runtime key changed, plans, validates and publishes thi
 from __future__ import annotations
 
 import warnings
+import weakref
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -53,6 +56,14 @@ class QuantizedModule(nn.Module):
         self._dq_pinned_recipe: Recipe | None = None
         self._dq_warned_override = False
         self._dq_weight_cache: dict[str, tuple[tuple, Any]] = {}
+        self._dq_planned = False
+        _context.track_unplanned(self)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # a copy or an unpickled module keeps its names but not its planned root: the next plan
+        # (or call under autocast) records the root again
+        super().__setstate__(state)
+        _context.track_unplanned(self)
 
     # ---- names and roles -------------------------------------------------------------------
     @property
@@ -62,6 +73,12 @@ class QuantizedModule(nn.Module):
             return self._dq_explicit_name
         return self._dq_path_name or ""
 
+    @property
+    def is_planned(self) -> bool:
+        """Whether this module's names and boundary roles are fixed (it was part of a planned
+        model: `apply_recipe`, a call under autocast, `attach`, a checkpoint load)."""
+        return self._dq_planned
+
     def _set_path_name(self, name: str) -> None:
         # The first path wins: a module keeps the name its roles were first built with.
         if self._dq_explicit_name is None and self._dq_path_name is None:
@@ -70,6 +87,10 @@ class QuantizedModule(nn.Module):
 
     def _roles_changed(self) -> None:
         self._dq_role_revision += 1
+
+    def _wire_boundary_roles(self) -> None:
+        """Called once, when the module is first planned and every module below it is named: a
+        block sets the roles of the slots between its children here (see MultiheadAttention)."""
 
     def num_quantizers(self, *, fwd: bool) -> int:
         raise NotImplementedError(f"{type(self).__name__} owns no quantizers")
@@ -172,6 +193,10 @@ class QuantizedModule(nn.Module):
             publish_candidates,
         )
 
+        if not self._dq_planned:
+            # built or first called where no planned model reaches it: it is its own root
+            assign_role_names(self)
+
         if self._dq_pinned_recipe is not None:
             recipe = self._dq_pinned_recipe
             if (
@@ -192,9 +217,10 @@ class QuantizedModule(nn.Module):
             if self._dq_runtime is not None and self._dq_runtime.recipe_key == key:
                 candidates = [plan_module(self, recipe, key)]  # only this module's roles moved
             else:
-                # A new recipe switches every unpinned module of the model at once, so that a
-                # failure anywhere leaves the whole model on its old recipe (same as apply_recipe).
-                root = ctx.region.root
+                # A new recipe switches every unpinned module of the planned model at once, so
+                # that a failure anywhere leaves the whole model on its old recipe (as
+                # apply_recipe does).
+                root = planned_root(self)
                 modules = [self]
                 if root is not None and self._dq_pinned_recipe is None:
                     unpinned = [m for m in dist_quant_modules(root) if m._dq_pinned_recipe is None]
@@ -244,19 +270,113 @@ class QuantizedModule(nn.Module):
         return qw
 
 
-def assign_role_names(model: nn.Module) -> None:
-    """Give every unnamed dist-quant module its path in `model`; under an explicitly named module the
-    path restarts at that name (`name="mlp"` -> `mlp.fc1`)."""
+_planned_roots: weakref.WeakKeyDictionary[QuantizedModule, weakref.ref[nn.Module]] = (
+    weakref.WeakKeyDictionary()
+)
+_walked: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 
-    def walk(module: nn.Module, prefix: str) -> None:
-        for child_name, child in module.named_children():
-            path = f"{prefix}.{child_name}" if prefix else child_name
-            if isinstance(child, QuantizedModule):
-                child._set_path_name(path)
-                path = child.role_name
-            walk(child, path)
 
-    if isinstance(model, QuantizedModule):
-        walk(model, model.role_name)
-    else:
-        walk(model, "")
+def planned_root(module: QuantizedModule) -> nn.Module | None:
+    """The outermost model `module` was planned in (its unit of a lazy recipe switch), if alive."""
+    ref = _planned_roots.get(module)
+    return None if ref is None else ref()
+
+
+def assign_role_names(model: nn.Module, names: Mapping[nn.Module, str] | None = None) -> None:
+    """Plan `model`'s structure: every dist-quant module under it that has no name yet takes its
+    path in `model` (under an explicitly named module the path restarts at that name:
+    `name="mlp"` -> `mlp.fc1`), or the name `names` gives it (a checkpoint's); a module planned for
+    the first time then wires its boundary roles. Names already set are kept: a module keeps the
+    name its roles were first built with, and replanning from an inner module gives the same paths.
+
+    A module reached at two paths (the same object used twice) keeps the first path in
+    `named_modules` order, with a warning naming both. `model` becomes the planned root (the unit
+    of a lazy recipe switch) of every module under it, unless it was planned inside a larger model.
+    """
+    names = names or {}
+    prefix_of: dict[str, str] = {}  # structural path -> the role-name prefix of its children
+    first_path: dict[int, str] = {}
+    warned: set[str] = set()  # paths of reported second uses, and everything below them
+    reached: list[QuantizedModule] = []
+    for path, module in model.named_modules(remove_duplicate=False):
+        parent, _, leaf = path.rpartition(".")
+        if not path:
+            candidate = ""
+        else:
+            base = prefix_of[parent]
+            candidate = f"{base}.{leaf}" if base else leaf
+        if id(module) in first_path:
+            if path and parent in warned:
+                warned.add(path)
+            elif isinstance(module, QuantizedModule):
+                warned.add(path)
+                warnings.warn(
+                    f"{type(module).__name__} {module.role_name!r} is used at two places in "
+                    f"the model ({first_path[id(module)]!r} and {path!r}): both uses share one "
+                    f"module, its quantizer roles (named {module.role_name!r}, the first path) "
+                    "and its scaling state",
+                    stacklevel=3,
+                )
+        else:
+            first_path[id(module)] = path
+            if isinstance(module, QuantizedModule):
+                module._set_path_name(names.get(module, candidate))
+                reached.append(module)
+        prefix_of[path] = module.role_name if isinstance(module, QuantizedModule) else candidate
+    inside = set(first_path)
+    for module in reached:
+        if not module._dq_planned:
+            module._dq_planned = True
+            module._wire_boundary_roles()
+        root = planned_root(module)
+        if root is None or id(root) in inside:
+            _planned_roots[module] = weakref.ref(model)
+        _context.mark_planned(module)
+
+
+def _plan_called_module(module: nn.Module) -> None:
+    """Autocast's call planner: `module` was just called while unplanned modules exist; it plans
+    the unplanned modules below it (itself included), as the root they are found under. Each
+    module's subtree is searched once per generation of the unplanned set."""
+    generation = _context.unplanned_generation()
+    if _walked.get(module) == generation:
+        return
+    _walked[module] = generation
+    if any(_context.is_unplanned(m) for m in module.modules()):
+        assign_role_names(module)
+
+
+_context.set_call_planner(_plan_called_module)
+
+
+@contextmanager
+def provisional_role_names(model: nn.Module) -> Iterator[None]:
+    """Inside the block, `assign_role_names` may plan `model` (to stage a checkpoint load against
+    the roles it will have); on exit every module's names, boundary roles, role revision and
+    planned state are as they were before."""
+    modules = [m for m in model.modules() if isinstance(m, QuantizedModule)]
+    saved = [
+        (
+            m,
+            m._dq_path_name,
+            m._dq_output_role,
+            m._dq_grad_input_role,
+            m._dq_role_revision,
+            m._dq_planned,
+            _planned_roots.get(m),
+            _context.is_unplanned(m),
+        )
+        for m in modules
+    ]
+    try:
+        yield
+    finally:
+        for m, path, out_role, gin_role, revision, planned, root, unplanned in saved:
+            m._dq_path_name, m._dq_output_role, m._dq_grad_input_role = path, out_role, gin_role
+            m._dq_role_revision, m._dq_planned = revision, planned
+            if root is None:
+                _planned_roots.pop(m, None)
+            else:
+                _planned_roots[m] = root
+            if unplanned:
+                _context.track_unplanned(m)

@@ -53,14 +53,15 @@ RAISED = [RuntimeError, KeyError, ValueError, TypeError, ZeroDivisionError, Asse
 
 class Misbehaving:
     """`base(role)` except for the roles in `faults`: (module name, tensor type) -> (kind, arg).
-    A slot without a role is called with `QuantizerRole()`, keyed ("", "")."""
+    A slot without a role is called with `None` (API.md), keyed ("", "")."""
 
     def __init__(self, base, faults: dict) -> None:
         self.base, self.faults = base, faults
 
-    def answer(self, role: QuantizerRole):
+    def answer(self, role: QuantizerRole | None):
         """(kind, what the factory returns) without raising: the oracle's view."""
-        kind, arg = self.faults.get((role.name, role.tensor_type), ("base", None))
+        key = ("", "") if role is None else (role.name, role.tensor_type)
+        kind, arg = self.faults.get(key, ("base", None))
         if kind == "base":
             return kind, self.base(role)
         if kind == "disagree":
@@ -71,7 +72,7 @@ class Misbehaving:
             return kind, factories.float8_block_scaling(role)
         return kind, arg
 
-    def __call__(self, role: QuantizerRole):
+    def __call__(self, role: QuantizerRole | None):
         kind, arg = self.answer(role)
         if kind == "none":
             return None
@@ -94,7 +95,6 @@ def expected_failure(model, factory: Misbehaving, fp8_dpa: bool):
         unsupported = []
         for fwd in (True, False):
             roles = m.get_quantizer_roles(fwd=fwd, num_quantizers=m.num_quantizers(fwd=fwd))
-            roles = [r if r is not None else QuantizerRole() for r in roles]
             answers = [factory.answer(r) for r in roles]
             for slot, (kind, _) in enumerate(answers):
                 if kind in ASK_FAILURES:
@@ -111,7 +111,10 @@ def expected_failure(model, factory: Misbehaving, fp8_dpa: bool):
             unsupported += [
                 (m, roles[slot], slot)
                 for slot, (kind, _) in enumerate(answers)
-                if kind == "unsupported" and roles[slot].module_type == "dpa" and fp8_dpa
+                if kind == "unsupported"
+                and roles[slot] is not None
+                and roles[slot].module_type == "dpa"
+                and fp8_dpa
             ]
         if unsupported:
             return unsupported[0]
@@ -207,8 +210,9 @@ def test_misbehaving_factory_is_refused_naming_module_and_role_and_changes_nothi
                 reach(path, model, recipe)
             message = str(info.value)
             assert f"'{module.role_name}'" in message, message
-            assert str(role) in message, (str(role), message)
-            if not role.name:
+            described = "<no role>" if role is None else str(role)
+            assert described in message, (described, message)
+            if role is None or not role.name:
                 assert f"slot {slot}" in message, message
             before.check(f"after a refused recipe via {path}")
             step_recipe = None if pinned else start
@@ -223,7 +227,7 @@ class AnswersOnce:
     def __init__(self, good: int, bad) -> None:
         self.calls, self.good, self.bad = 0, good, bad
 
-    def __call__(self, role: QuantizerRole):
+    def __call__(self, role: QuantizerRole | None):
         self.calls += 1
         if self.calls <= self.good:
             return factories.current_scaling(role)

@@ -89,7 +89,7 @@ def test_fc1_and_fc2_use_their_own_slots():
 
     @dq.quantizer_factory(key="tests.fc1_only.v1")
     def fc1_only(role):
-        if role.name.endswith(".fc2"):
+        if role is not None and role.name.endswith(".fc2"):
             return dq.IdentityQuantizer()
         return factories.current_scaling(role)
 

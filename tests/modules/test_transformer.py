@@ -111,7 +111,7 @@ def expected_roles(n: int) -> set[tuple[str, str, str]]:
         for gemm in (f"{attn}.qkv", f"{attn}.proj", f"{mlp}.fc1", f"{mlp}.fc2"):
             roles |= {("linear", t, gemm) for t in ("input", "weight", "grad_output")}
         roles |= {("dpa", t, f"{attn}.core_attention") for t in ("qkv", "s", "do", "dp")}
-    return roles | {("", "", "")}  # slots no module wired (the MLP's output, qkv's grad input)
+    return roles | {None}  # slots no module wired (the MLP's output, qkv's grad input)
 
 
 def test_factory_sees_every_role_of_a_four_layer_model_with_its_module_type():
@@ -119,7 +119,7 @@ def test_factory_sees_every_role_of_a_four_layer_model_with_its_module_type():
 
     @dq.quantizer_factory(key="tests.logging_current.v1")
     def logging_factory(role):
-        seen.append((role.module_type, role.tensor_type, role.name))
+        seen.append(None if role is None else (role.module_type, role.tensor_type, role.name))
         return factories.current_scaling(role)
 
     model = Stack(4)
