@@ -12,6 +12,8 @@ Each program loads a 3D tile whose block axis is explicit (``[rows, blocks, 32]`
 
 from __future__ import annotations
 
+import struct
+
 import torch
 import triton
 import triton.language as tl
@@ -26,22 +28,32 @@ from dist_quant.kernels._fp8_round import (
 
 MXFP8_BLOCK = 32
 
+
+def _fp32_bits(value: float) -> int:
+    """The fp32 bit pattern of `value` (exact for the constants passed here)."""
+    return struct.unpack("<i", struct.pack("<f", value))[0]
+
+
 # GPU launch configurations (bench/bench_cast.py --sweep measures the alternatives).
 GPU_ROWWISE = {"BM": 32, "NB": 4, "num_warps": 4}
 GPU_COLUMNWISE = {"NB": 2, "BN": 64, "num_warps": 4}
 
 
 @triton.jit
-def _e8m0_and_multiplier(amax_bits, FP8_MAX: tl.constexpr):
-    """RCEIL block exponent ``E`` of ``amax / FP8_MAX`` and the data multiplier ``2**(127 - E)``.
+def _e8m0_and_multiplier(amax_bits, FP8_MAX: tl.constexpr, E0_MAX_BITS: tl.constexpr):
+    """Exact RCEIL block exponent ``E`` (``reference.rceil_e8m0``) and the data multiplier
+    ``2**(127 - E)``.
 
-    ``E`` = biased exponent of ``v = amax / FP8_MAX`` plus 1 if ``v``'s mantissa is non-zero; a
-    non-finite amax gives 255, whose multiplier is NaN. A finite ``v`` is below 2**120, so ``E``
-    stays <= 247 and ``254 - E`` is a valid (normal) exponent field.
+    ``E`` = biased exponent of ``v = amax / FP8_MAX`` plus 1 if ``v``'s mantissa is non-zero, and 0
+    where ``amax <= 2**-127 * FP8_MAX`` (whose fp32 bits are ``E0_MAX_BITS``; amax bits are
+    non-negative, so integer order is float order); a non-finite amax gives 255, whose multiplier
+    is NaN. A finite ``v`` is below 2**120, so ``E`` stays <= 247 and ``254 - E`` is a valid
+    (normal) exponent field.
     """
     a = amax_from_bits(amax_bits)
     v = tl.math.div_rn(a, tl.zeros_like(a) + FP8_MAX).to(tl.int32, bitcast=True)
     e = ((v >> 23) & 0xFF) + ((v & 0x7FFFFF) != 0).to(tl.int32)
+    e = tl.where(amax_bits <= E0_MAX_BITS, 0, e)
     e = tl.where(amax_bits >= 0x7F800000, 255, e)
     mult_bits = tl.where(e == 255, 0x7FC00000, tl.maximum(254 - e, 0) << 23)
     return e, mult_bits.to(tl.float32, bitcast=True)
@@ -63,6 +75,7 @@ def _mxfp8_rowwise_kernel(
     MANT_BITS: tl.constexpr,
     MIN_EXP: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    E0_MAX_BITS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_col_tiles = tl.cdiv(n_blocks, NB)
@@ -73,7 +86,7 @@ def _mxfp8_rowwise_kernel(
     c3 = c[None, :, :]
     mask = (r3 < rows) & (c3 < cols)
     x = tl.load(x_ptr + r3 * stride_xr + c3 * stride_xc, mask=mask, other=0.0).to(tl.float32)
-    e, mult = _e8m0_and_multiplier(tl.max(abs_bits(x), axis=2), FP8_MAX)
+    e, mult = _e8m0_and_multiplier(tl.max(abs_bits(x), axis=2), FP8_MAX, E0_MAX_BITS)
     code = fp8_encode(x * mult[:, :, None], MAX_BITS, MANT_BITS, MIN_EXP)
     tl.store(q_ptr + r3 * cols + c3, code.to(tl.uint8), mask=mask)
     e_mask = (r < rows)[:, None] & (b < n_blocks)[None, :]
@@ -96,6 +109,7 @@ def _mxfp8_columnwise_kernel(
     MANT_BITS: tl.constexpr,
     MIN_EXP: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    E0_MAX_BITS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_col_tiles = tl.cdiv(cols, BN)
@@ -106,7 +120,7 @@ def _mxfp8_columnwise_kernel(
     c3 = c[None, None, :]
     mask = (r3 < rows) & (c3 < cols)
     x = tl.load(x_ptr + r3 * stride_xr + c3 * stride_xc, mask=mask, other=0.0).to(tl.float32)
-    e, mult = _e8m0_and_multiplier(tl.max(abs_bits(x), axis=1), FP8_MAX)  # [NB, BN]
+    e, mult = _e8m0_and_multiplier(tl.max(abs_bits(x), axis=1), FP8_MAX, E0_MAX_BITS)  # [NB, BN]
     code = fp8_encode(x * mult[:, None, :], MAX_BITS, MANT_BITS, MIN_EXP)
     tl.store(qt_ptr + c3 * rows + r3, code.to(tl.uint8), mask=mask)
     e_mask = (b < n_blocks)[:, None] & (c < cols)[None, :]
@@ -124,8 +138,9 @@ def mxfp8_cast_triton(
     x2d = x.detach().reshape(rows, cols)
     dev = x.device
     consts = dict(
-        MAX_BITS=spec.max_bits, MANT_BITS=spec.mant_bits, MIN_EXP=spec.min_exp, FP8_MAX=spec.max
-    )
+        MAX_BITS=spec.max_bits, MANT_BITS=spec.mant_bits, MIN_EXP=spec.min_exp, FP8_MAX=spec.max,
+        E0_MAX_BITS=_fp32_bits(spec.max * 2.0**-127),
+    )  # fmt: skip
     gpu = is_gpu(x)
     if columnwise:
         n_blocks = triton.cdiv(rows, MXFP8_BLOCK)

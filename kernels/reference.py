@@ -145,10 +145,9 @@ def mxfp8_cast(
     transposed ``(cols, rows)`` and ``e8m0`` is ``(cols, ceil(rows/32))``. A ragged tail forms a
     short block.
 
-    Block exponent (RCEIL): ``v = amax_block / fp8_max`` in fp32; ``E`` = the biased exponent bits
-    of ``v`` plus 1 if its mantissa bits are non-zero, so ``2**(E-127) >= v``; ``v == 0`` gives 0;
-    a non-finite amax gives 255 (NaN), whose block decodes to NaN. Data:
-    ``saturate(rne(x * 2**(127 - E)))``.
+    Block exponent (exact RCEIL): the smallest ``E`` in [0, 254] with
+    ``2**(E - 127) * fp8_max >= amax_block``; a non-finite amax gives 255 (NaN), whose block
+    decodes to NaN. Data: ``saturate(rne(x * 2**(127 - E)))``.
     """
     limit = fp8_max(fp8_dtype)
     rows, cols = _rows_cols(x, "mxfp8_cast")
@@ -157,13 +156,7 @@ def mxfp8_cast(
         x2d = x2d.t()
     blocks = _split_last(x2d, MXFP8_BLOCK)  # (r, nblocks, 32), zero padded
     block_amax = blocks.abs().amax(-1)  # (r, nblocks); NaN propagates
-    v = block_amax / limit
-    bits = v.view(torch.int32)
-    exponent = (bits >> 23) & 0xFF
-    # Finite v = amax / fp8_max is below 2**120, so E <= 247 and the contract's clamp to
-    # [0, 254] never binds; only the non-finite case needs its own code.
-    e8m0 = exponent + ((bits & 0x7FFFFF) != 0).to(torch.int32)
-    e8m0 = torch.where(torch.isfinite(block_amax), e8m0, torch.full_like(e8m0, _E8M0_NAN))
+    e8m0 = rceil_e8m0(block_amax, limit)
     # 2**(127 - E) from its fp32 bits: exact for E in [0, 253]; E = 255 gives NaN.
     multiplier = ((254 - e8m0).clamp(min=0) << 23).view(torch.float32)
     multiplier = torch.where(e8m0 == _E8M0_NAN, torch.full_like(multiplier, math.nan), multiplier)
@@ -172,6 +165,22 @@ def mxfp8_cast(
     q = scaled.clamp(-limit, limit).to(fp8_dtype).reshape(r, blocks.shape[1] * MXFP8_BLOCK)[:, :c]
     q = q.contiguous() if columnwise else q.reshape(x.shape)
     return q, e8m0.to(torch.uint8)
+
+
+def rceil_e8m0(amax: Tensor, fp8_max_value: float) -> Tensor:
+    """E8M0 codes (int32) for fp32 amaxes: the smallest ``E`` in [0, 254] with
+    ``2**(E - 127) * fp8_max >= amax``, 255 for a non-finite amax.
+
+    With ``v = amax / fp8_max`` (fp32 IEEE division), ``E`` = the exponent bits of ``v`` plus 1 if
+    its mantissa bits are non-zero. That is exact wherever ``v`` is normal: fp8_max is 7 * 2**k,
+    so a quotient just above a power of two never rounds down onto it. Below
+    ``2**-127 * fp8_max`` (an exact fp32 constant) the rounded subnormal ``v`` would give 1, so
+    those blocks (zero included) take 0 explicitly. Finite ``v`` is below 2**120: E <= 247.
+    """
+    bits = (amax / fp8_max_value).view(torch.int32)
+    e8m0 = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    e8m0 = torch.where(amax <= fp8_max_value * 2.0**-127, torch.zeros_like(e8m0), e8m0)
+    return torch.where(torch.isfinite(amax), e8m0, torch.full_like(e8m0, _E8M0_NAN))
 
 
 def mxfp8_dequantize(

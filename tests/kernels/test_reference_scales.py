@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from dist_quant.kernels import reference as ref
-from fp8_oracle import E4M3, E5M2, encode, f32, floor_pow2
+from fp8_oracle import E4M3, E5M2, decode, encode, f32, floor_pow2
 
 FLT_MAX = float(np.finfo(np.float32).max)
 FORMATS = [(torch.float8_e4m3fn, E4M3), (torch.float8_e5m2, E5M2)]
@@ -133,15 +133,11 @@ def test_current_scale_of_a_0dim_amax_is_0dim():
 
 
 def _expected_e8m0(block_amax: float, fp8_max: float) -> int:
+    """Exact RCEIL from the definition, in float64 (every 2**(E - 127) * fp8_max and every fp32
+    amax is exact there): the smallest E in [0, 254] with 2**(E - 127) * fp8_max >= amax."""
     if not math.isfinite(block_amax):
         return 255
-    v = float(f32(block_amax / fp8_max))
-    if v == 0.0:
-        return 0
-    if v < 2.0**-126:  # fp32 subnormal: exponent field 0, non-zero mantissa rounds up once
-        return 1
-    mantissa, exponent = math.frexp(v)  # v = mantissa * 2**exponent, mantissa in [0.5, 1)
-    return exponent - 1 + 127 if mantissa == 0.5 else exponent + 127  # smallest 2**k >= v
+    return next(e for e in range(255) if 2.0 ** (e - 127) * fp8_max >= block_amax)
 
 
 def _mx_input(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
@@ -152,7 +148,7 @@ def _mx_input(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
         x[1, :32] = 0.0  # all-zero block -> E = 0
         x[2, 33] = math.inf  # non-finite block -> E = 255, NaN data
         x[3, 5] = 448.0 * 2.0**-3  # power-of-two v -> no round-up
-        x[4, 32:64] = 1e-41  # v = amax / fp8_max is an fp32 subnormal -> E = 1
+        x[4, 32:64] = 1e-41  # amax below 2**-127 * fp8_max: E = 0 (a subnormal v would say 1)
     return x.to(dtype)
 
 
@@ -183,6 +179,31 @@ def test_mxfp8_cast_matches_rceil_exponents_and_oracle_bytes(shape, columnwise, 
     nan_rows = np.repeat(expected_e == 255, 32, axis=1)[:, :c]
     np.testing.assert_array_equal(got[~nan_rows], expected_q[~nan_rows])
     assert np.isnan(q.float().numpy().reshape(r, c)[nan_rows]).all()
+
+
+@pytest.mark.parametrize("fp8_dtype,fmt", FORMATS)
+def test_mxfp8_exponent_is_exact_rceil_at_the_bottom_of_the_e8m0_range(fp8_dtype, fmt):
+    """Block amaxes around 2**-127 * fp8_max and 2**-126 * fp8_max, where amax / fp8_max is an
+    fp32 subnormal: E is 0 up to and including the first threshold, 1 above it up to the second,
+    then 2; the data never saturates there (every scaled value stays within fp8_max)."""
+    t0, t1 = fmt.max * 2.0**-127, fmt.max * 2.0**-126  # exact in fp32 and float64
+
+    def step(t: float, direction: float) -> float:  # the fp32 neighbour of t
+        return float(np.nextafter(np.float32(t), np.float32(direction)))
+
+    tiny = float(np.float32(1e-41))
+    amaxes = [0.0, 2.0**-149, tiny, step(t0, 0), t0, step(t0, 1), step(t1, 0), t1, step(t1, 1)]
+    x = torch.tensor([[a] * 32 for a in amaxes], dtype=torch.float32)
+    assert [float(v) for v in x[:, 0]] == amaxes  # each amax is an fp32 value
+    q, e8m0 = ref.mxfp8_cast(x, fp8_dtype)
+    assert e8m0[:, 0].tolist() == [_expected_e8m0(a, fmt.max) for a in amaxes]
+    assert e8m0[:, 0].tolist() == [0, 0, 0, 0, 0, 1, 1, 1, 2]
+    deq = ref.mxfp8_dequantize(q, e8m0).double()
+    scaled = [a * 2.0 ** (127 - e) for a, e in zip(amaxes, e8m0[:, 0].tolist())]
+    assert all(s <= fmt.max for s in scaled)
+    codes = encode(fmt, f32(np.array(scaled)))
+    expected = [decode(fmt, int(c)) * 2.0 ** (e - 127) for c, e in zip(codes, e8m0[:, 0].tolist())]
+    np.testing.assert_array_equal(deq[:, 0].numpy(), expected)
 
 
 @pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float16])

@@ -54,13 +54,18 @@ def test_mxfp8_cast_of_grid_values_and_exact_power_of_two_block_maxima(fp8_dtype
     grid = grid[~grid.isnan() & ~grid.isinf()]  # one NaN/inf would turn its whole block to NaN
     fmax = torch.finfo(fp8_dtype).max
     # Blocks whose amax is fp8_max * 2**k exactly (E has no +1), one ulp above (E gets +1),
-    # all zeros (E = 0), and fp32 subnormals only (tiny E).
+    # all zeros (E = 0), fp32 subnormals only (E = 0), and the bottom of the E8M0 range:
+    # 2**-127 * fp8_max and its fp32 neighbours (E = 0, 0, 1), where amax / fp8_max is subnormal.
+    bottom = torch.tensor(fmax * 2.0**-127, dtype=torch.float32)
     special_rows = [
         torch.full((32,), fmax * 2.0**-3),
         torch.full((32,), fmax * 2.0**-3 * (1 + 2.0**-23)),
         torch.zeros(32),
         torch.full((32,), 1e-42),
         torch.full((32,), -3.0e38),
+        bottom.expand(32),
+        torch.nextafter(bottom, torch.tensor(0.0)).expand(32),
+        torch.nextafter(bottom, torch.tensor(1.0)).expand(32),
     ]
     n = -(-grid.numel() // 32) * 32
     x = torch.cat([torch.nn.functional.pad(grid, (0, n - grid.numel())), *special_rows])
