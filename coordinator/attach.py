@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from torch import nn
 from dist_quant.coordinator.coordinator import Coordinator
 from dist_quant.coordinator.endpoint import (
     LOG_FILE,
@@ -39,9 +38,11 @@ from dist_quant.coordinator.faults import Fault
 from dist_quant.coordinator.log import DecisionLog
 from dist_quant.coordinator.participant import Participant
 from dist_quant.coordinator.protocol import Stop
-from dist_quant.modules.base import assign_role_names
 from dist_quant.coordinator.transport import Transport, TransportError
 from dist_quant.coordinator.wire import CLOSED, rank_queue, seal
+from torch import nn
+
+from dist_quant.modules.base import assign_role_names
 
 TRANSPORTS = ("auto", "store", "ray")
 _DRAIN_S = 1.0  # how long rank 0's close waits for the other ranks' listeners to stop

@@ -132,9 +132,10 @@ def test_names_are_fixed_by_the_first_plan_and_never_changed_by_a_forward():
     dq.apply_recipe(model[1], dq.CustomRecipe(again))  # replanning from an inner block
     assert again.names() == layer_names("1")
     assert first.names() == layer_names("0") | layer_names("1")
-    assert dq.plan_model(model, dq.CustomRecipe(first)).digest == dq.plan_model(
-        model, dq.CustomRecipe(first)
-    ).digest
+    assert (
+        dq.plan_model(model, dq.CustomRecipe(first)).digest
+        == dq.plan_model(model, dq.CustomRecipe(first)).digest
+    )
 
 
 def test_a_module_used_at_two_places_keeps_its_first_path_with_a_warning():
@@ -179,7 +180,9 @@ def test_a_model_planned_once_registers_no_global_module_hook_in_autocast():
         print("ok")
         """
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
@@ -250,3 +253,19 @@ def test_te_style_factory_checking_none_first_gets_none_for_the_output_slot():
         dq.QuantizerRole("linear", "grad_output", "lin"),
         None,
     ]
+
+
+def test_roles_table_shows_role_less_slots_with_the_quantizer_the_factory_gave_for_none():
+    from dist_quant.launch.roles import role_rows
+
+    model = nn.Sequential(layer(seed=0), layer(seed=1))
+    rows = role_rows(model, dq.CustomRecipe(factories.attention_current_linear_block))
+    role_less = [r for r in rows if r[2] == "-"]
+    # no role: the MLP's output and grad input, proj's output, qkv's grad input (both layers)
+    owners = {
+        f"{i}.{m}" for i in (0, 1) for m in ("mlp", "self_attention.proj", "self_attention.qkv")
+    }
+    assert {r[0].split(" ")[0] for r in role_less} == owners
+    assert {(r[3], r[4]) for r in role_less} == {("", "IdentityQuantizer")}
+    qkv_out = [r for r in rows if r[0].startswith("1.self_attention.qkv ") and r[1] == "fwd[2]"]
+    assert [(r[2], r[3]) for r in qkv_out] == [("dpa/qkv", "1.self_attention.core_attention")]
