@@ -31,6 +31,7 @@ class AmaxRegion:
     reduction_group: Any
     fwd_groups: dict[int, DelayedGroup] = field(default_factory=dict)
     failed: bool = False
+    planning_hook: RemovableHandle | None = None  # while unplanned modules exist (see below)
 
     def add(self, groups: list[DelayedGroup]) -> None:
         for g in groups:
@@ -68,6 +69,9 @@ def track_unplanned(module: nn.Module) -> None:
     global _unplanned_generation
     _unplanned.add(module)
     _unplanned_generation += 1
+    ctx = current_context()
+    if ctx is not None and ctx.region.planning_hook is None:  # built inside a region
+        ctx.region.planning_hook = _plan_modules_as_called(ctx.region)
 
 
 def mark_planned(module: nn.Module) -> None:
@@ -107,6 +111,7 @@ def _plan_modules_as_called(region: AmaxRegion) -> RemovableHandle | None:
             planner(module)
         if not _unplanned:
             handle.remove()
+            region.planning_hook = None
 
     handle = nn.modules.module.register_module_forward_pre_hook(hook)
     return handle
@@ -172,15 +177,16 @@ def autocast(
     else:
         region = AmaxRegion(reduction_group=amax_reduction_group)
     _local.stack.append(AutocastContext(enabled, recipe, key, region))
-    naming = _plan_modules_as_called(region) if outer is None else None
+    if outer is None:
+        region.planning_hook = _plan_modules_as_called(region)
     ok = False
     try:
         yield
         ok = True
     finally:
         _local.stack.pop()
-        if naming is not None:
-            naming.remove()
+        if outer is None and region.planning_hook is not None:
+            region.planning_hook.remove()
         if outer is None:
             if ok and not region.failed:
                 from dist_quant.amax import reduce_and_update

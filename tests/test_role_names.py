@@ -269,3 +269,13 @@ def test_roles_table_shows_role_less_slots_with_the_quantizer_the_factory_gave_f
     assert {(r[3], r[4]) for r in role_less} == {("", "IdentityQuantizer")}
     qkv_out = [r for r in rows if r[0].startswith("1.self_attention.qkv ") and r[1] == "fwd[2]"]
     assert [(r[2], r[3]) for r in qkv_out] == [("dpa/qkv", "1.self_attention.core_attention")]
+
+
+def test_a_model_built_inside_an_autocast_region_is_named_by_its_structure():
+    rec = Recorder()
+    with dq.autocast(recipe=dq.CustomRecipe(rec)):
+        model = nn.Sequential(layer(seed=0), layer(seed=1))
+        model(x_in())
+    assert rec.names() == layer_names("0") | layer_names("1")
+    want = dq.QuantizerRole("dpa", "qkv", "1.self_attention.core_attention")
+    assert model[1].self_attention.qkv.output_quantizer_role == want
