@@ -25,7 +25,8 @@ Loading one module's entry validates everything first, then mutates:
   same recipe object first;
 - the checkpoint had no runtime: the module drops its own, so it resolves its recipe at its next
   forward exactly as the checkpointed module would have.
-An unnamed module (fresh model) takes the checkpoint's name, so its roles are the ones it ran with.
+Loading plans the model first (provisionally until the load commits): a module not yet planned takes
+the checkpoint's name, so its roles are the ones it ran with, and blocks wire their boundary roles.
 
 `nn.Module.load_state_dict` loads module by module and would leave earlier modules loaded when a
 later one fails; `load_state_dict(model, state_dict)` here validates every module's extra state and
