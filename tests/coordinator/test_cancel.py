@@ -19,7 +19,6 @@ from dist_quant.coordinator.protocol import (
     Hello,
     Phase,
     Prepare,
-    Vote,
 )
 from dist_quant.coordinator.transport_memory import MemoryHub, MemoryTransport
 from dist_quant.coordinator.wire import rank_queue, reply_queue
