@@ -12,10 +12,9 @@ import json
 import math
 import os
 import secrets
-import socket
 from typing import Any
 
-from dist_quant.coordinator.endpoint import parse_address, read_endpoint, resolve_run_dir
+from dist_quant.coordinator.endpoint import read_endpoint, resolve_run_dir
 from dist_quant.coordinator.errors import CancelRefusedError, SwitchBusyError, SwitchRequestError
 from dist_quant.coordinator.protocol import (
     CancelRequest,
@@ -27,16 +26,16 @@ from dist_quant.coordinator.protocol import (
     SwitchResult,
 )
 from dist_quant.coordinator.transport import Transport, TransportError
+from dist_quant.coordinator.transport_store_client import StoreClientTransport
 from dist_quant.coordinator.wire import INBOX, reply_queue, seal, unseal
 
 # How long to wait for the coordinator to accept a request, and how much longer than the switch
 # timeout to wait for its result (the decision is due at the deadline; this covers the fsync).
 ACCEPT_TIMEOUT_S = 10.0
 RESULT_SLACK_S = 10.0
-# A coordinator that is alive accepts a TCP connection at once; a left-over coordinator.json of a
-# job that ended points at a closed port. One quick probe tells them apart before the store
-# client (which retries a refused connection for its whole timeout) is even created.
-PROBE_TIMEOUT_S = 1.0
+# A coordinator that is alive accepts a connection and answers the store's ping at once; a
+# left-over coordinator.json of a job that ended points at a closed port (refused at once).
+CONNECT_TIMEOUT_S = 2.0
 
 
 def request_switch(
@@ -191,29 +190,24 @@ def _connect(
 
 
 def _open(address: str, info: dict[str, Any], found: str) -> Transport:
-    try:
-        if address.startswith("ray://"):
-            from dist_quant.coordinator.transport_ray import RayTransport
+    if address.startswith("ray://"):
+        from dist_quant.coordinator.transport_ray import RayTransport
 
+        try:
             return RayTransport.connect(address, ray_address=info.get("ray_address"))
-        _probe(address, found)
-        from dist_quant.coordinator.transport_store import StoreTransport
-
-        return StoreTransport(address, connect_timeout_s=ACCEPT_TIMEOUT_S)
-    except (TransportError, ValueError) as e:
-        raise SwitchRequestError(str(e)) from e
-
-
-def _probe(address: str, found: str) -> None:
-    """Raise SwitchRequestError at once when nothing listens at `address` (a dead job)."""
-    host, port = parse_address(address)
+        except (TransportError, ValueError) as e:
+            raise SwitchRequestError(str(e)) from e
     try:
-        socket.create_connection((host, port), timeout=PROBE_TIMEOUT_S).close()
-    except OSError as e:
-        why = "timed out" if isinstance(e, TimeoutError) else (e.strerror or type(e).__name__)
+        # plain Python, no torch: a client starts in a fraction of a second
+        return StoreClientTransport(address, connect_timeout_s=CONNECT_TIMEOUT_S)
+    except ValueError as e:
+        raise SwitchRequestError(str(e)) from e
+    except TransportError as e:
+        cause = e.__cause__
+        why = "timed out" if isinstance(cause, TimeoutError) else getattr(cause, "strerror", None)
         raise SwitchRequestError(
-            f"no coordinator at {address} ({why}; taken from {found}): the job has ended or "
-            "is not reachable from here"
+            f"no coordinator at {address} ({why or e}; taken from {found}): the job has ended "
+            "or is not reachable from here"
         ) from None
 
 

@@ -125,6 +125,42 @@ def test_help_and_client_commands_do_not_import_torch(argv, tmp_path) -> None:
     assert proc.stdout.splitlines()[-1] in ("False 0", "False 2"), proc.stdout + proc.stderr
 
 
+def test_status_of_a_live_job_reaches_it_without_importing_torch(tmp_path) -> None:
+    """A coordinator on its TCPStore (as rank 0 runs it); `dist-quant status` in another process
+    talks to it with the plain-Python store client."""
+    from dist_quant.coordinator.coordinator import Coordinator
+    from dist_quant.coordinator.endpoint import write_endpoint
+    from dist_quant.coordinator.log import DecisionLog
+    from dist_quant.coordinator.transport_store import StoreServer, StoreTransport
+
+    server = StoreServer()
+    coord = Coordinator(
+        StoreTransport(server.address),
+        token="tok",
+        world_size=1,
+        tp_groups=[(0,)],
+        log=DecisionLog(tmp_path / "decisions.jsonl"),
+    )
+    coord.start()
+    write_endpoint(tmp_path, {"address": server.address, "token": "tok", "transport": "store"})
+    try:
+        code = (
+            "import sys\n"
+            "from dist_quant.launch.cli import main\n"
+            f"rc = main(['status', '--run-dir', {str(tmp_path)!r}])\n"
+            "print('torch' in sys.modules, rc)\n"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+        )
+    finally:
+        coord.stop()
+        server.close()
+    lines = proc.stdout.splitlines()
+    assert lines[-1] == "False 0", proc.stdout + proc.stderr
+    assert lines[0] == "state: idle: no switch requested yet"
+
+
 def test_switch_with_an_address_but_no_token_exits_2(monkeypatch, capsys) -> None:
     monkeypatch.delenv("DIST_QUANT_TOKEN", raising=False)
     assert main(["switch", "current", "--address", "127.0.0.1:1"]) == 2
