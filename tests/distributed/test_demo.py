@@ -247,3 +247,39 @@ def test_ray_launcher_without_ray_exits_2_with_the_install_hint_and_deletes_noth
     assert captured.err.count("\n") == 1
     assert 'needs Ray, which is not installed: pip install -e ".[ray]"' in captured.err
     assert {path: path.read_bytes() for path in previous} == previous
+
+
+def test_ctrl_c_stops_the_demo_and_leaves_no_endpoint_behind(tmp_path) -> None:
+    """After Ctrl-C the next `dist-quant status` says at once, in one line, that no job runs."""
+    import signal
+
+    out = tmp_path / "run"
+    log0 = out / "ranks" / "rank0.jsonl"
+    with open(tmp_path / "demo.log", "w") as demo_log:
+        demo = subprocess.Popen(
+            _demo_cmd(out, "--steps", "400", "--step-delay", "0.05"),
+            stdout=demo_log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            _wait_for(
+                lambda: log0.exists() and len(log0.read_text().splitlines()) >= 3,
+                "the first steps",
+                demo,
+            )
+            assert (out / "coordinator.json").exists()
+            demo.send_signal(signal.SIGINT)
+            assert demo.wait(timeout=120) == 130
+        finally:
+            if demo.poll() is None:
+                demo.kill()
+                demo.wait(60)
+    assert not (out / "coordinator.json").exists()
+    status = subprocess.run(
+        [sys.executable, "-m", "dist_quant.launch.cli", "status", "--run-dir", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert status.returncode == 2
+    assert status.stderr.count("\n") == 1 and "coordinator.json does not exist" in status.stderr
