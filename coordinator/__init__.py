@@ -7,21 +7,40 @@
 See README.md in this folder for the protocol and its state machine.
 """
 
-from dist_quant.coordinator.attach import attach
-from dist_quant.coordinator.client import request_switch, status
-from dist_quant.coordinator.errors import SwitchBusyError, SwitchError, SwitchRequestError
-from dist_quant.coordinator.faults import fail_at
-from dist_quant.coordinator.participant import Participant
-from dist_quant.coordinator.protocol import SwitchResult
+from __future__ import annotations
 
-__all__ = [
-    "Participant",
-    "SwitchBusyError",
-    "SwitchError",
-    "SwitchRequestError",
-    "SwitchResult",
-    "attach",
-    "fail_at",
-    "request_switch",
-    "status",
-]
+import importlib
+from typing import Any
+
+# Public name -> defining module, imported on first use (PEP 562): a client (`request_switch`,
+# `dist-quant switch`) then does not import torch through `attach` and the participant.
+_EXPORTS: dict[str, str] = {
+    "CancelRefusedError": "dist_quant.coordinator.errors",
+    "CancelResult": "dist_quant.coordinator.protocol",
+    "Participant": "dist_quant.coordinator.participant",
+    "SwitchBusyError": "dist_quant.coordinator.errors",
+    "SwitchError": "dist_quant.coordinator.errors",
+    "SwitchRequestError": "dist_quant.coordinator.errors",
+    "SwitchResult": "dist_quant.coordinator.protocol",
+    "attach": "dist_quant.coordinator.attach",
+    "cancel_switch": "dist_quant.coordinator.client",
+    "fail_at": "dist_quant.coordinator.faults",
+    "request_switch": "dist_quant.coordinator.client",
+    "status": "dist_quant.coordinator.client",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dist_quant.coordinator' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+__all__ = sorted(_EXPORTS)

@@ -15,8 +15,10 @@ import secrets
 from typing import Any
 
 from dist_quant.coordinator.endpoint import read_endpoint, resolve_run_dir
-from dist_quant.coordinator.errors import SwitchBusyError, SwitchRequestError
+from dist_quant.coordinator.errors import CancelRefusedError, SwitchBusyError, SwitchRequestError
 from dist_quant.coordinator.protocol import (
+    CancelRequest,
+    CancelResult,
     ProtocolError,
     Reply,
     StatusQuery,
@@ -24,12 +26,16 @@ from dist_quant.coordinator.protocol import (
     SwitchResult,
 )
 from dist_quant.coordinator.transport import Transport, TransportError
+from dist_quant.coordinator.transport_store_client import StoreClientTransport
 from dist_quant.coordinator.wire import INBOX, reply_queue, seal, unseal
 
 # How long to wait for the coordinator to accept a request, and how much longer than the switch
 # timeout to wait for its result (the decision is due at the deadline; this covers the fsync).
 ACCEPT_TIMEOUT_S = 10.0
 RESULT_SLACK_S = 10.0
+# A coordinator that is alive accepts a connection and answers the store's ping at once; a
+# left-over coordinator.json of a job that ended points at a closed port (refused at once).
+CONNECT_TIMEOUT_S = 2.0
 
 
 def request_switch(
@@ -99,6 +105,45 @@ def status(
             tx.close()
 
 
+def cancel_switch(
+    switch_id: int | None = None,
+    *,
+    timeout_s: float = 10.0,
+    run_dir: str | os.PathLike[str] | None = None,
+    address: str | None = None,
+    token: str | None = None,
+    transport: Transport | None = None,
+) -> CancelResult:
+    """Cancel a switch that committed for a later step, on every rank at once.
+
+    `switch_id` None cancels the open switch. Every rank votes (YES while it has not reached the
+    commit step, holding its publish there until it hears the outcome); with every YES the cancel
+    is logged and each rank drops the candidate, else the switch publishes as committed.
+    `result.cancelled` says which. Raises `SwitchRequestError` if the request is refused (no
+    committed switch to cancel: `CancelRefusedError`) or the job cannot be reached.
+    """
+    if switch_id is not None and (not isinstance(switch_id, int) or switch_id < 1):
+        raise SwitchRequestError(f"switch_id must be a positive int or None, got {switch_id!r}")
+    if not isinstance(timeout_s, (int, float)) or not (0 < timeout_s < math.inf):
+        raise SwitchRequestError(f"timeout_s must be a positive number, got {timeout_s!r}")
+    tx, key, where = _connect(run_dir, address, token, transport)
+    try:
+        request_id = secrets.token_hex(8)
+        tx.push(INBOX, seal(CancelRequest(request_id, switch_id, float(timeout_s)), key))
+        accepted = _await(tx, request_id, key, ACCEPT_TIMEOUT_S, where)
+        if accepted.status == "refused":
+            raise CancelRefusedError(accepted.error)
+        result = _await(tx, request_id, key, timeout_s + RESULT_SLACK_S, where, accepted.switch_id)
+        return CancelResult.from_dict(result.body)
+    except TransportError as e:
+        raise SwitchRequestError(f"lost the coordinator at {where}: {e}") from e
+    except ProtocolError as e:
+        raise SwitchRequestError(f"unreadable result from the coordinator at {where}: {e}") from e
+    finally:
+        if transport is None:
+            tx.close()
+
+
 def _recipe_payload(recipe: Any) -> dict | str:
     payload = recipe.to_dict() if hasattr(recipe, "to_dict") else recipe
     if not isinstance(payload, (dict, str)):
@@ -128,31 +173,42 @@ def _connect(
             )
         if transport is not None:
             return transport, key, "the given transport"
-        return _open(address, {}), key, address
+        return _open(address, {}, "the given address"), key, address
     directory = resolve_run_dir(run_dir)
     try:
         info = read_endpoint(directory)
     except FileNotFoundError:
         raise SwitchRequestError(
             f"no coordinator found: {directory}/coordinator.json does not exist (is the job "
-            "running with attach()? pass run_dir= or set DIST_QUANT_RUN_DIR)"
+            "running with attach()? `dist-quant` takes --run-dir DIR, Python run_dir=; or set "
+            "DIST_QUANT_RUN_DIR)"
         ) from None
     except (OSError, ValueError) as e:
         raise SwitchRequestError(f"cannot read the coordinator endpoint: {e}") from None
-    return _open(info["address"], info), token or info["token"], info["address"]
+    found = f"{directory}/coordinator.json"
+    return _open(info["address"], info, found), token or info["token"], info["address"]
 
 
-def _open(address: str, info: dict[str, Any]) -> Transport:
-    try:
-        if address.startswith("ray://"):
-            from dist_quant.coordinator.transport_ray import RayTransport
+def _open(address: str, info: dict[str, Any], found: str) -> Transport:
+    if address.startswith("ray://"):
+        from dist_quant.coordinator.transport_ray import RayTransport
 
+        try:
             return RayTransport.connect(address, ray_address=info.get("ray_address"))
-        from dist_quant.coordinator.transport_store import StoreTransport
-
-        return StoreTransport(address, connect_timeout_s=ACCEPT_TIMEOUT_S)
-    except (TransportError, ValueError) as e:
+        except (TransportError, ValueError) as e:
+            raise SwitchRequestError(str(e)) from e
+    try:
+        # plain Python, no torch: a client starts in a fraction of a second
+        return StoreClientTransport(address, connect_timeout_s=CONNECT_TIMEOUT_S)
+    except ValueError as e:
         raise SwitchRequestError(str(e)) from e
+    except TransportError as e:
+        cause = e.__cause__
+        why = "timed out" if isinstance(cause, TimeoutError) else getattr(cause, "strerror", None)
+        raise SwitchRequestError(
+            f"no coordinator at {address} ({why or e}; taken from {found}): the job has ended "
+            "or is not reachable from here"
+        ) from None
 
 
 def _await(

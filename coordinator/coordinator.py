@@ -23,6 +23,10 @@ from dist_quant.coordinator.logfmt import SwitchLog
 from dist_quant.coordinator.protocol import (
     TRANSITIONS,
     Ack,
+    CancelDecision,
+    CancelPrepare,
+    CancelRequest,
+    CancelVote,
     Decision,
     Hello,
     Message,
@@ -36,6 +40,7 @@ from dist_quant.coordinator.protocol import (
     SwitchResult,
     Vote,
     decide,
+    decide_cancel,
 )
 from dist_quant.coordinator.transport import Transport, TransportError
 from dist_quant.coordinator.wire import INBOX, rank_queue, reply_queue, seal, unseal
@@ -56,6 +61,17 @@ class _Switch:
     decision: Decision | None = None
     decided_at: float | None = None
     log_s: float = 0.0
+    cancel: _Cancel | None = None
+
+
+@dataclass
+class _Cancel:
+    """A cancel of the committed switch being voted on (phase CANCELLING)."""
+
+    prepare: CancelPrepare
+    request_id: str
+    deadline: float
+    votes: dict[int, CancelVote] = field(default_factory=dict)
 
 
 class Coordinator:
@@ -154,8 +170,11 @@ class Coordinator:
     def _next_event(self) -> Message | ProtocolError | TransportError | None:
         """The next message, or None once the open switch's vote deadline has passed."""
         timeout = None
-        if self._phase is Phase.PREPARING and self._switch is not None:
-            timeout = max(self._switch.deadline - time.monotonic(), 0.0)
+        sw = self._switch
+        if self._phase is Phase.PREPARING and sw is not None:
+            timeout = max(sw.deadline - time.monotonic(), 0.0)
+        elif self._phase is Phase.CANCELLING and sw is not None and sw.cancel is not None:
+            timeout = max(sw.cancel.deadline - time.monotonic(), 0.0)
         try:
             return self._events.get(timeout=timeout)
         except queue.Empty:
@@ -185,6 +204,11 @@ class Coordinator:
                     self._transition(Phase.DECIDING)
             elif self._phase is Phase.DECIDING and sw is not None:
                 self._record_and_announce(sw)
+            elif self._phase is Phase.CANCELLING and sw is not None and sw.cancel is not None:
+                passed = time.monotonic() >= sw.cancel.deadline
+                outcome = decide_cancel(sw.cancel.prepare, sw.cancel.votes, self._ranks, passed)
+                if outcome is not None:
+                    self._record_cancel(sw, outcome)
             elif self._phase is Phase.COMMITTED and sw is not None:
                 if all(r in sw.acks for r in self._ranks):
                     self._transition(Phase.PUBLISHED)
@@ -220,6 +244,32 @@ class Coordinator:
         self._broadcast(decision)
         self._reply(sw.request_id, "result", switch_id, body=self._result(sw).to_dict())
 
+    def _record_cancel(self, sw: _Switch, outcome: CancelDecision) -> None:
+        """Log the cancel's outcome durably, then tell the ranks and the client (as a decision)."""
+        cancel = sw.cancel
+        switch_id = outcome.switch_id
+        try:
+            self._log.append({"event": "cancel", **outcome.to_dict()})
+        except DecisionLogError as e:
+            self._say.error(
+                f"cannot record the cancel, keeping the commit: {e}", switch_id=switch_id
+            )
+            outcome = CancelDecision(switch_id, False, outcome.step, {}, f"not cancelled: {e}")
+            self._append_best_effort({"event": "cancel", **outcome.to_dict()})
+        late = time.monotonic() - cancel.deadline
+        if outcome.cancelled and late > self._commit_window_s:
+            # A rank may already have stopped holding its publish at the commit step.
+            summary = f"not cancelled: the cancel was logged {late:.2f} s after its deadline"
+            self._say.error(summary, switch_id=switch_id)
+            outcome = CancelDecision(switch_id, False, outcome.step, {}, summary)
+            self._append_best_effort({"event": "cancel", **outcome.to_dict()})
+        sw.cancel = None
+        self._transition(Phase.CANCELLED if outcome.cancelled else Phase.COMMITTED)
+        if outcome.cancelled:
+            self._history[-1]["cancelled"] = True
+        self._broadcast(outcome)
+        self._reply(cancel.request_id, "result", switch_id, body=outcome.to_dict())
+
     def _append_best_effort(self, record: dict[str, Any]) -> None:
         """Records whose loss is harmless: an ABORT after a COMMIT that failed or came too late
         (the last decision record of a switch is its outcome) and the "published" marker."""
@@ -239,6 +289,10 @@ class Coordinator:
             self._on_request(msg)
         elif isinstance(msg, StatusQuery):
             self._reply(msg.request_id, "status", None, body=self._status())
+        elif isinstance(msg, CancelRequest):
+            self._on_cancel_request(msg)
+        elif isinstance(msg, CancelVote):
+            self._on_cancel_vote(msg)
         elif isinstance(msg, Vote):
             self._on_vote(msg)
         elif isinstance(msg, Ack):
@@ -251,7 +305,7 @@ class Coordinator:
     def _on_refused(self, err: ProtocolError) -> None:
         unverified = getattr(err, "unverified", None)
         self._say.warning(f"refused: {err}")
-        if isinstance(unverified, (SwitchRequest, StatusQuery)):
+        if isinstance(unverified, (SwitchRequest, StatusQuery, CancelRequest)):
             # Sealed with our token, which the client lacks; it reads the refusal unverified.
             self._reply(unverified.request_id, "refused", None, error=f"refused: {err}")
 
@@ -263,11 +317,18 @@ class Coordinator:
         self._seen_requests.add(req.request_id)
         if self._phase.open and sw is not None:
             open_id = sw.prepare.switch_id
+            step = sw.decision.step if sw.decision is not None else None
+            hint = (
+                f"; `dist-quant cancel {open_id}` cancels it"
+                if self._phase is Phase.COMMITTED
+                else ""
+            )
             self._reply(
                 req.request_id,
                 "refused",
                 open_id,
-                error=f"switch {open_id} is still open ({self._phase.value}); retry after it ends",
+                error=f"switch {open_id} is still open ({self._phase.describe(open_id, step)}); "
+                f"retry after it ends{hint}",
             )
             return
         problem = _request_problem(req)
@@ -289,6 +350,47 @@ class Coordinator:
             self._transition(Phase.DECIDING)
             return
         self._broadcast(prepare)
+
+    def _on_cancel_request(self, req: CancelRequest) -> None:
+        if req.request_id in self._seen_requests:
+            self._say.warning(f"ignored replayed request {req.request_id}")
+            return
+        self._seen_requests.add(req.request_id)
+        sw = self._switch
+        open_id = sw.prepare.switch_id if sw is not None and self._phase.open else None
+        wanted = req.switch_id if req.switch_id is not None else open_id
+        problem = ""
+        if not (0 < req.timeout_s < float("inf")):
+            problem = f"timeout_s must be a positive number of seconds, got {req.timeout_s}"
+        elif open_id is None:
+            problem = "no switch is open: nothing to cancel"
+        elif wanted != open_id:
+            problem = f"switch {wanted} is not the open switch ({open_id}); nothing to cancel"
+        elif self._phase is not Phase.COMMITTED:
+            problem = (
+                f"switch {open_id} cannot be cancelled now "
+                f"({self._phase.describe(open_id, None)}); only a committed switch can be"
+            )
+        if problem:
+            self._reply(req.request_id, "refused", wanted, error=problem)
+            return
+        prepare = CancelPrepare(open_id, sw.decision.step, req.timeout_s)
+        sw.cancel = _Cancel(prepare, req.request_id, time.monotonic() + req.timeout_s)
+        self._transition(Phase.CANCELLING)
+        self._reply(req.request_id, "accepted", open_id)
+        self._broadcast(prepare)
+
+    def _on_cancel_vote(self, vote: CancelVote) -> None:
+        sw = self._switch
+        cancel = sw.cancel if sw is not None else None
+        where = {"switch_id": vote.switch_id, "phase": self._phase.value}
+        if cancel is None or vote.switch_id != cancel.prepare.switch_id:
+            self._say.info(f"ignored cancel vote of rank {vote.rank}: stale or too late", **where)
+        elif vote.rank in self._ranks and vote.rank not in cancel.votes:
+            cancel.votes[vote.rank] = vote
+            self._say.info(
+                f"rank {vote.rank} votes {'yes' if vote.yes else 'no'} to cancel", **where
+            )
 
     def _on_vote(self, vote: Vote) -> None:
         sw = self._switch
@@ -347,8 +449,11 @@ class Coordinator:
 
     def _status(self) -> dict[str, Any]:
         sw = self._switch
+        switch_id = sw.prepare.switch_id if sw is not None else None
+        step = sw.decision.step if sw is not None and sw.decision is not None else None
         return {
             "phase": self._phase.value,
+            "phase_text": self._phase.describe(switch_id, step),
             "open_switch": sw.prepare.switch_id if sw and self._phase.open else None,
             "world_size": len(self._ranks),
             "tp_groups": [list(g) for g in self._tp_groups],

@@ -58,3 +58,11 @@ def remove_endpoint(run_dir: Path, token: str) -> None:
             (run_dir / ENDPOINT_FILE).unlink()
     except (OSError, ValueError):
         pass  # already gone or replaced: nothing of ours to remove
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """ "host:port" or "[v6]:port" -> (host, port); raises ValueError naming the address."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"coordinator address {address!r} is not of the form host:port")
+    return host.strip("[]"), int(port)

@@ -16,6 +16,10 @@ class SwitchBusyError(SwitchRequestError):
         self.open_switch_id = open_switch_id
 
 
+class CancelRefusedError(SwitchRequestError):
+    """The coordinator refused a cancel: no committed switch (or not the one named) is open."""
+
+
 class SwitchError(RuntimeError):
     """Raised by `step_boundary` when this rank cannot stay consistent with the others (a COMMIT
     arrived after it gave up waiting, or publishing failed). The job must stop and restart from a

@@ -14,6 +14,9 @@ Participant states (`_State`), changed only in `_set_state`:
                                  \\--no--> IDLE    \\--ABORT--> IDLE
                                                   \\--no decision in time--> GAVE_UP
     GAVE_UP --ABORT or next Prepare--> IDLE ;  GAVE_UP --COMMIT--> BROKEN (step_boundary raises)
+    COMMITTING --CancelPrepare, before S--> CANCEL_VOTED --cancelled--> IDLE (candidate dropped)
+                                            \\--not cancelled, or no outcome by S + grace--> COMMITTING
+    (a rank that stopped waiting at S and published, then hears "cancelled": BROKEN)
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ from dist_quant.coordinator.faults import Fault, inject
 from dist_quant.coordinator.logfmt import SwitchLog
 from dist_quant.coordinator.protocol import (
     Ack,
+    CancelDecision,
+    CancelPrepare,
+    CancelVote,
     Decision,
     Hello,
     Message,
@@ -47,6 +53,7 @@ class _State(Enum):
     PREPARING = "preparing"  # the listener plans; the training thread does not wait
     VOTED = "voted"  # voted YES; holds the candidate; waits at boundary v+1 for the decision
     COMMITTING = "committing"  # COMMIT known; publishes at boundary S
+    CANCEL_VOTED = "cancel_voted"  # voted YES to cancel before S; holds its publish at S
     GAVE_UP = "gave_up"  # no decision in time; candidate dropped; a late COMMIT breaks the rank
     BROKEN = "broken"  # cannot stay consistent with the other ranks; step_boundary raises
 
@@ -118,6 +125,8 @@ class Participant:
         self._give_up_at = 0.0
         self._commit_step: int | None = None
         self._given_up: set[int] = set()
+        self._cancel_give_up_at = 0.0
+        self._cancel_given_up: set[int] = set()  # cancels this rank stopped waiting for at S
         self._decided: dict[int, tuple[bool, int | None]] = {}  # switch id -> (commit, step) acted on
         self._broken_reason = ""
         self._listener = threading.Thread(
@@ -194,6 +203,23 @@ class Participant:
                 return False
             if self._state is _State.BROKEN:
                 raise SwitchError(self._broken_reason)
+        if self._state is _State.CANCEL_VOTED:
+            if step < self._commit_step:
+                return False
+            self._say.info("waiting for the cancel decision", **self._where(step))
+            self._cond.wait_for(
+                lambda: self._state is not _State.CANCEL_VOTED,
+                max(self._cancel_give_up_at - time.monotonic(), 0),
+            )
+            if self._state is _State.CANCEL_VOTED:
+                self._cancel_given_up.add(self._switch_id)
+                self._set_state(_State.COMMITTING, step)
+                self._say.warning(
+                    "no cancel decision in time: publishing the committed switch",
+                    **self._where(step),
+                )
+            if self._state is _State.BROKEN:
+                raise SwitchError(self._broken_reason)
         if self._state is _State.COMMITTING:
             if step < self._commit_step:
                 return False
@@ -251,6 +277,10 @@ class Participant:
                 self._on_prepare(msg)
             elif isinstance(msg, Decision):
                 self._on_decision(msg)
+            elif isinstance(msg, CancelPrepare):
+                self._on_cancel_prepare(msg)
+            elif isinstance(msg, CancelDecision):
+                self._on_cancel_decision(msg)
             else:
                 self._say.warning(f"ignored unexpected {msg.kind} message")
 
@@ -345,6 +375,58 @@ class Participant:
             self._cond.notify_all()
         if ack is not None:
             self._send(self._rx, ack)
+
+    def _on_cancel_prepare(self, p: CancelPrepare) -> None:
+        with self._cond:
+            last = self._last_step
+            holding = (
+                p.switch_id == self._switch_id
+                and self._state is _State.COMMITTING
+                and self._commit_step == p.step
+            )
+            if holding and (last is None or last < p.step):
+                self._cancel_give_up_at = time.monotonic() + p.timeout_s + self._grace
+                self._set_state(_State.CANCEL_VOTED, last)
+                vote = CancelVote(p.switch_id, self.rank, True, last, "")
+            elif holding:
+                vote = CancelVote(p.switch_id, self.rank, False, last, f"reached step {last}")
+            else:
+                why = (
+                    f"already published switch {p.switch_id} at step {p.step}"
+                    if p.switch_id in self._decided and self._state is _State.IDLE
+                    else f"not holding switch {p.switch_id} ({self._state.value})"
+                )
+                vote = CancelVote(p.switch_id, self.rank, False, last, why)
+        self._send(self._rx, vote)
+
+    def _on_cancel_decision(self, d: CancelDecision) -> None:
+        with self._cond:
+            step = self._last_step
+            if d.switch_id in self._cancel_given_up:
+                self._cancel_given_up.discard(d.switch_id)
+                if d.cancelled:
+                    self._break(
+                        f"rank {self.rank} stopped waiting for the cancel of switch {d.switch_id} "
+                        f"and published it at step {d.step}, but the coordinator recorded the "
+                        "cancel; other ranks kept their recipe. Stop the job and restart from a "
+                        "checkpoint.",
+                        step,
+                    )
+            elif d.switch_id == self._switch_id and self._state is _State.CANCEL_VOTED:
+                if d.cancelled:
+                    self._candidate = None
+                    self._set_state(_State.IDLE, step)
+                else:
+                    self._set_state(_State.COMMITTING, step)
+            elif d.cancelled and d.switch_id == self._switch_id:
+                # never sent by a correct coordinator without this rank's YES
+                if self._state is not _State.BROKEN:
+                    self._break(
+                        f"rank {self.rank} got a cancel of switch {d.switch_id} it did not vote "
+                        "for",
+                        step,
+                    )
+            self._cond.notify_all()
 
     # -- helpers ---------------------------------------------------------------------------------
 

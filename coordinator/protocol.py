@@ -13,6 +13,16 @@ Message flow of one switch (see README.md for the diagram):
     coordinator -> every rank  : Decision
     coordinator -> client      : Reply(result)
     every rank  -> coordinator : Ack    (after publishing at step S)
+
+Cancelling a committed switch before its step (a second vote over the same ranks):
+
+    client      -> coordinator : CancelRequest
+    coordinator -> every rank  : CancelPrepare
+    every rank  -> coordinator : CancelVote (YES only while it has not reached step S; it then
+                                 holds its publish at S until the cancel is decided)
+    coordinator -> decision log: CancelDecision (flushed and fsynced first)
+    coordinator -> every rank  : CancelDecision (cancelled: drop the candidate; else publish at S)
+    coordinator -> client      : Reply(result)
 """
 
 from __future__ import annotations
@@ -40,15 +50,31 @@ class Phase(Enum):
     COMMITTED = "committed"  # COMMIT logged and sent; ranks publish at step S and ack
     PUBLISHED = "published"  # every rank acked the publish
     ABORTED = "aborted"  # ABORT sent (or logging failed); every rank dropped its candidate
+    CANCELLING = "cancelling"  # COMMITTED, and a cancel is being voted on before step S
+    CANCELLED = "cancelled"  # the cancel was logged and sent; every rank dropped its candidate
 
     @property
     def terminal(self) -> bool:
         """A terminal phase closes its switch: a new request may open the next one."""
-        return self in (Phase.PUBLISHED, Phase.ABORTED)
+        return self in (Phase.PUBLISHED, Phase.ABORTED, Phase.CANCELLED)
 
     @property
     def open(self) -> bool:
-        return self in (Phase.PREPARING, Phase.DECIDING, Phase.COMMITTED)
+        return self in (Phase.PREPARING, Phase.DECIDING, Phase.COMMITTED, Phase.CANCELLING)
+
+    def describe(self, switch_id: int | None, step: int | None) -> str:
+        """The phase in words, for `dist-quant status` and refusals."""
+        at = "" if step is None else f" at step {step}"
+        return {
+            Phase.IDLE: "idle: no switch requested yet",
+            Phase.PREPARING: f"switch {switch_id}: ranks are voting",
+            Phase.DECIDING: f"switch {switch_id}: the decision is being logged",
+            Phase.COMMITTED: f"switch {switch_id}: committed, ranks publish{at}",
+            Phase.PUBLISHED: f"switch {switch_id}: published{at} on every rank",
+            Phase.ABORTED: f"switch {switch_id}: aborted, every rank kept its recipe",
+            Phase.CANCELLING: f"switch {switch_id}: committed{at}, a cancel is being voted",
+            Phase.CANCELLED: f"switch {switch_id}: cancelled before step {step}",
+        }[self]
 
 
 # Allowed transitions; anything else is a bug in the coordinator and raises.
@@ -56,9 +82,11 @@ TRANSITIONS: dict[Phase, frozenset[Phase]] = {
     Phase.IDLE: frozenset({Phase.PREPARING}),
     Phase.PREPARING: frozenset({Phase.DECIDING}),
     Phase.DECIDING: frozenset({Phase.COMMITTED, Phase.ABORTED}),
-    Phase.COMMITTED: frozenset({Phase.PUBLISHED}),
+    Phase.COMMITTED: frozenset({Phase.PUBLISHED, Phase.CANCELLING}),
+    Phase.CANCELLING: frozenset({Phase.CANCELLED, Phase.COMMITTED}),
     Phase.PUBLISHED: frozenset({Phase.PREPARING}),
     Phase.ABORTED: frozenset({Phase.PREPARING}),
+    Phase.CANCELLED: frozenset({Phase.PREPARING}),
 }
 
 RecipePayload = dict | str
@@ -248,9 +276,68 @@ class Stop(Message):
     target: str
 
 
+@dataclass(frozen=True)
+class CancelRequest(Message):
+    """Client -> coordinator: cancel the committed switch `switch_id` (None: the open one)."""
+
+    kind: ClassVar[str] = "cancel_request"
+    request_id: str
+    switch_id: int | None
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class CancelPrepare(Message):
+    """Coordinator -> rank: may switch `switch_id`, committed for `step`, still be cancelled?"""
+
+    kind: ClassVar[str] = "cancel_prepare"
+    switch_id: int
+    step: int
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class CancelVote(Message):
+    """Rank -> coordinator. YES: the rank has not reached `step` and holds its publish there."""
+
+    kind: ClassVar[str] = "cancel_vote"
+    switch_id: int
+    rank: int
+    yes: bool
+    last_step: int | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class CancelDecision(Message):
+    """Coordinator -> log, ranks: `cancelled` (every rank drops the candidate) or not (every
+    rank publishes at `step` as committed), with per-rank `reasons`."""
+
+    kind: ClassVar[str] = "cancel_decision"
+    switch_id: int
+    cancelled: bool
+    step: int
+    reasons: dict[int, str] = field(default_factory=dict)
+    summary: str = ""
+
+
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.kind: cls
-    for cls in (SwitchRequest, StatusQuery, Hello, Prepare, Vote, Decision, Ack, Reply, Stop)
+    for cls in (
+        SwitchRequest,
+        StatusQuery,
+        Hello,
+        Prepare,
+        Vote,
+        Decision,
+        Ack,
+        Reply,
+        Stop,
+        CancelRequest,
+        CancelPrepare,
+        CancelVote,
+        CancelDecision,
+    )
 }
 
 
@@ -317,6 +404,67 @@ def _digest_mismatches(
         r: f"plan digests disagree within TP group {members} with no majority (this rank: {d[:12]})"
         for r, d in yes.items()
     }
+
+
+def decide_cancel(
+    prepare: CancelPrepare,
+    votes: Mapping[int, CancelVote],
+    expected_ranks: Sequence[int],
+    deadline_passed: bool,
+) -> CancelDecision | None:
+    """The outcome of cancelling a committed switch; None while votes are still due.
+
+    Cancelled only if every expected rank voted YES before the deadline with a last step before
+    the commit step (so none has published, and each holds its publish at that step until it
+    hears the outcome). Otherwise the switch stays committed and every rank publishes as planned.
+    """
+    missing = [r for r in expected_ranks if r not in votes]
+    if missing and not deadline_passed:
+        return None
+    reasons: dict[int, str] = {
+        r: f"no cancel vote before the deadline ({prepare.timeout_s:g} s)" for r in missing
+    }
+    for r in expected_ranks:
+        vote = votes.get(r)
+        if vote is None:
+            continue
+        if not vote.yes:
+            reasons[r] = vote.reason or "voted no"
+        elif vote.last_step is not None and vote.last_step >= prepare.step:
+            reasons[r] = f"already passed step {vote.last_step}, at or after step {prepare.step}"
+    if reasons:
+        summary = "not cancelled: " + "; ".join(f"rank {r}: {reasons[r]}" for r in sorted(reasons))
+        return CancelDecision(
+            prepare.switch_id, False, prepare.step, dict(sorted(reasons.items())), summary
+        )
+    return CancelDecision(
+        prepare.switch_id, True, prepare.step, {}, f"cancelled before step {prepare.step}"
+    )
+
+
+@dataclass(frozen=True)
+class CancelResult:
+    """What `cancel_switch` returns: whether the switch was cancelled on every rank."""
+
+    switch_id: int
+    cancelled: bool
+    step: int  # the commit step it was booked for
+    reasons: dict[int, str]  # rank -> why it could not cancel (empty when cancelled)
+    summary: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> CancelResult:
+        hints = typing.get_type_hints(CancelResult)
+        try:
+            values = {
+                f.name: _coerce(d[f.name], hints[f.name], f.name) for f in fields(CancelResult)
+            }
+        except KeyError as e:
+            raise ProtocolError(f"cancel result is missing field {e}") from None
+        return CancelResult(**values)
 
 
 @dataclass(frozen=True)

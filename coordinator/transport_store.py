@@ -12,6 +12,7 @@ import socket
 from datetime import timedelta
 
 import torch.distributed as dist
+from dist_quant.coordinator.endpoint import parse_address
 from dist_quant.coordinator.transport import TransportError
 
 # A pop that waits "forever" still needs a finite store timeout; ten years is long enough, and a
@@ -51,14 +52,6 @@ class StoreServer:
     def close(self) -> None:
         """Stops the server; connected clients then get `TransportError`."""
         self._store = None
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """ "host:port" or "[v6]:port" -> (host, port); raises ValueError naming the address."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"coordinator address {address!r} is not of the form host:port")
-    return host.strip("[]"), int(port)
 
 
 class StoreTransport:

@@ -3,44 +3,72 @@
 Public names are listed in API.md; each is importable from here.
 """
 
-from dist_quant import checkpoint  # a namespace: dq.checkpoint.load_state_dict, recipe_of, ...
-from dist_quant.amax import AmaxReductionMismatch
-from dist_quant.context import autocast
-from dist_quant.convert import convert_model
-from dist_quant.factory_keys import quantizer_factory
-from dist_quant.formats import Format
-from dist_quant.modules import (
-    DotProductAttention,
-    GroupedLinear,
-    LayerNormLinear,
-    LayerNormMLP,
-    Linear,
-    MultiheadAttention,
-    TransformerLayer,
-)
-from dist_quant.parallel import allreduce_sequence_parallel_grads, load_full_state_dict_into_shards
-from dist_quant.quantizers import (
-    Float8BlockQuantizer,
-    Float8CurrentScalingQuantizer,
-    Float8Quantizer,
-    IdentityQuantizer,
-    MXFP8Quantizer,
-    Quantizer,
-)
-from dist_quant.recipes import (
-    CustomRecipe,
-    DelayedScaling,
-    Float8BlockScaling,
-    Float8CurrentScaling,
-    MXFP8BlockScaling,
-    Recipe,
-    recipe_from_dict,
-    recipe_from_json,
-)
-from dist_quant.roles import DelayedScalingRequest, QuantizerRequest, QuantizerRole
-from dist_quant.runtime import RecipeUpdateError, apply_recipe, current_recipe, plan_model
-from dist_quant.state import RecipeState
-from dist_quant.tensor import Float8BlockwiseTensor, Float8Tensor, MXFP8Tensor, QuantizedTensor
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Public name -> the module that defines it. Imported on first use (PEP 562), so that
+# `import dist_quant` (and the `dist-quant` command line, whose `--help`, `switch` and `status`
+# need no torch) costs nothing until a name is used.
+_EXPORTS: dict[str, str] = {
+    "checkpoint": "dist_quant.checkpoint",  # a namespace: dq.checkpoint.load, recipe_of, ...
+    "AmaxReductionMismatch": "dist_quant.amax",
+    "autocast": "dist_quant.context",
+    "convert_model": "dist_quant.convert",
+    "quantizer_factory": "dist_quant.factory_keys",
+    "Format": "dist_quant.formats",
+    "DotProductAttention": "dist_quant.modules",
+    "GroupedLinear": "dist_quant.modules",
+    "LayerNormLinear": "dist_quant.modules",
+    "LayerNormMLP": "dist_quant.modules",
+    "Linear": "dist_quant.modules",
+    "MultiheadAttention": "dist_quant.modules",
+    "TransformerLayer": "dist_quant.modules",
+    "allreduce_sequence_parallel_grads": "dist_quant.parallel",
+    "load_full_state_dict_into_shards": "dist_quant.parallel",
+    "Float8BlockQuantizer": "dist_quant.quantizers",
+    "Float8CurrentScalingQuantizer": "dist_quant.quantizers",
+    "Float8Quantizer": "dist_quant.quantizers",
+    "IdentityQuantizer": "dist_quant.quantizers",
+    "MXFP8Quantizer": "dist_quant.quantizers",
+    "Quantizer": "dist_quant.quantizers",
+    "CustomRecipe": "dist_quant.recipes",
+    "DelayedScaling": "dist_quant.recipes",
+    "Float8BlockScaling": "dist_quant.recipes",
+    "Float8CurrentScaling": "dist_quant.recipes",
+    "MXFP8BlockScaling": "dist_quant.recipes",
+    "Recipe": "dist_quant.recipes",
+    "recipe_from_dict": "dist_quant.recipes",
+    "recipe_from_json": "dist_quant.recipes",
+    "DelayedScalingRequest": "dist_quant.roles",
+    "QuantizerRequest": "dist_quant.roles",
+    "QuantizerRole": "dist_quant.roles",
+    "RecipeUpdateError": "dist_quant.runtime",
+    "apply_recipe": "dist_quant.runtime",
+    "current_recipe": "dist_quant.runtime",
+    "plan_model": "dist_quant.runtime",
+    "RecipeState": "dist_quant.state",
+    "Float8BlockwiseTensor": "dist_quant.tensor",
+    "Float8Tensor": "dist_quant.tensor",
+    "MXFP8Tensor": "dist_quant.tensor",
+    "QuantizedTensor": "dist_quant.tensor",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dist_quant' has no attribute {name!r}")
+    imported = importlib.import_module(module)
+    value = imported if module == f"dist_quant.{name}" else getattr(imported, name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
 
 __all__ = [
     "AmaxReductionMismatch",

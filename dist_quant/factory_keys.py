@@ -97,11 +97,10 @@ def callable_key(fn: Callable) -> str:
     key = fallback_key(fn)
     if key not in _warned:
         _warned.add(key)
+        # short: it is printed once per factory, often in the middle of a test or training log
         warnings.warn(
-            f"{_name_of(fn)} has no explicit key; using the fallback key {key!r} derived from its "
-            "code and captured values. It cannot see globals the function reads or state hidden "
-            "inside captured objects; decorate it with @quantizer_factory(key=...) or pass "
-            "CustomRecipe(qfactory_key=...).",
+            f"{key}: fallback key from the factory's code and captures (blind to globals it "
+            "reads); give it @quantizer_factory(key=...) or CustomRecipe(qfactory_key=...)",
             UserWarning,
             stacklevel=3,
         )

@@ -1,11 +1,15 @@
-"""The `dist-quant` command line: demo, run, switch, status, roles.
+"""The `dist-quant` command line: demo, run, switch, cancel, status, roles.
+
+Nothing heavy is imported before the arguments are parsed: `--help`, `switch`, `cancel` and
+`status` never import the training stack, and each handler imports only what it needs.
 
 Every error is one line on stderr and an exit code, never a traceback (set DIST_QUANT_DEBUG=1 to
 get the traceback of an unexpected error). Exit codes:
 
-    0  success (`switch`: the switch committed on every rank)
+    0  success (`switch`: the switch committed on every rank; `cancel`: cancelled on every rank)
     1  the job answered no: `switch` aborted (each rank's reason is printed) or was refused
-       because another switch is open; `demo` failed; `roles`: the recipe does not fit the model
+       because another switch stayed open; `cancel` refused or too late; `demo` failed;
+       `roles`: the recipe does not fit the model
     2  usage errors (bad flags, unparseable recipe JSON/YAML, bad model spec) and connection
        errors (no job in the run directory, coordinator unreachable, wrong token)
 
@@ -158,7 +162,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--steps", type=_positive_int, default=200, help="optimizer steps (default 200)"
     )
-    demo.add_argument("--launcher", choices=("torchrun", "ray"), default="torchrun")
+    demo.add_argument(
+        "--launcher",
+        choices=("torchrun", "ray"),
+        default="torchrun",
+        help="torchrun (default): local processes; ray: Ray actors, joining a running cluster "
+        'or starting a local one (needs Ray: pip install -e ".[ray]" in a source checkout)',
+    )
     demo.add_argument(
         "--recipe-schedule",
         metavar="FILE",
@@ -172,7 +182,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="run directory: coordinator.json, logs, summary, loss.png "
         "(default ./dist_quant_run, where 'dist-quant switch' looks by default)",
     )
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the weights and of the synthetic language (default 0): equal seeds, "
+        "equal runs",
+    )
     demo.add_argument(
         "--model",
         metavar="SPEC",
@@ -226,9 +242,41 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_float,
         default=60.0,
         metavar="S",
-        help="give up (abort) if not decided within S seconds (default 60)",
+        help="give up (abort) if not decided within S seconds (default 60); also how long to "
+        "wait for a switch that is already open",
+    )
+    switch.add_argument(
+        "--no-wait",
+        action="store_true",
+        help="exit 1 at once if another switch is open, instead of waiting for it to close",
     )
     _add_target(switch)
+
+    cancel = sub.add_parser(
+        "cancel",
+        help="cancel a switch that committed for a later step, on every rank at once",
+        description="Cancel the open switch (or SWITCH_ID) that committed for a later step "
+        "(`switch --at-step N`). Every rank votes; if none has reached the step, the cancel is "
+        "logged and every rank keeps its current recipe, else the switch happens as committed. "
+        "Exit 0: cancelled; 1: refused (nothing to cancel) or too late; 2: connection error.",
+    )
+    cancel.add_argument(
+        "switch_id",
+        metavar="SWITCH_ID",
+        nargs="?",
+        type=_positive_int,
+        default=None,
+        help="the switch to cancel (default: the open one)",
+    )
+    cancel.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=10.0,
+        metavar="S",
+        help="give up (keep the commit) if the ranks have not all answered within S seconds "
+        "(default 10)",
+    )
+    _add_target(cancel)
 
     status = sub.add_parser(
         "status",
@@ -292,12 +340,33 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quiet_c10d() -> None:
+    """A client's store connection must not print c10d's C++ warnings and backtraces (read by
+    torch when it is imported, which happens only once a job is found)."""
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+
 def _cmd_switch(args: argparse.Namespace) -> int:
     from dist_quant.launch.client import switch
 
+    _quiet_c10d()
     return switch(
         parse_recipe_arg(args.recipe),
         at_step=args.at_step,
+        timeout_s=args.timeout,
+        run_dir=args.run_dir,
+        address=args.address,
+        token=args.token,
+        wait=not args.no_wait,
+    )
+
+
+def _cmd_cancel(args: argparse.Namespace) -> int:
+    from dist_quant.launch.client import cancel
+
+    _quiet_c10d()
+    return cancel(
+        args.switch_id,
         timeout_s=args.timeout,
         run_dir=args.run_dir,
         address=args.address,
@@ -308,6 +377,7 @@ def _cmd_switch(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     from dist_quant.launch.client import status
 
+    _quiet_c10d()
     return status(run_dir=args.run_dir, address=args.address, token=args.token, as_json=args.json)
 
 
@@ -322,6 +392,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "demo": _cmd_demo,
     "run": _cmd_run,
     "switch": _cmd_switch,
+    "cancel": _cmd_cancel,
     "status": _cmd_status,
     "roles": _cmd_roles,
 }

@@ -1,14 +1,21 @@
-"""`dist-quant switch` and `dist-quant status`: the command-line client of a job's coordinator.
+"""`dist-quant switch`, `cancel` and `status`: the command-line client of a job's coordinator.
 
-Exit codes follow `cli.py`: 0 committed, 1 aborted or refused (the job answered no, and goes on
-unchanged), 2 the job could not be reached or asked.
+Exit codes follow `cli.py`: 0 committed (cancelled), 1 aborted or refused (the job answered no,
+and goes on unchanged), 2 the job could not be reached or asked. Nothing here imports torch
+before it must: a store client needs `torch.distributed`, the rest is plain Python.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
+import sys
+import time
 from typing import Any
+
+_BUSY_RETRY_S = 0.2  # how often a waiting `switch` asks again while another switch is open
 
 
 def switch(
@@ -19,24 +26,41 @@ def switch(
     run_dir: str | os.PathLike[str] | None,
     address: str | None,
     token: str | None,
+    wait: bool = True,
 ) -> int:
-    """Request the switch and print its outcome; exit code 0 (commit) or 1 (abort/refused)."""
-    from dist_quant.coordinator import SwitchBusyError, SwitchRequestError, request_switch
+    """Request the switch and print its outcome; exit code 0 (commit) or 1 (abort/refused).
+
+    With `wait`, a request refused because another switch is open is asked again until that
+    switch closes or `timeout_s` passes (a switch booked for a far step: `dist-quant cancel`)."""
+    from dist_quant.coordinator.client import request_switch
+    from dist_quant.coordinator.errors import SwitchBusyError, SwitchRequestError
     from dist_quant.launch.cli import CliError
 
-    try:
-        result = request_switch(
-            payload,
-            at_step=at_step,
-            timeout_s=timeout_s,
-            run_dir=run_dir,
-            address=address,
-            token=token,
-        )
-    except SwitchBusyError as e:
-        raise CliError(f"switch refused: {e}", 1) from e
-    except SwitchRequestError as e:
-        raise CliError(str(e), 2) from e
+    give_up_at = time.monotonic() + timeout_s
+    told = False
+    while True:
+        try:
+            result = request_switch(
+                payload,
+                at_step=at_step,
+                timeout_s=timeout_s,
+                run_dir=run_dir,
+                address=address,
+                token=token,
+            )
+            break
+        except SwitchBusyError as e:
+            if not wait or time.monotonic() + _BUSY_RETRY_S > give_up_at:
+                raise CliError(f"switch refused: {e}", 1) from e
+            if not told:
+                print(
+                    f"dist-quant: {e}; waiting for it (up to {timeout_s:g} s, Ctrl-C to stop)",
+                    file=sys.stderr,
+                )
+                told = True
+            time.sleep(_BUSY_RETRY_S)
+        except SwitchRequestError as e:
+            raise CliError(str(e), 2) from e
     decided = result.timings.get("total_s")
     took = "" if decided is None else f" (decided in {decided:.3f} s)"
     if result.committed:
@@ -53,6 +77,41 @@ def switch(
     return 1
 
 
+def cancel(
+    switch_id: int | None,
+    *,
+    timeout_s: float,
+    run_dir: str | os.PathLike[str] | None,
+    address: str | None,
+    token: str | None,
+) -> int:
+    """Cancel a committed switch before its step; exit code 0 (cancelled on every rank) or 1."""
+    from dist_quant.coordinator.client import cancel_switch
+    from dist_quant.coordinator.errors import CancelRefusedError, SwitchRequestError
+    from dist_quant.launch.cli import CliError
+
+    try:
+        result = cancel_switch(
+            switch_id, timeout_s=timeout_s, run_dir=run_dir, address=address, token=token
+        )
+    except CancelRefusedError as e:
+        raise CliError(f"cancel refused: {e}", 1) from e
+    except SwitchRequestError as e:
+        raise CliError(str(e), 2) from e
+    if result.cancelled:
+        print(
+            f"switch {result.switch_id} cancelled: no rank switches at step {result.step}; "
+            "every rank keeps its current recipe"
+        )
+        return 0
+    print(f"switch {result.switch_id} not cancelled; every rank switches at step {result.step}:")
+    for rank, reason in sorted(result.reasons.items()):
+        print(f"  rank {rank}: {reason}")
+    if not result.reasons and result.summary:
+        print(f"  {result.summary}")
+    return 1
+
+
 def status(
     *,
     run_dir: str | os.PathLike[str] | None,
@@ -61,8 +120,8 @@ def status(
     as_json: bool,
 ) -> int:
     """Print the coordinator's view of the job; exit code 0, or CliError(2) if unreachable."""
-    from dist_quant.coordinator import SwitchRequestError
-    from dist_quant.coordinator import status as query
+    from dist_quant.coordinator.client import status as query
+    from dist_quant.coordinator.errors import SwitchRequestError
     from dist_quant.launch.cli import CliError
 
     try:
@@ -77,23 +136,40 @@ def status(
     return 0
 
 
+_KEY_REPR = re.compile(r"^\('(\w+)', ")
+
+
+def short_recipe_key(text: str) -> str:
+    """A rank's reported key (`repr(recipe.key())`) as `TypeName:8 hex digits`, the form the
+    demo's tables and `dist-quant roles` print (`demo_report.short_key` hashes the same repr)."""
+    m = _KEY_REPR.match(text)
+    if m is None:
+        return text  # "none", or an error text
+    return f"{m.group(1)}:{hashlib.sha256(text.encode()).hexdigest()[:8]}"
+
+
 def format_status(info: dict[str, Any]) -> list[str]:
     """Human-readable lines for a status reply (see `Coordinator._status` for its fields)."""
-    open_id = info.get("open_switch")
     lines = [
-        f"phase: {info.get('phase', '?')}"
-        + (f" (switch {open_id} is open)" if open_id is not None else ", no switch open"),
+        f"state: {info.get('phase_text') or info.get('phase', '?')}",
         f"ranks: {info.get('world_size', '?')}, TP groups: {info.get('tp_groups', '?')}",
         "recipe key per rank:",
     ]
     keys = info.get("recipe_keys") or {}
-    lines += [f"  rank {r}: {k}" for r, k in sorted(keys.items(), key=lambda kv: int(kv[0]))]
+    lines += [
+        f"  rank {r}: {short_recipe_key(k)}"
+        for r, k in sorted(keys.items(), key=lambda kv: int(kv[0]))
+    ]
     if not keys:
         lines.append("  (no rank has reported yet)")
     decisions = info.get("decisions") or []
     lines.append("last decisions:" if decisions else "last decisions: none yet")
     for d in decisions[-5:]:
-        if d.get("commit"):
+        if d.get("cancelled"):
+            lines.append(
+                f"  switch {d.get('switch_id')}: COMMIT at step {d.get('step')}, then cancelled"
+            )
+        elif d.get("commit"):
             done = "published on every rank" if d.get("published") else "publishing"
             lines.append(f"  switch {d.get('switch_id')}: COMMIT at step {d.get('step')} ({done})")
         else:

@@ -3,20 +3,26 @@
 The launcher process starts N ranks (torchrun or Ray; each runs `demo_train.train_rank`), then acts
 as an ordinary client of the job's coordinator: for every phase after the first it calls
 `request_switch(recipe, at_step=phase.start)`, exactly what `dist-quant switch` does from another
-terminal. A switch refused because another one is still open (the previous one publishing, or
-one typed by hand) is retried; one that arrives after its step has passed on some rank is
-re-requested for the next possible step, and the table shows both steps. Meanwhile it follows
-rank 0's step log for the progress bar. At the end it prints the tables, writes `loss.png`,
-`summary.json` and `summary.txt` into the run directory (`--out`), and exits 0 only if every
-scheduled switch committed and every rank ran the same recipe at every step.
+terminal. It books each switch only shortly before its step (`BOOK_AHEAD_STEPS` steps, or
+`BOOK_AHEAD_S` seconds of training, whichever is more), so between bookings no switch is open and
+a hand switch from another terminal commits at once. A scheduled switch refused because another
+one is open (a hand switch) is retried; one that arrives after its step has passed on some rank
+is re-requested for the next possible step, and the table shows both steps. Meanwhile it follows
+rank 0's step log for the progress bar.
+
+Nothing of a previous run in the same `--out` is touched until this run's ranks are up (their
+coordinator has written its endpoint): then the old results go and this run's config and launch
+log take their names. At the end it prints the tables, writes `loss.png`, `summary.json` and
+`summary.txt`, and exits 0 only if every scheduled switch committed and every rank ran the same
+recipe at every step. A run that stops early (Ctrl-C, a failed rank) removes its
+`coordinator.json`, so no client is sent to a job that is gone.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import re
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,10 +30,16 @@ from typing import Any
 
 # Imported here, not inside SwitchDriver's thread: a package imported for the first time from two
 # threads at once can be seen half-initialised (an ImportError seen once on a GPU host).
-from dist_quant.coordinator import SwitchBusyError, SwitchRequestError, request_switch
-from dist_quant.coordinator.endpoint import read_endpoint
+from dist_quant.coordinator.endpoint import remove_endpoint
 from dist_quant.launch.cli import CliError
-from dist_quant.launch.demo_schedule import Phase, Schedule, load_schedule_file, resolve_schedule
+from dist_quant.launch.demo_report import rank_log_path
+from dist_quant.launch.demo_runners import RayRunner, TorchrunRunner
+from dist_quant.launch.demo_schedule import Schedule, load_schedule_file, resolve_schedule
+from dist_quant.launch.demo_switches import StepWatch, SwitchDriver
+from dist_quant.launch.ray import RAY_INSTALL_HINT
+
+# What a previous run left in the run directory that this run replaces once its ranks are up.
+_RESULT_FILES = ("loss.png", "summary.json", "summary.txt")
 
 
 @dataclass(frozen=True)
@@ -66,6 +78,10 @@ def _resolve(opts: DemoOptions) -> tuple[dict[str, Any], Schedule]:
         raise CliError(f"demo: --launcher must be torchrun or ray, got {opts.launcher!r}", 2)
     if opts.step_delay < 0:
         raise CliError(f"demo: --step-delay must be >= 0, got {opts.step_delay}", 2)
+    if opts.launcher == "ray" and importlib.util.find_spec("ray") is None:
+        raise CliError(
+            f"demo: --launcher ray needs Ray, which is not installed: {RAY_INSTALL_HINT}"
+        )
     try:
         spec = parse_gpt_spec(opts.model)
         spec.check_tp(tp)
@@ -95,151 +111,6 @@ def _resolve(opts: DemoOptions) -> tuple[dict[str, Any], Schedule]:
     return cfg, schedule
 
 
-# ---- the launcher's switch requests ----------------------------------------------------------
-class SwitchDriver(threading.Thread):
-    """Requests each scheduled switch in turn, as a client of the coordinator."""
-
-    def __init__(
-        self, phases: tuple[Phase, ...], run_dir: Path, stale_token: str | None, timeout_s: float
-    ) -> None:
-        super().__init__(name="dist_quant.demo.switches", daemon=True)
-        self.phases = phases
-        self.run_dir = run_dir
-        self.stale_token = stale_token
-        self.timeout_s = timeout_s
-        self.records: list[dict[str, Any]] = []
-        self.stop_event = threading.Event()
-
-    def run(self) -> None:
-        if not self._wait_for_coordinator():
-            return
-        for phase in self.phases:
-            if self.stop_event.is_set():
-                return
-            self.records.append(self._request(phase))
-
-    def _wait_for_coordinator(self) -> bool:
-        while not self.stop_event.wait(0.05):
-            try:
-                if read_endpoint(self.run_dir)["token"] != self.stale_token:
-                    return True
-            except (OSError, ValueError):
-                continue  # not written yet (or being replaced)
-        return False
-
-    def _request(self, phase: Phase) -> dict[str, Any]:
-        rec: dict[str, Any] = {
-            "label": phase.label,
-            "requested_step": phase.start,
-            "committed": False,
-            "step": None,
-            "latency_s": None,
-            "reasons": {},
-            "error": None,
-        }
-        at_step: int | None = phase.start
-        while not self.stop_event.is_set():
-            t0 = time.monotonic()
-            try:
-                result = request_switch(
-                    phase.recipe, at_step=at_step, timeout_s=self.timeout_s, run_dir=self.run_dir
-                )
-            except SwitchBusyError:
-                self.stop_event.wait(0.05)  # the previous switch is still publishing: retry
-                continue
-            except SwitchRequestError as e:
-                rec["error"] = str(e)
-                return rec
-            rec.update(
-                committed=result.committed,
-                step=result.step,
-                latency_s=time.monotonic() - t0,
-                switch_id=result.switch_id,
-                reasons={str(r): why for r, why in result.reasons.items()},
-            )
-            passed = result.reasons and all("already passed" in r for r in result.reasons.values())
-            if result.committed or at_step is None or not passed:
-                return rec
-            at_step = None  # too late for the asked step (a slow start): take the next one
-        rec["error"] = "the job ended before this switch was requested"
-        return rec
-
-
-# ---- launchers -------------------------------------------------------------------------------
-# torchrun prefixes each line a rank prints with "[rank<r>]: ".
-_ERROR_LINE = re.compile(r"^\s*(?:\[rank(\d+)\]:\s*)?(?:[\w.]+\.)?(\w*(?:Error|Exception)): (.+)$")
-
-
-def _first_error(log_path: Path) -> str:
-    """The first `SomethingError: message` line a rank printed (the first failure is the cause;
-    peers that lose a collective partner fail after it), skipping torchrun's own."""
-    try:
-        lines = log_path.read_text(errors="replace").splitlines()
-    except OSError:
-        return ""
-    for line in lines:
-        m = _ERROR_LINE.match(line)
-        if m and m.group(2) != "ChildFailedError":
-            rank = f"rank {m.group(1)}: " if m.group(1) is not None else ""
-            return f"{rank}{m.group(2)}: {m.group(3).strip()}"
-    return ""
-
-
-class _TorchrunRunner:
-    def __init__(self, cfg: dict[str, Any], out: Path) -> None:
-        from dist_quant.launch.torchrun import TorchrunJob
-
-        config_path = out / "demo_config.json"
-        config_path.write_text(json.dumps(cfg, indent=1))
-        self.log_path = out / "torchrun.log"
-        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        self.job = TorchrunJob(
-            cfg["nproc"],
-            ["dist_quant.launch.demo_train", str(config_path)],
-            module=True,
-            run_dir=out,
-            stdout=self._log,
-        ).start()
-
-    def finished(self) -> bool:
-        rc = self.job.poll()
-        if rc is None:
-            return False
-        if rc != 0:
-            cause = _first_error(self.log_path)
-            raise CliError(
-                f"demo job failed (torchrun exit code {rc})"
-                + (f": {cause}" if cause else "")
-                + f"; full log: {self.log_path}",
-                1,
-            )
-        return True
-
-    def stop(self) -> None:
-        self.job.stop()
-        self._log.close()
-
-
-class _RayRunner:
-    def __init__(self, cfg: dict[str, Any], out: Path) -> None:
-        from dist_quant.launch.demo_train import train_rank
-        from dist_quant.launch.ray import RayJob
-
-        self.job = RayJob(cfg["nproc"], use_gpu=cfg["device"] == "cuda", run_dir=out)
-        self.job.start(train_rank, cfg)
-
-    def finished(self) -> bool:
-        from dist_quant.launch.ray import RankFailedError
-
-        try:
-            return self.job.poll()
-        except RankFailedError as e:
-            raise CliError(f"demo job failed: {e}", 1) from e
-
-    def stop(self) -> None:
-        self.job.shutdown()
-
-
 # ---- the whole demo --------------------------------------------------------------------------
 def _stale_token(out: Path) -> str | None:
     from dist_quant.coordinator.endpoint import read_endpoint
@@ -248,6 +119,41 @@ def _stale_token(out: Path) -> str | None:
         return read_endpoint(out)["token"]
     except (OSError, ValueError):
         return None
+
+
+def _clear_previous_results(out: Path, nproc: int) -> None:
+    """Called once this run's ranks are up. Ranks below `nproc` truncate their own step logs
+    (removing them here could race with a rank opening its new one); logs of ranks this run
+    does not have, and the previous summary and plot, go."""
+    for name in _RESULT_FILES:
+        (out / name).unlink(missing_ok=True)
+    for path in out.glob("ranks/rank*.jsonl"):
+        rank = path.stem.removeprefix("rank")
+        if not rank.isdigit() or int(rank) >= nproc:
+            path.unlink(missing_ok=True)
+
+
+def _precision_classifier() -> Any:
+    """Short recipe key -> "bf16" (the built-in bf16 recipe), "fp8" (an FP8 recipe type) or
+    "custom" (any other CustomRecipe), for the plot's shading."""
+    from dist_quant.launch.demo_report import short_key
+
+    from dist_quant.recipes import recipe_from_dict
+
+    bf16 = short_key(recipe_from_dict("bf16"))
+    fp8_types = {
+        "DelayedScaling",
+        "Float8CurrentScaling",
+        "Float8BlockScaling",
+        "MXFP8BlockScaling",
+    }
+
+    def precision_of(key: str) -> str:
+        if key == bf16:
+            return "bf16"
+        return "fp8" if key.split(":")[0] in fp8_types else "custom"
+
+    return precision_of
 
 
 def _console() -> Any:
@@ -262,7 +168,6 @@ def run_demo(opts: DemoOptions) -> int:
     from dist_quant.launch.demo_model import parse_gpt_spec
     from dist_quant.launch.demo_report import (
         plot_loss,
-        rank_log_path,
         read_rank_log,
         render_tables,
         short_key,
@@ -276,13 +181,7 @@ def run_demo(opts: DemoOptions) -> int:
     cfg["nproc"] = opts.nproc
     out = Path(cfg["run_dir"])
     out.mkdir(parents=True, exist_ok=True)
-    for old in [
-        *out.glob("ranks/rank*.jsonl"),
-        out / "loss.png",
-        out / "summary.json",
-        out / "summary.txt",
-    ]:
-        old.unlink(missing_ok=True)
+    launched_at = time.time()
     console = _console()
     tp, dp = cfg["tp"], opts.nproc // cfg["tp"]
     console.print(
@@ -290,39 +189,55 @@ def run_demo(opts: DemoOptions) -> int:
         f"{cfg['device']}, {opts.launcher}), {opts.steps} steps; run dir {out}"
     )
     console.print("schedule: " + ", ".join(f"{p.label} @ {p.start}" for p in schedule.phases))
-    driver = SwitchDriver(schedule.switches, out, _stale_token(out), opts.switch_timeout_s)
-    runner: _TorchrunRunner | _RayRunner | None = None
+    watch = StepWatch(rank_log_path(out, 0), since=launched_at)
+    driver = SwitchDriver(schedule.switches, out, _stale_token(out), opts.switch_timeout_s, watch)
+    runner: TorchrunRunner | RayRunner | None = None
+    finished = False
     try:
         with console.status(f"starting {opts.nproc} ranks with {opts.launcher}..."):
-            runner = (_RayRunner if opts.launcher == "ray" else _TorchrunRunner)(cfg, out)
-        driver.start()
+            runner = (RayRunner if opts.launcher == "ray" else TorchrunRunner)(cfg, out)
+            driver.start()
+            while driver.token is None and driver.is_alive():
+                if runner.finished():  # raises CliError naming the failure
+                    break
+                time.sleep(0.05)
+        if driver.token is not None:
+            runner.started()
+            _clear_previous_results(out, opts.nproc)
         _follow(
             runner,
             driver,
             schedule,
-            rank_log_path(out, 0),
+            watch,
             opts.steps,
             console,
             Progress(
                 TextColumn("{task.description:<14}"),
                 BarColumn(),
                 MofNCompleteColumn(),
-                TextColumn("loss {task.fields[loss]}"),
+                TextColumn("loss (5-step mean) {task.fields[loss]}"),
                 TimeElapsedColumn(),
                 console=console,
             ),
         )
+        finished = True
     finally:
         driver.stop_event.set()
         if runner is not None:
             runner.stop()
+        if not finished and driver.token is not None:
+            remove_endpoint(out, driver.token)  # the ranks are gone; clients must not wait
     driver.join(timeout=30)
 
     logs = {r: read_rank_log(rank_log_path(out, r)) for r in range(opts.nproc)}
     schedule_keys = [(short_key(recipe_from_dict(p.recipe)), p.label) for p in schedule.phases]
     task = MarkovTask(vocab=parse_gpt_spec(cfg["model"]).vocab, seed=opts.seed)
     summary = summarize(
-        logs, driver.records, schedule_keys=schedule_keys, entropy_floor=task.entropy_rate()
+        logs,
+        driver.records,
+        schedule_keys=schedule_keys,
+        entropy_floor=task.entropy_rate(),
+        precision_of=_precision_classifier(),
     )
     summary["config"] = {k: v for k, v in cfg.items() if k != "run_dir"} | {
         "launcher": opts.launcher
@@ -352,19 +267,20 @@ def _follow(
     runner: Any,
     driver: SwitchDriver,
     schedule: Schedule,
-    log0: Path,
+    watch: StepWatch,
     steps: int,
     console: Any,
     progress: Any,
 ) -> None:
-    """Show rank 0's progress until the job ends; raises CliError if it fails."""
-    from dist_quant.launch.demo_report import read_rank_log
+    """Show rank 0's progress until the job ends; raises CliError if it fails. The loss shown is
+    the mean of the last steps, the same average as the phase table's columns."""
+    from dist_quant.launch.demo_report import recent_loss
 
     with progress:
         task = progress.add_task(schedule.phases[0].label, total=steps, loss="-")
         while True:
             done = runner.finished()
-            records = read_rank_log(log0)
+            records = watch.records()
             if records:
                 last = records[-1]
                 label = schedule.phases[0].label
@@ -372,7 +288,10 @@ def _follow(
                     if rec["committed"] and last["step"] >= rec["step"]:
                         label = rec["label"]
                 progress.update(
-                    task, completed=last["step"] + 1, description=label, loss=f"{last['loss']:.3f}"
+                    task,
+                    completed=last["step"] + 1,
+                    description=label,
+                    loss=f"{recent_loss(records):.3f}",
                 )
             if done:
                 return

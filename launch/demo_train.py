@@ -10,7 +10,8 @@ is data parallel. Each step:
         logits = model(tokens)
     loss.backward(); (data-parallel gradient all-reduce); optimizer.step()
 
-and appends `{"step", "loss", "recipe", "t"}` to `<run_dir>/ranks/rank<r>.jsonl`.
+and appends `{"step", "loss", "recipe", "t", "dt"}` (t: when the step ended, dt: how long it
+took) to `<run_dir>/ranks/rank<r>.jsonl`.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ def train_rank(cfg: dict[str, Any]) -> dict[str, Any]:
     try:
         with open(log_path, "w", buffering=1) as log:
             for step in range(cfg["steps"]):
+                started = time.time()
                 participant.step_boundary(step)
                 recipe = current_recipe(model)
                 if recipe is not last_recipe:  # hash the key only when the recipe object changes
@@ -103,7 +105,15 @@ def train_rank(cfg: dict[str, Any]) -> dict[str, Any]:
                     dist.all_reduce(reported, group=dp_group)
                     reported /= dp
                 optimizer.step()
-                record = {"step": step, "loss": reported.item(), "recipe": key, "t": time.time()}
+                loss_value = reported.item()  # waits for the step's kernels on a GPU
+                ended = time.time()
+                record = {
+                    "step": step,
+                    "loss": loss_value,
+                    "recipe": key,
+                    "t": ended,
+                    "dt": ended - started,
+                }
                 log.write(json.dumps(record) + "\n")
                 if cfg["step_delay"] > 0:
                     time.sleep(cfg["step_delay"])

@@ -1,7 +1,10 @@
 """Launch N training ranks as Ray actors.
 
 `RayJob(nproc).start(fn, *args)` does, in order:
-1. connects to Ray (`ray.init()`, or the running cluster given by `address` / `RAY_ADDRESS`);
+1. connects to Ray: the cluster given by `address` / `$RAY_ADDRESS`; else a cluster running on
+   this machine (`ray start --head`), joined as it is (Ray refuses resource arguments there);
+   else a private local instance started for this job, with a CPU per rank even on a machine
+   with fewer cores (stopped again by `shutdown()`);
 2. reserves one bundle per rank in a placement group (`{"CPU": 1}`, plus `{"GPU": 1}` on GPUs) and
    waits until it is placed, so a job that cannot fit fails at once instead of hanging;
 3. starts one actor per rank; rank 0 picks MASTER_ADDR (its node's IP) and a free MASTER_PORT; every
@@ -19,7 +22,8 @@ rank 0's actor, so Ray stops it with rank 0.
 actor (and with rank 0 the coordinator) and the placement group are torn down at once (ranks
 blocked in a collective would otherwise wait forever), and `RankFailedError` names the first
 failing rank. `shutdown()` is idempotent and leaves no actor behind; a Ray instance this job
-started is stopped too. Ray is imported only here, and only when a job starts.
+started is stopped too (a cluster it joined keeps running). Ray is imported only here, and only
+when a job starts.
 """
 
 from __future__ import annotations
@@ -37,6 +41,10 @@ from typing import Any
 # raylet, not by us, so the launcher's environment does not reach them by itself).
 _FORWARDED_ENV = ("TRITON_INTERPRET", "DIST_QUANT_TOKEN", "PYTHONPATH", "OMP_NUM_THREADS")
 
+RAY_INSTALL_HINT = (
+    'pip install -e ".[ray]" in a dist-quant source checkout (else: pip install "ray[default]")'
+)
+
 
 class RankFailedError(RuntimeError):
     """A rank of a Ray job raised or died; the whole job has been shut down."""
@@ -51,7 +59,7 @@ def _import_ray() -> Any:
     try:
         import ray
     except ImportError as e:
-        raise RuntimeError("the Ray launcher needs Ray: pip install 'dist-quant[ray]'") from e
+        raise RuntimeError(f"the Ray launcher needs Ray: {RAY_INSTALL_HINT}") from e
     return ray
 
 
@@ -162,6 +170,9 @@ class RayJob:
         self._placement_timeout_s = placement_timeout_s
         self._ray: Any = None
         self._owns_ray = False
+        self.joined: str | None = None
+        """The cluster address joined ("auto": the one running on this machine), or None when
+        this job started its own local instance."""
         self._pg: Any = None
         self._actors: list[Any] = []
         self._futures: list[Any] = []
@@ -184,18 +195,7 @@ class RayJob:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if not ray.is_initialized():
-            init: dict[str, Any] = dict(
-                address=self.address,
-                include_dashboard=False,
-                log_to_driver=False,
-                logging_level="WARNING",
-                runtime_env={"env_vars": dict(self._env)},
-            )
-            if self.address is None and not os.environ.get("RAY_ADDRESS"):
-                # A private local instance: let every rank have a CPU bundle even on a machine
-                # with fewer cores than ranks (the demo's 2 ranks + coordinator on 2 cores).
-                init["num_cpus"] = max(os.cpu_count() or 1, self.nproc)
-            ray.init(**init)
+            self._connect(ray)
             self._owns_ray = True
         use_gpu = self.use_gpu
         if use_gpu is None:
@@ -230,6 +230,31 @@ class RayJob:
             )
             for r, a in enumerate(self._actors)
         ]
+
+    def _connect(self, ray: Any) -> None:
+        common: dict[str, Any] = dict(
+            log_to_driver=False,
+            logging_level="WARNING",
+            runtime_env={"env_vars": dict(self._env)},
+        )
+        address = self.address or os.environ.get("RAY_ADDRESS")
+        if address:
+            ray.init(address=address, **common)
+            self.joined = address
+            return
+        try:
+            # Ray's own rule picks the cluster: the one `ray start` runs on this machine, else a
+            # private local instance. For the latter, every rank gets a CPU bundle even on a
+            # machine with fewer cores (the demo's 2 ranks + coordinator on 2 cores).
+            ray.init(
+                include_dashboard=False, num_cpus=max(os.cpu_count() or 1, self.nproc), **common
+            )
+        except ValueError as e:
+            if "existing cluster" not in str(e):
+                raise
+            # Ray found a running cluster, which refuses resource arguments: join it as it is.
+            ray.init(**common)
+            self.joined = "auto"
 
     # ---- supervise ---------------------------------------------------------------------------
     def poll(self) -> bool:

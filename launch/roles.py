@@ -10,7 +10,6 @@ the model fails here with the same error the job would report.
 from __future__ import annotations
 
 import importlib
-import sys
 from typing import Any
 
 from torch import nn
@@ -97,12 +96,19 @@ def print_role_table(spec: str, recipe_payload: str | dict | None) -> int:
     except RecipeUpdateError as e:
         raise CliError(f"the recipe does not fit the model: {e}", 1) from e
     table = Table(title=f"roles of {spec} under {short_key(recipe)}", title_justify="left")
+    # long names fold to fit the terminal (never cut); slot and role stay on one line
     for col in ("module", "slot", "role", "role name", "quantizer"):
-        table.add_column(col, no_wrap=True)
+        table.add_column(col, no_wrap=col in ("slot", "role"), overflow="fold")
     last = None
     for module, *rest in rows:
         table.add_row("" if module == last else module, *rest)
         last = module
     table.caption = f"{len(rows)} slots in {len({r[0] for r in rows})} modules"
-    Console(width=None if sys.stdout.isatty() else 200).print(table)
+    if any(r[2] == "-" for r in rows):
+        table.caption += (
+            "; role -: an output or grad-input slot whose neighbour is no dist-quant module, so "
+            "no role names it (a CustomRecipe factory gets role None there)"
+        )
+    # the terminal's width on a terminal, else $COLUMNS or 80 (rich's rules)
+    Console().print(table)
     return 0

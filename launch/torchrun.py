@@ -121,10 +121,23 @@ def run_script(
 ) -> int:
     """`dist-quant run`: run `script` under torchrun in the foreground; returns its exit code.
 
-    Ctrl-C stops every rank before returning.
+    Ctrl-C stops every rank before returning. A `coordinator.json` the job wrote and could not
+    remove itself (its ranks were stopped by a signal) is removed then, so that no client is sent
+    to a job that is gone.
     """
+    from dist_quant.coordinator.endpoint import read_endpoint, remove_endpoint, resolve_run_dir
+
     if not module and not Path(script).is_file():
         raise FileNotFoundError(f"script {script!r} does not exist")
+    directory = resolve_run_dir(run_dir)
+
+    def token() -> str | None:
+        try:
+            return read_endpoint(directory)["token"]
+        except (OSError, ValueError):
+            return None
+
+    before = token()
     job = TorchrunJob(nproc, [script, *args], module=module, run_dir=run_dir).start()
     try:
         return job.wait()
@@ -132,3 +145,6 @@ def run_script(
         return 130
     finally:
         job.stop()
+        left = token()
+        if left is not None and left != before:  # this job's, and the job has ended
+            remove_endpoint(directory, left)

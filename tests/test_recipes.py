@@ -145,7 +145,7 @@ def test_unkeyed_closure_key_follows_the_captured_value_and_warns_once_per_key()
         assert CustomRecipe(f).key() == first
         assert CustomRecipe(_captures(0.123456)).key() == first  # equal capture, new closure
         assert CustomRecipe(_captures(0.654321)).key() != first
-    fallback = [w for w in caught if "fallback key" in str(w.message)]
+    fallback = [w for w in caught if "fallback key from" in str(w.message)]
     assert len(fallback) == 2 and all(w.category is UserWarning for w in fallback)
 
 

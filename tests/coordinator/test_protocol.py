@@ -111,11 +111,25 @@ def test_switch_result_round_trip():
 
 
 def test_phases_know_which_are_terminal_and_open():
-    assert {p for p in Phase if p.terminal} == {Phase.PUBLISHED, Phase.ABORTED}
-    assert {p for p in Phase if p.open} == {Phase.PREPARING, Phase.DECIDING, Phase.COMMITTED}
+    assert {p for p in Phase if p.terminal} == {Phase.PUBLISHED, Phase.ABORTED, Phase.CANCELLED}
+    assert {p for p in Phase if p.open} == {
+        Phase.PREPARING,
+        Phase.DECIDING,
+        Phase.COMMITTED,
+        Phase.CANCELLING,
+    }
     # A new switch may start only from IDLE or a terminal phase.
     assert {p for p, nxt in TRANSITIONS.items() if Phase.PREPARING in nxt} == {
         Phase.IDLE,
         Phase.PUBLISHED,
         Phase.ABORTED,
+        Phase.CANCELLED,
     }
+
+
+def test_only_a_committed_switch_can_be_cancelled_and_a_cancel_ends_cancelled_or_committed():
+    assert {p for p, nxt in TRANSITIONS.items() if Phase.CANCELLING in nxt} == {Phase.COMMITTED}
+    assert TRANSITIONS[Phase.CANCELLING] == {Phase.CANCELLED, Phase.COMMITTED}
+    # every phase has words for `dist-quant status`, naming the switch and its step
+    assert Phase.COMMITTED.describe(3, 50) == "switch 3: committed, ranks publish at step 50"
+    assert all(p.describe(1, 2) for p in Phase)

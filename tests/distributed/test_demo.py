@@ -191,15 +191,34 @@ def test_switch_from_another_process_commits_and_a_malformed_one_leaves_the_job_
         assert runs[1][1].startswith("Float8CurrentScaling:")
     assert _changes(logs[0]) == _changes(logs[1])
     phases = json.loads((out / "summary.json").read_text())["phases"]
-    assert [p["label"] for p in phases] == ["bf16", "switched by hand"]
+    assert [p["label"] for p in phases] == ["bf16", f"by hand: {runs[1][1]}"]
+
+
+def _previous_run(out: Path) -> dict[Path, bytes]:
+    """Files a previous demo left in `out`, with their contents."""
+    files = {
+        out / "loss.png": b"old png",
+        out / "summary.json": b'{"old": true}',
+        out / "summary.txt": b"old table",
+        out / "demo_config.json": b'{"old": "config"}',
+        out / "torchrun.log": b"old log",
+        out / "ranks" / "rank0.jsonl": b'{"step": 0, "loss": 9.0, "recipe": "old", "t": 0}\n',
+        out / "ranks" / "rank3.jsonl": b'{"step": 0, "loss": 9.0, "recipe": "old", "t": 0}\n',
+    }
+    for path, data in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    return files
 
 
 def test_a_failing_rank_fails_the_demo_with_one_line_naming_it(tmp_path) -> None:
     """A first recipe that parses but cannot be built (its factory returns a str) fails on the
-    ranks, not in the launcher: the demo must exit 1 and say which rank failed and why."""
+    ranks, not in the launcher: the demo must exit 1 and say which rank failed and why. The run
+    never came up, so the previous run's results are all still there, untouched."""
     schedule = tmp_path / "schedule.yaml"
     schedule.write_text('- {step: 0, recipe: {type: CustomRecipe, qfactory: "builtins:repr"}}\n')
     out = tmp_path / "run"
+    previous = _previous_run(out)
     proc = subprocess.run(
         _demo_cmd(out, "--steps", "5", "--recipe-schedule", str(schedule)),
         capture_output=True,
@@ -211,3 +230,56 @@ def test_a_failing_rank_fails_the_demo_with_one_line_naming_it(tmp_path) -> None
     assert len(err) == 1 and "Traceback" not in proc.stderr
     assert err[0].startswith("dist-quant: demo job failed (torchrun exit code 1): rank ")
     assert "layers.0.self_attention.qkv" in err[0] and "returned a str" in err[0]
+    assert f"full log: {out / 'torchrun-failed.log'}" in err[0]
+    assert {path: path.read_bytes() for path in previous} == previous
+    assert not list(out.glob(".demo_config.*")) and not (out / "coordinator.json").exists()
+
+
+def test_ray_launcher_without_ray_exits_2_with_the_install_hint_and_deletes_nothing(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray fails, find_spec finds nothing
+    out = tmp_path / "run"
+    previous = _previous_run(out)
+    assert main(["demo", "--launcher", "ray", "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # refused before the header
+    assert captured.err.count("\n") == 1
+    assert 'needs Ray, which is not installed: pip install -e ".[ray]"' in captured.err
+    assert {path: path.read_bytes() for path in previous} == previous
+
+
+def test_ctrl_c_stops_the_demo_and_leaves_no_endpoint_behind(tmp_path) -> None:
+    """After Ctrl-C the next `dist-quant status` says at once, in one line, that no job runs."""
+    import signal
+
+    out = tmp_path / "run"
+    log0 = out / "ranks" / "rank0.jsonl"
+    with open(tmp_path / "demo.log", "w") as demo_log:
+        demo = subprocess.Popen(
+            _demo_cmd(out, "--steps", "400", "--step-delay", "0.05"),
+            stdout=demo_log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            _wait_for(
+                lambda: log0.exists() and len(log0.read_text().splitlines()) >= 3,
+                "the first steps",
+                demo,
+            )
+            assert (out / "coordinator.json").exists()
+            demo.send_signal(signal.SIGINT)
+            assert demo.wait(timeout=120) == 130
+        finally:
+            if demo.poll() is None:
+                demo.kill()
+                demo.wait(60)
+    assert not (out / "coordinator.json").exists()
+    status = subprocess.run(
+        [sys.executable, "-m", "dist_quant.launch.cli", "status", "--run-dir", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert status.returncode == 2
+    assert status.stderr.count("\n") == 1 and "coordinator.json does not exist" in status.stderr

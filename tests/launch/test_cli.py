@@ -7,7 +7,7 @@ import sys
 import pytest
 from dist_quant.launch.cli import CliError, main, parse_recipe_arg
 
-COMMANDS = ["demo", "run", "switch", "status", "roles"]
+COMMANDS = ["demo", "run", "switch", "cancel", "status", "roles"]
 
 
 @pytest.mark.parametrize("argv", [[], *([c] for c in COMMANDS)])
@@ -36,6 +36,8 @@ def test_top_level_help_lists_every_command(capsys) -> None:
         (["switch", "current", "--timeout", "0"], "positive number"),
         (["switch", "current", "--run-dir", "a", "--address", "h:1"], "not allowed with"),
         (["run", "script.py"], "--nproc"),
+        (["cancel", "0"], "must be >= 1"),
+        (["cancel", "--timeout", "-1"], "positive number"),
     ],
 )
 def test_usage_errors_are_one_line_and_exit_2(argv, match: str, capsys) -> None:
@@ -80,6 +82,83 @@ def test_switch_without_a_job_exits_2_with_one_line(tmp_path, capsys) -> None:
     assert err.count("\n") == 1 and "coordinator.json does not exist" in err
     assert main(["status", "--run-dir", str(tmp_path)]) == 2
     assert "coordinator.json does not exist" in capsys.readouterr().err
+
+
+def test_a_left_over_endpoint_of_a_dead_job_is_one_line_and_exit_2(tmp_path) -> None:
+    """coordinator.json left behind (Ctrl-C) points at a closed port: the client says so at once,
+    in one line, without the store client's retries and c10d's C++ log."""
+    import socket
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "coordinator.json").write_text(
+        json.dumps({"address": f"127.0.0.1:{port}", "token": "t", "transport": "store"})
+    )
+    for command in (["switch", "current"], ["status"], ["cancel"]):
+        proc = subprocess.run(
+            [sys.executable, "-m", "dist_quant.launch.cli", *command, "--run-dir", str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.count("\n") == 1, proc.stderr
+        assert f"no coordinator at 127.0.0.1:{port}" in proc.stderr
+        assert "the job has ended" in proc.stderr and "coordinator.json" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "argv", [["--help"], ["switch", "current", "--run-dir", "{d}"], ["status", "--run-dir", "{d}"]]
+)
+def test_help_and_client_commands_do_not_import_torch(argv, tmp_path) -> None:
+    """What makes them start in a fraction of a second: torch is imported only by commands and
+    code paths that need it (a store connection to a live job, the demo, roles)."""
+    args = [a.replace("{d}", str(tmp_path)) for a in argv]
+    code = (
+        "import sys\n"
+        "from dist_quant.launch.cli import main\n"
+        f"rc = main({args!r})\n"
+        "print('torch' in sys.modules, rc)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.splitlines()[-1] in ("False 0", "False 2"), proc.stdout + proc.stderr
+
+
+def test_status_of_a_live_job_reaches_it_without_importing_torch(tmp_path) -> None:
+    """A coordinator on its TCPStore (as rank 0 runs it); `dist-quant status` in another process
+    talks to it with the plain-Python store client."""
+    from dist_quant.coordinator.coordinator import Coordinator
+    from dist_quant.coordinator.endpoint import write_endpoint
+    from dist_quant.coordinator.log import DecisionLog
+    from dist_quant.coordinator.transport_store import StoreServer, StoreTransport
+
+    server = StoreServer()
+    coord = Coordinator(
+        StoreTransport(server.address),
+        token="tok",
+        world_size=1,
+        tp_groups=[(0,)],
+        log=DecisionLog(tmp_path / "decisions.jsonl"),
+    )
+    coord.start()
+    write_endpoint(tmp_path, {"address": server.address, "token": "tok", "transport": "store"})
+    try:
+        code = (
+            "import sys\n"
+            "from dist_quant.launch.cli import main\n"
+            f"rc = main(['status', '--run-dir', {str(tmp_path)!r}])\n"
+            "print('torch' in sys.modules, rc)\n"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+        )
+    finally:
+        coord.stop()
+        server.close()
+    lines = proc.stdout.splitlines()
+    assert lines[-1] == "False 0", proc.stdout + proc.stderr
+    assert lines[0] == "state: idle: no switch requested yet"
 
 
 def test_switch_with_an_address_but_no_token_exits_2(monkeypatch, capsys) -> None:

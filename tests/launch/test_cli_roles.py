@@ -56,7 +56,8 @@ def test_a_per_role_custom_recipe_shows_its_dispatch() -> None:
             assert quantizer.startswith("Float8BlockQuantizer"), (module, slot, role)
 
 
-def test_roles_command_prints_the_table(capsys) -> None:
+def test_roles_command_prints_the_table(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("COLUMNS", "160")  # wide enough that no name folds
     assert main(["roles", "gpt:layers=2,hidden=32,heads=2", "--recipe", "current"]) == 0
     out = capsys.readouterr().out
     assert "layers.1.mlp" in out and "Float8CurrentScalingQuantizer(e5m2)" in out
@@ -93,3 +94,12 @@ def test_model_spec_defaults_and_round_trip() -> None:
     assert parse_gpt_spec(spec.to_spec()).ffn_size == spec.ffn_size == 4 * 64
     with pytest.raises(ValueError, match="multiples of the tensor-parallel size 3"):
         spec.check_tp(3)
+
+
+def test_the_table_fits_the_terminal_width_and_explains_unnamed_slots(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("COLUMNS", "100")
+    assert main(["roles", "gpt:layers=1", "--recipe", "delayed"]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 100
+    assert "│ bwd[1] │ -  " in out  # a slot without a role ...
+    assert "role -: an output or grad-input slot" in " ".join(out.split())  # ... explained

@@ -3,7 +3,14 @@
 import io
 
 import pytest
-from dist_quant.launch.demo_report import plot_loss, render_tables, short_key, summarize
+from dist_quant.launch.demo_report import (
+    _label_tiers,
+    plot_loss,
+    recent_loss,
+    render_tables,
+    short_key,
+    summarize,
+)
 from rich.console import Console
 
 from dist_quant import DelayedScaling, Float8CurrentScaling
@@ -65,8 +72,59 @@ def test_a_switch_made_by_hand_shows_as_its_own_phase() -> None:
     s = summarize(
         {0: _log(keys, LOSSES[:12])}, [], schedule_keys=[("A", "warm-up")], entropy_floor=0.5
     )
-    assert [p["label"] for p in s["phases"]] == ["warm-up", "switched by hand"]
+    assert [p["label"] for p in s["phases"]] == ["warm-up", "by hand: C"]
     assert s["phases"][1]["requested_step"] is None
+
+
+def test_a_hand_switch_to_a_scheduled_recipe_is_not_taken_for_the_scheduled_phase() -> None:
+    """Rank 0 ran A, then B by hand at step 3, then B -> A at the scheduled step 12: the hand
+    phase is labelled as such even though B is the next scheduled recipe."""
+    keys = ["A"] * 3 + ["B"] * 9 + ["A"] * 6
+    s = summarize({0: _log(keys, LOSSES)}, SWITCHES[1:], schedule_keys=SCHEDULE, entropy_floor=0.5)
+    assert [(p["label"], p["start"]) for p in s["phases"]] == [
+        ("warm-up", 0),
+        ("by hand: B", 3),
+        ("tail", 12),
+    ]
+
+
+def test_the_first_step_of_each_phase_is_reported_apart_from_the_steady_state_rate() -> None:
+    log = _log(KEYS, LOSSES)
+    for rec in log:
+        rec["dt"] = 0.5
+    log[6]["dt"] = 3.0  # the first FP8 step compiles its kernels
+    for rec in log[6:]:
+        rec["t"] += 2.5
+    s = summarize({0: log}, SWITCHES, schedule_keys=SCHEDULE, entropy_floor=0.5)
+    fp8 = s["phases"][1]
+    assert fp8["first_step_s"] == 3.0
+    assert fp8["steps_per_s"] == pytest.approx(5 / 2.5)  # steps 7..11 after step 6 ended
+    assert s["steady_steps_per_s"] == pytest.approx(15 / 7.5)
+    assert s["warmup_s"] == pytest.approx(0.5 + 3.0 + 0.5)
+    assert s["steps_per_s"] == pytest.approx(17 / 11.0)  # step 0's end to step 17's end
+
+
+def test_progress_loss_is_the_same_mean_as_the_tables_last_column() -> None:
+    s = summarize({0: _log(KEYS, LOSSES)}, SWITCHES, schedule_keys=SCHEDULE, entropy_floor=0.5)
+    assert recent_loss(_log(KEYS, LOSSES)) == pytest.approx(s["loss_end"])
+    assert s["loss_end"] == pytest.approx(sum(LOSSES[-5:]) / 5)
+
+
+def test_phase_precision_comes_from_the_given_classifier() -> None:
+    s = summarize(
+        {0: _log(KEYS, LOSSES)},
+        SWITCHES,
+        schedule_keys=SCHEDULE,
+        entropy_floor=0.5,
+        precision_of={"A": "bf16", "B": "fp8"}.get,
+    )
+    assert [p["precision"] for p in s["phases"]] == ["bf16", "fp8", "bf16"]
+
+
+def test_close_labels_go_to_separate_rows_and_far_ones_share_the_first() -> None:
+    # 1 step per character: "abcd" at 0 covers [0, 5); at 3 it would overlap, at 10 it does not
+    assert _label_tiers([0, 3, 10, 12], ["abcd", "abcd", "abcd", "ab"], 1.0) == [0, 1, 0, 1]
+    assert _label_tiers([0, 50, 100], ["x" * 10] * 3, 1.0) == [0, 0, 0]
 
 
 def test_no_steps_from_rank_0_is_an_error() -> None:

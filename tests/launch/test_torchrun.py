@@ -100,3 +100,40 @@ def test_stop_leaves_no_rank_running(tmp_path) -> None:
     for p in leftover:  # never leave them behind, even when the test fails
         os.kill(p, signal.SIGKILL)
     assert leftover == []
+
+
+KILLED_AFTER_ATTACH = """
+import os, signal, sys
+from pathlib import Path
+from dist_quant.coordinator.endpoint import write_endpoint
+if os.environ["RANK"] == "0":  # as attach() does on rank 0
+    write_endpoint(Path(sys.argv[1]), {"address": "127.0.0.1:1", "token": "this-job"})
+os.kill(os.getpid(), signal.SIGKILL)  # stopped by a signal: no atexit, the file stays behind
+"""
+
+
+def test_run_removes_the_endpoint_its_job_left_behind(tmp_path, capsys) -> None:
+    script = tmp_path / "script.py"
+    script.write_text(KILLED_AFTER_ATTACH)
+    run_dir = tmp_path / "job"
+    argv = ["run", "--nproc", "1", "--run-dir", str(run_dir), str(script), str(run_dir)]
+    assert main(argv) == 1
+    assert not (run_dir / "coordinator.json").exists()
+
+
+def test_run_leaves_an_endpoint_it_did_not_write(tmp_path, capsys) -> None:
+    """Another job's coordinator.json in the run dir (unchanged by this run) is not this run's to
+    remove."""
+    from pathlib import Path
+
+    from dist_quant.coordinator.endpoint import write_endpoint
+
+    run_dir = tmp_path / "job"
+    write_endpoint(Path(run_dir), {"address": "127.0.0.1:2", "token": "other-job"})
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    assert (
+        main(["run", "--nproc", "2", "--run-dir", str(run_dir), str(script), str(tmp_path), "ok"])
+        == 0
+    )
+    assert '"other-job"' in (run_dir / "coordinator.json").read_text()

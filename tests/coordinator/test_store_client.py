@@ -1,0 +1,79 @@
+"""The plain-Python store client against the installed torch's TCPStore server and client: every
+message either way arrives intact and in order, a pop times out cleanly (and the connection
+stays usable), and a dead or foreign server is a `TransportError`."""
+
+import socket
+import threading
+import time
+
+import pytest
+from dist_quant.coordinator.transport import TransportError
+from dist_quant.coordinator.transport_store import StoreServer, StoreTransport
+from dist_quant.coordinator.transport_store_client import StoreClientTransport
+
+
+@pytest.fixture
+def server():
+    srv = StoreServer()
+    yield srv
+    srv.close()
+
+
+@pytest.mark.parametrize("size", [0, 1, 1439, 1440, 70_000])
+def test_messages_cross_between_torch_and_the_plain_client_in_order(server, size):
+    torch_side = StoreTransport(server.address)
+    plain = StoreClientTransport(server.address)
+    payloads = [bytes([i % 251]) * size + str(i).encode() for i in range(3)]
+    for p in payloads:
+        plain.push("inbox", p)
+    assert [torch_side.pop("inbox", 5) for _ in payloads] == payloads
+    for p in payloads:
+        torch_side.push("reply/r1", p)
+    assert [plain.pop("reply/r1", 5) for _ in payloads] == payloads
+
+
+def test_a_pop_that_times_out_returns_none_and_the_connection_stays_usable(server):
+    plain = StoreClientTransport(server.address)
+    assert plain.pop("reply/none", 0.05) is None
+    StoreTransport(server.address).push("reply/none", b"later")
+    assert plain.pop("reply/none", 5) == b"later"
+
+
+def test_a_blocked_pop_wakes_when_the_item_is_pushed(server):
+    plain = StoreClientTransport(server.address)
+    got = []
+    t = threading.Thread(target=lambda: got.append(plain.pop("reply/wait", 10)))
+    t.start()
+    time.sleep(0.1)
+    StoreTransport(server.address).push("reply/wait", b"now")
+    t.join(10)
+    assert got == [b"now"]
+
+
+def test_nothing_listening_is_a_transport_error_at_once():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    with pytest.raises(TransportError, match="cannot reach the coordinator store"):
+        StoreClientTransport(f"127.0.0.1:{port}", connect_timeout_s=5)
+    assert time.monotonic() - t0 < 5  # refused, not waited out
+
+
+def test_a_server_that_is_not_a_tcpstore_is_refused():
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+
+        def answer_garbage():
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(64)
+                conn.sendall(b"\xff\xff\xff\xff")
+
+        t = threading.Thread(target=answer_garbage)
+        t.start()
+        with pytest.raises(TransportError, match="not a TCPStore"):
+            StoreClientTransport(f"127.0.0.1:{port}", connect_timeout_s=5)
+        t.join(5)
