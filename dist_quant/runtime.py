@@ -202,10 +202,20 @@ def plan_module(
         bwd_q = bwd_state.make_quantizers()
     except (ValueError, TypeError) as e:
         raise _error(name, e) from e
+    _tag_slots(fwd_q, fwd_roles, name, "forward")
+    _tag_slots(bwd_q, bwd_roles, name, "backward")
     rt = ModuleRuntime(recipe, recipe_key, fwd_roles, bwd_roles, fwd_state, bwd_state, fwd_q, bwd_q)
     candidate = ModuleCandidate(module, rt, unchanged=False, state_notes=notes, on_publish=hooks)
     validate_candidate(candidate)
     return candidate
+
+
+def _tag_slots(quantizers: list, roles: tuple, module_name: str, direction: str) -> None:
+    """Name each quantizer's slot for telemetry (`Quantizer.stats_slot`): a slot without a role
+    is `slot<i>`. A factory that hands one object to several slots: it reports as the last."""
+    for i, (q, role) in enumerate(zip(quantizers, roles)):
+        tensor_type = role.tensor_type if role is not None and role.tensor_type else f"slot{i}"
+        q.stats_slot = (module_name, tensor_type, direction)
 
 
 EMULATION_ENV = "DIST_QUANT_EMULATE_FP8"
