@@ -144,7 +144,9 @@ def fp8_fallback(
     """
     names = list(layers) if not isinstance(layers, str) else None
     if not names or not all(isinstance(n, str) and n for n in names):
-        raise ValueError(f"fp8_fallback: layers must be a non-empty list of module names, got {layers!r}")
+        raise ValueError(
+            f"fp8_fallback: layers must be a non-empty list of module names, got {layers!r}"
+        )
     if to not in FALLBACK_TARGETS:
         raise ValueError(f"fp8_fallback: to must be one of {FALLBACK_TARGETS}, got {to!r}")
     base_recipe = recipe_from_dict(base)

@@ -239,7 +239,9 @@ class Telemetry:
         for slot in slots:
             entries = self._acc.get(slot)
             if not entries:
-                rows.append(torch.tensor([0, 0, 0, 0, 0, math.inf], dtype=torch.float64, device=dev))
+                rows.append(
+                    torch.tensor([0, 0, 0, 0, 0, math.inf], dtype=torch.float64, device=dev)
+                )
                 continue
             counts = torch.stack(
                 [torch.stack([s.saturated, s.underflowed, s.nonzero]) for s, _, _ in entries]
@@ -291,8 +293,15 @@ def _reduce(slots: list[tuple[str, str, str]], table: torch.Tensor) -> tuple[Slo
             continue  # not quantized per tensor on any rank this step
         out.append(
             SlotStats(
-                module, tensor_type, direction, numel, sat, under, nonzero,
-                float(amax[i]), float(scale[i]),
+                module,
+                tensor_type,
+                direction,
+                numel,
+                sat,
+                under,
+                nonzero,
+                float(amax[i]),
+                float(scale[i]),
             )  # fmt: skip
         )
     return tuple(out)
@@ -302,6 +311,3 @@ def _global_rank() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     return 0
-
-
-

@@ -71,7 +71,9 @@ def test_bad_fallback_parameters_are_refused(kwargs, match):
 
 
 def test_a_builder_refusing_its_params_is_a_value_error_naming_the_field():
-    bad = {"type": "CustomRecipe", "qfactory": {"builder": "dist_quant.factories:fp8_fallback",
-                                                 "params": {"layers": []}}}
+    bad = {
+        "type": "CustomRecipe",
+        "qfactory": {"builder": "dist_quant.factories:fp8_fallback", "params": {"layers": []}},
+    }
     with pytest.raises(ValueError, match="CustomRecipe.qfactory: builder .* refused"):
         recipe_from_dict(bad)

@@ -52,8 +52,14 @@ def test_only_stats_steps_are_counted_and_written_by_rank_zero(tmp_path):
     lines = (tmp_path / STATS_FILE).read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [0, 3, 6]
     assert [r["step"] for r in read_stats(tmp_path)] == [0, 3, 6]
-    slots = {(s["module"], s["tensor_type"], s["direction"]) for s in read_stats(tmp_path)[0]["slots"]}
-    assert slots == {("fc", "input", "forward"), ("fc", "weight", "forward"), ("fc", "grad_output", "backward")}
+    slots = {
+        (s["module"], s["tensor_type"], s["direction"]) for s in read_stats(tmp_path)[0]["slots"]
+    }
+    assert slots == {
+        ("fc", "input", "forward"),
+        ("fc", "weight", "forward"),
+        ("fc", "grad_output", "backward"),
+    }
 
 
 def test_interval_zero_counts_nothing_and_writes_nothing(tmp_path):
