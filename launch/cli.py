@@ -1,4 +1,4 @@
-"""The `dist-quant` command line: demo, run, switch, status, roles.
+"""The `dist-quant` command line: demo, run, switch, status, roles, stats.
 
 Every error is one line on stderr and an exit code, never a traceback (set DIST_QUANT_DEBUG=1 to
 get the traceback of an unexpected error). Exit codes:
@@ -23,6 +23,8 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
+
+from dist_quant.launch.stats import add_stats_parser, run_stats
 
 
 class CliError(Exception):
@@ -255,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="built-in name, JSON object or file (default: autocast's default "
         "recipe on this machine)",
     )
+    add_stats_parser(sub)
     return parser
 
 
@@ -324,6 +327,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "switch": _cmd_switch,
     "status": _cmd_status,
     "roles": _cmd_roles,
+    "stats": run_stats,
 }
 
 

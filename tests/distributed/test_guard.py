@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from dist_quant.coordinator import attach, fail_at
+from dist_quant.coordinator import client as switch_client
+from dist_quant.coordinator.guard import PrecisionGuard
 from harness import run_ranks
 from torch import nn
 
 import dist_quant as dq
-from dist_quant.coordinator import attach, fail_at
-from dist_quant.coordinator import client as switch_client
-from dist_quant.coordinator.guard import PrecisionGuard
 
 pytestmark = pytest.mark.distributed
 
