@@ -18,7 +18,9 @@ one extra read of each quantized tensor (bench/bench_stats.py measures it). Per-
 a scale per block that the cast computes internally, so they are not counted: the first stats
 step warns once naming those slots.
 
-A slot is (module name, tensor type, direction), as the runtime names it (`Quantizer.stats_slot`).
+A slot is (role name, tensor type, direction), as the runtime names it (`runtime.stats_slot`):
+the role's name is the module a fallback factory targets (`layers.0.mlp.fc2` inside a
+LayerNormMLP), falling back to the owning module's name for slots without a role.
 Everything a stats step saw is summed per slot over its casts (microbatches, the TP copies of a
 quantizer), then over the ranks of `group` (default: the whole job) with ONE all-gather of a
 float64 buffer: counts are summed (exact below 2**53), amax is the max (NaN propagating), scale
@@ -46,7 +48,7 @@ from torch import nn
 
 from dist_quant import quantizers as _quantizers
 from dist_quant.kernels.fp8_stats import cast_stats
-from dist_quant.runtime import dist_quant_modules
+from dist_quant.runtime import dist_quant_modules, stats_slot
 
 STATS_FILE = "fp8_stats.jsonl"
 _FIELDS = 6  # per slot in the gathered buffer: numel, saturated, underflowed, nonzero, amax, scale
@@ -219,9 +221,7 @@ class Telemetry:
             name = m.role_name or type(m).__name__
             for fwd, direction in ((True, "forward"), (False, "backward")):
                 roles = m.get_quantizer_roles(fwd=fwd, num_quantizers=m.num_quantizers(fwd=fwd))
-                for i, role in enumerate(roles):
-                    tt = role.tensor_type if role is not None and role.tensor_type else f"slot{i}"
-                    keys.append((name, tt, direction))
+                keys.extend(stats_slot(name, role, i, direction) for i, role in enumerate(roles))
         return sorted(set(keys))
 
     def _device(self) -> torch.device:

@@ -100,3 +100,13 @@ def test_begin_without_end_is_refused():
     with pytest.raises(RuntimeError, match="stats step 0 is open"):
         t.begin_step(1)
     t.close()
+
+
+def test_slots_report_under_their_role_names_inside_a_fused_module(tmp_path):
+    # LayerNormMLP "mlp" owns both GEMMs: fc1's and fc2's inputs are separate slots
+    model = dq.LayerNormMLP(32, 64, name="mlp")
+    t = Telemetry(model, stats_interval=1, run_dir=tmp_path)
+    slots = _by_slot(_step(model, t, 0, torch.randn(6, 32), dq.Float8CurrentScaling()))
+    assert slots[("mlp.fc1", "input", "forward")].numel == 6 * 32
+    assert slots[("mlp.fc2", "input", "forward")].numel == 6 * 64
+    assert slots[("mlp.fc2", "weight", "forward")].numel == 32 * 64
