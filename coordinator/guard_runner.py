@@ -6,20 +6,25 @@ reduced (one collective over the job) at `observe(step, loss=..., grad_norm=...)
 also feeds `GuardRunner`, which turns each step into an `Observation`, asks the pure
 `guard_decide`, logs the decision into `decisions.jsonl` (record kind `log.GUARD_RECORD`) and
 sends the switch request from a thread of its own, so the training thread never waits for a
-vote. The outcome is logged too; a request that cannot reach the coordinator is logged as
-"unreachable" and training goes on with the recipe it has.
+vote. The outcome is logged too: "committed" / "aborted" (with the switch id and commit step),
+"busy" (another switch, e.g. a scheduled one, stayed open for the whole switch timeout; retried
+every 0.2 s until then), "unreachable" (no coordinator answered) or "refused" (no recipe could be
+derived); in every case but a commit training goes on with the recipe it has.
 
-The recipe a decision asks for is derived from the base recipe, the one the model ran when the
-guard first acted: offending layers -> `CustomRecipe(fp8_fallback(layers, to=..., base=base))`,
-the whole model -> the built-in "bf16" or "current", undo -> the base itself.
+The recipe a decision asks for is derived from the base recipe: the one the model runs when the
+request is sent, or, while a guard switch is in force, the one that switch started from.
+Offending layers -> `CustomRecipe(fp8_fallback(layers, to=..., base=base))`; the whole model ->
+the built-in "bf16" or "current"; undo -> the base itself.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
+from dist_quant.coordinator.errors import SwitchBusyError, SwitchRequestError
 from dist_quant.coordinator.guard import (
     Action,
     GuardDecision,
@@ -39,6 +44,7 @@ from dist_quant.runtime import current_recipe
 from dist_quant.telemetry import StatsRecord, Telemetry
 
 CLOSE_WAIT_S = 5.0
+BUSY_RETRY_S = 0.2  # how often a request refused because another switch is open is retried
 Requester = Callable[[Any, float], Any]  # (recipe payload, timeout_s) -> SwitchResult
 
 
@@ -56,7 +62,7 @@ class GuardRunner:
         self._request = request
         self._lock = threading.Lock()
         self._state = GuardState()
-        self._base: dict | str | None = None
+        self._base: dict | str | None = None  # set while a guard switch is in force
         self._thread: threading.Thread | None = None
         self._say = SwitchLog(0)
 
@@ -71,15 +77,9 @@ class GuardRunner:
             decision, self._state = guard_decide(self.policy, self._state, obs)
         if decision is None:
             return None
-        try:
-            recipe = self._recipe_for(decision)
-        except Exception as e:  # noqa: BLE001 - a guard never stops training
-            self._record(decision, outcome="refused", reason=f"{type(e).__name__}: {e}")
-            self._resolve(False)
-            return decision
-        self._record(decision, outcome="requested", recipe=recipe)
+        self._record(decision, outcome="requested")
         self._thread = threading.Thread(
-            target=self._send, args=(decision, recipe), name="dist_quant.guard", daemon=True
+            target=self._send, args=(decision,), name="dist_quant.guard", daemon=True
         )
         self._thread.start()
         return decision
@@ -89,32 +89,53 @@ class GuardRunner:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def _recipe_for(self, d: GuardDecision) -> dict | str:
-        if self._base is None:
-            base = current_recipe(self._model) or default_recipe()
-            self._base = base.to_dict()  # raises for a factory that cannot be serialised
+    def _recipe_for(self, d: GuardDecision) -> tuple[dict | str, dict | str]:
+        """(recipe to request, base it derives from). The base is what the model runs now, until
+        a guard switch commits; from then until an undo commits, the base that switch came from."""
+        base = self._base
+        if base is None:
+            recipe = current_recipe(self._model) or default_recipe()
+            base = recipe.to_dict()  # raises for a factory that cannot be serialised
         if d.action is Action.LAYERS:
-            return CustomRecipe(fp8_fallback(d.layers, to=d.target, base=self._base)).to_dict()
+            return CustomRecipe(fp8_fallback(d.layers, to=d.target, base=base)).to_dict(), base
         if d.action is Action.MODEL:
-            return d.target
-        return self._base
+            return d.target, base
+        return base, base
 
-    def _send(self, decision: GuardDecision, recipe: dict | str) -> None:
-        try:
-            result = self._request(recipe, self.policy.switch_timeout_s)
-        except Exception as e:  # noqa: BLE001 - unreachable or busy: log, keep training
-            self._record(decision, outcome="unreachable", reason=f"{type(e).__name__}: {e}")
-            self._resolve(False)
-            return
-        reasons = {str(r): why for r, why in (result.reasons or {}).items()}
-        self._record(
+    def _send(self, decision: GuardDecision) -> None:
+        """Request, retrying while another switch (a scheduled one, say) is open, until the
+        policy's switch timeout; every failure is logged and training goes on."""
+        deadline = time.monotonic() + self.policy.switch_timeout_s
+        while True:
+            try:
+                recipe, base = self._recipe_for(decision)
+                result = self._request(recipe, self.policy.switch_timeout_s)
+                break
+            except SwitchBusyError as e:
+                if time.monotonic() + BUSY_RETRY_S < deadline:
+                    time.sleep(BUSY_RETRY_S)
+                    continue
+                self._finish(decision, False, outcome="busy", reason=str(e))
+                return
+            except Exception as e:  # noqa: BLE001 - unreachable or refused: log, keep training
+                outcome = "unreachable" if isinstance(e, SwitchRequestError) else "refused"
+                self._finish(decision, False, outcome=outcome, reason=f"{type(e).__name__}: {e}")
+                return
+        if result.committed:
+            self._base = None if decision.action is Action.UNDO else base
+        self._finish(
             decision,
+            bool(result.committed),
             outcome="committed" if result.committed else "aborted",
+            recipe=recipe,
             switch_id=result.switch_id,
             commit_step=result.step,
-            reasons=reasons,
+            reasons={str(r): why for r, why in (result.reasons or {}).items()},
         )
-        self._resolve(bool(result.committed))
+
+    def _finish(self, decision: GuardDecision, committed: bool, **outcome: Any) -> None:
+        self._record(decision, **outcome)
+        self._resolve(committed)
 
     def _resolve(self, committed: bool) -> None:
         with self._lock:

@@ -195,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="sleep S seconds after each step, to watch the demo or to try "
         "'dist-quant switch' from another terminal",
     )
+    demo.add_argument("--guard", action="store_true", help="run the precision guard (FP8 stats)")
+    demo.add_argument("--spike-at", type=_non_negative_int, metavar="STEP", help="inject an outlier")
 
     run = sub.add_parser(
         "run",
@@ -277,6 +279,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             model=args.model,
             device=args.device,
             step_delay=args.step_delay,
+            guard=args.guard,
+            spike_at=args.spike_at,
         )
     )
 

@@ -27,6 +27,7 @@ from typing import Any
 from dist_quant.coordinator import SwitchBusyError, SwitchRequestError, request_switch
 from dist_quant.coordinator.endpoint import read_endpoint
 from dist_quant.launch.cli import CliError
+from dist_quant.launch.demo_guard import HEATMAP_FILE, plot_stats_heatmap
 from dist_quant.launch.demo_schedule import Phase, Schedule, load_schedule_file, resolve_schedule
 
 
@@ -47,6 +48,10 @@ class DemoOptions:
     lr: float = 3e-3
     switch_timeout_s: float = 60.0
     """Vote deadline of each scheduled switch."""
+    guard: bool = False
+    """Run the precision guard (launch/demo_guard.py) with FP8 telemetry every step."""
+    spike_at: int | None = None
+    """Inject an activation outlier at this step (launch/demo_guard.py)."""
 
 
 def default_tp(nproc: int) -> int:
@@ -91,6 +96,8 @@ def _resolve(opts: DemoOptions) -> tuple[dict[str, Any], Schedule]:
         "first_recipe": schedule.phases[0].recipe,
         "step_delay": opts.step_delay,
         "device": device,
+        "guard": opts.guard,
+        "spike_at": opts.spike_at,
     }
     return cfg, schedule
 
@@ -281,6 +288,8 @@ def run_demo(opts: DemoOptions) -> int:
         out / "loss.png",
         out / "summary.json",
         out / "summary.txt",
+        out / HEATMAP_FILE,
+        out / "fp8_stats.jsonl",
     ]:
         old.unlink(missing_ok=True)
     console = _console()
@@ -337,6 +346,8 @@ def run_demo(opts: DemoOptions) -> int:
         for table in tables:
             text_console.print(table)
     plot_loss(summary, out / "loss.png")
+    if plot_stats_heatmap(out, out / HEATMAP_FILE):
+        console.print(f"FP8 heat map: {out / HEATMAP_FILE}")
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     console.print(f"loss curve: {out / 'loss.png'}   summary: {out / 'summary.json'}")
     failed = [s for s in driver.records if not s["committed"]]

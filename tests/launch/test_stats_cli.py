@@ -4,6 +4,7 @@ import json
 
 import torch
 from dist_quant.coordinator.endpoint import LOG_FILE
+from dist_quant.coordinator.errors import SwitchRequestError
 from dist_quant.coordinator.guard import Observation, PrecisionGuard
 from dist_quant.coordinator.guard_runner import GuardRunner
 from dist_quant.coordinator.log import GUARD_RECORD, DecisionLog
@@ -65,7 +66,7 @@ def test_stats_shows_the_last_guard_decision(tmp_path, capsys):
     _run(tmp_path)
 
     def unreachable(recipe, timeout):
-        raise ConnectionError("coordinator gone")
+        raise SwitchRequestError("coordinator gone")
 
     model = torch.nn.Sequential(dq.Linear(4, 4))
     runner = GuardRunner(
