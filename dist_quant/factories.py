@@ -137,7 +137,8 @@ def fp8_fallback(
     """`base` everywhere except the modules named in `layers`, which run `to`.
 
     A role belongs to a listed module when its name equals it or lies below it (`layers.1`
-    covers `layers.1.mlp.fc1`). `base` is a recipe dict or built-in name (delayed, current,
+    covers `layers.1.mlp.fc1`); a slot the base keeps in high precision stays there (a fallback
+    never lowers precision). `base` is a recipe dict or built-in name (delayed, current,
     mxfp8, block or a CustomRecipe), answered slot by slot as that recipe would. The precision
     guard builds this to move offending layers off FP8 trouble; it serialises through its
     parameters (`CustomRecipe(fp8_fallback(...)).to_dict()` round-trips), and its key names them.
@@ -160,9 +161,12 @@ def fp8_fallback(
     @quantizer_factory(key=key)
     def factory(role: QuantizerRole | None) -> Quantizer | DelayedScalingRequest:
         name = role.name if role is not None else ""
+        kept = base_factory(role)
+        if isinstance(kept, IdentityQuantizer):
+            return kept  # a fallback never lowers precision: high precision stays high
         if any(name == layer or name.startswith(layer + ".") for layer in chosen):
             return target(role)
-        return base_factory(role)
+        return kept
 
     return factory
 

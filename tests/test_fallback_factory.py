@@ -77,3 +77,8 @@ def test_a_builder_refusing_its_params_is_a_value_error_naming_the_field():
     }
     with pytest.raises(ValueError, match="CustomRecipe.qfactory: builder .* refused"):
         recipe_from_dict(bad)
+
+
+def test_a_fallback_never_lowers_a_high_precision_slot():
+    f = fp8_fallback(["fc"], to="current", base="bf16")
+    assert isinstance(f(_role("fc")), dq.IdentityQuantizer)
