@@ -11,11 +11,13 @@ from dist_quant.coordinator.attach import attach
 from dist_quant.coordinator.client import request_switch, status
 from dist_quant.coordinator.errors import SwitchBusyError, SwitchError, SwitchRequestError
 from dist_quant.coordinator.faults import fail_at
+from dist_quant.coordinator.guard import PrecisionGuard
 from dist_quant.coordinator.participant import Participant
 from dist_quant.coordinator.protocol import SwitchResult
 
 __all__ = [
     "Participant",
+    "PrecisionGuard",
     "SwitchBusyError",
     "SwitchError",
     "SwitchRequestError",
