@@ -18,6 +18,7 @@ _EXPORTS: dict[str, str] = {
     "CancelRefusedError": "dist_quant.coordinator.errors",
     "CancelResult": "dist_quant.coordinator.protocol",
     "Participant": "dist_quant.coordinator.participant",
+    "PrecisionGuard": "dist_quant.coordinator.guard",
     "SwitchBusyError": "dist_quant.coordinator.errors",
     "SwitchError": "dist_quant.coordinator.errors",
     "SwitchRequestError": "dist_quant.coordinator.errors",

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from dist_quant.coordinator.client import request_switch
 from dist_quant.coordinator.coordinator import Coordinator
 from dist_quant.coordinator.endpoint import (
     LOG_FILE,
@@ -35,6 +36,8 @@ from dist_quant.coordinator.endpoint import (
     write_endpoint,
 )
 from dist_quant.coordinator.faults import Fault
+from dist_quant.coordinator.guard import PrecisionGuard
+from dist_quant.coordinator.guard_runner import GuardRunner, StepMonitor
 from dist_quant.coordinator.log import DecisionLog
 from dist_quant.coordinator.participant import Participant
 from dist_quant.coordinator.protocol import Stop
@@ -43,6 +46,7 @@ from dist_quant.coordinator.wire import CLOSED, rank_queue, seal
 from torch import nn
 
 from dist_quant.modules.base import assign_role_names
+from dist_quant.telemetry import Telemetry
 
 TRANSPORTS = ("auto", "store", "ray")
 _DRAIN_S = 1.0  # how long rank 0's close waits for the other ranks' listeners to stop
@@ -61,6 +65,8 @@ def attach(
     describe: Callable[[Any], str] | None = None,
     faults: Sequence[Fault] = (),
     decision_grace_s: float = 1.0,
+    stats_interval: int = 0,
+    guard: PrecisionGuard | None = None,
 ) -> Participant:
     """Attach this rank's `model` to the job's coordinator; call on every rank of `group`.
 
@@ -68,7 +74,14 @@ def attach(
     `group`); ranks of one TP group must plan identical digests to commit. None: the rank alone.
     `planner` / `recipe_loader` / `describe` default to `dist_quant.runtime.plan_model`,
     `dist_quant.recipes.recipe_from_dict` and `dist_quant.runtime.recipe_key_of`.
+    `stats_interval` > 0: FP8 telemetry every that many steps, reduced over `group`, written by
+    rank 0 to `<run_dir>/fp8_stats.jsonl`. `guard`: a `PrecisionGuard` that rank 0 runs on what
+    `participant.observe` reports (see coordinator/guard.py). Both need `participant.observe(step,
+    loss=..., grad_norm=...)` after every step's backward, on every rank.
     """
+    if guard is not None and not isinstance(guard, PrecisionGuard):
+        raise ValueError(f"attach: guard must be a PrecisionGuard or None, got {guard!r}")
+    telemetry = Telemetry(model, stats_interval=stats_interval, group=group, run_dir=run_dir)
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError(
             "attach: torch.distributed is not initialised; call init_process_group first"
@@ -122,8 +135,30 @@ def attach(
         faults=faults,
         decision_grace_s=decision_grace_s,
         on_close=on_close,
+        monitor=_monitor(telemetry if stats_interval else None, guard, model, run_dir, rank),
     )
     return participant.start()
+
+
+def _monitor(
+    telemetry: Telemetry | None, guard: PrecisionGuard | None, model: Any, run_dir: Any, rank: int
+) -> StepMonitor | None:
+    """Telemetry on every rank, the guard on rank 0 (requesting through this job's endpoint like
+    any client); None when neither is asked for, so step_boundary stays a lock and a flag."""
+    runner = None
+    if guard is not None and rank == 0:
+        resolved = resolve_run_dir(run_dir)
+        runner = GuardRunner(
+            guard,
+            model,
+            log=DecisionLog(resolved / LOG_FILE),
+            request=lambda recipe, timeout: request_switch(
+                recipe, timeout_s=timeout, run_dir=resolved
+            ),
+        )
+    if telemetry is None and runner is None:
+        return None
+    return StepMonitor(telemetry, runner)
 
 
 def check_tp_groups(claims: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:

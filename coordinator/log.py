@@ -15,6 +15,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+GUARD_RECORD = "guard"
+"""`event` of a precision-guard record (coordinator/guard_runner.py): one when the guard decides
+(`outcome` "requested" or "refused"), one when its switch request ends ("committed", "aborted",
+"unreachable"), each with the trigger, the action, the statistic that fired it and the step."""
+
 
 class DecisionLogError(OSError):
     """The decision log could not be written durably."""

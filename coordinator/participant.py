@@ -30,6 +30,7 @@ from typing import Any
 
 from dist_quant.coordinator.errors import SwitchError
 from dist_quant.coordinator.faults import Fault, inject
+from dist_quant.coordinator.guard_runner import StepMonitor
 from dist_quant.coordinator.logfmt import SwitchLog
 from dist_quant.coordinator.protocol import (
     Ack,
@@ -98,6 +99,7 @@ class Participant:
         faults: Sequence[Fault] = (),
         decision_grace_s: float = 1.0,
         on_close: Sequence[Callable[[], None]] = (),
+        monitor: StepMonitor | None = None,
     ) -> None:
         self.rank = rank
         self.address = address
@@ -111,6 +113,7 @@ class Participant:
         self._faults = tuple(faults)
         self._grace = decision_grace_s
         self._on_close = tuple(on_close)
+        self._monitor = monitor  # telemetry and the precision guard (guard_runner.py)
         self._closed = False
         self._say = SwitchLog(rank)
         self._lock = threading.Lock()
@@ -152,6 +155,8 @@ class Participant:
         except TransportError:
             pass  # the store is gone, so the listener has already ended
         self._listener.join(timeout)
+        if self._monitor is not None:
+            self._monitor.close()
         for fn in self._on_close:
             fn()
         self._tx.close()
@@ -171,6 +176,8 @@ class Participant:
     def step_boundary(self, step: int) -> None:
         """Call once per optimizer step, before its forward. Publishes a committed recipe at the
         commit step; otherwise a lock and a flag check (no network call, no collective)."""
+        if self._monitor is not None:
+            self._monitor.begin_step(step)  # a telemetry stats step starts counting here
         with self._lock:
             if self._last_step is None:
                 self._cond.notify_all()  # a listener may wait for the first boundary
@@ -180,6 +187,14 @@ class Participant:
             publish = self._boundary_slow(step)
         if publish:
             self._publish(step)
+
+    def observe(self, step: int, *, loss: Any = None, grad_norm: Any = None) -> Any:
+        """Call after `step`'s backward on every rank when attached with `stats_interval` or a
+        `guard`: ends a telemetry stats step (one collective) and, on rank 0, feeds the guard
+        (rank 0's `loss` and `grad_norm`). Returns the guard's decision for this step, or None."""
+        if self._monitor is None:
+            return None
+        return self._monitor.end_step(step, loss, grad_norm)
 
     def _boundary_slow(self, step: int) -> bool:
         """Called with the lock held; True when this boundary must publish the candidate."""

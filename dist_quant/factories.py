@@ -15,12 +15,14 @@ keeps working.
 
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
-from dist_quant.factory_keys import quantizer_factory
+from dist_quant.factory_keys import built_by, quantizer_factory
 from dist_quant.formats import Format, bwd_dtype, fwd_dtype
 from dist_quant.quantizers import (
     Float8BlockQuantizer,
@@ -28,6 +30,15 @@ from dist_quant.quantizers import (
     IdentityQuantizer,
     MXFP8Quantizer,
     Quantizer,
+)
+from dist_quant.recipes import (
+    CustomRecipe,
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    MXFP8BlockScaling,
+    Recipe,
+    recipe_from_dict,
 )
 from dist_quant.roles import DelayedScalingRequest, QuantizerRole
 
@@ -116,3 +127,84 @@ def attention_current_linear_block(role: QuantizerRole | None) -> Quantizer:
     if module_type in LINEAR_MODULE_TYPES:
         return float8_block_scaling(role)
     return high_precision(role)
+
+
+FALLBACK_TARGETS = ("current", "bf16")
+"""What `fp8_fallback` runs the named modules with: current scaling, or high precision."""
+
+
+def fp8_fallback(
+    layers: Sequence[str], to: str = "current", base: dict[str, Any] | str = "delayed"
+) -> Callable[[QuantizerRole | None], Quantizer | DelayedScalingRequest]:
+    """`base` everywhere except the modules named in `layers`, which run `to`.
+
+    A role belongs to a listed module when its name equals it or lies below it (`layers.1`
+    covers `layers.1.mlp.fc1`); a slot the base keeps in high precision stays there (a fallback
+    never lowers precision). `base` is a recipe dict or built-in name (delayed, current,
+    mxfp8, block or a CustomRecipe), answered slot by slot as that recipe would. The precision
+    guard builds this to move offending layers off FP8 trouble; it serialises through its
+    parameters (`CustomRecipe(fp8_fallback(...)).to_dict()` round-trips), and its key names them.
+    """
+    names = list(layers) if not isinstance(layers, str) else None
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(
+            f"fp8_fallback: layers must be a non-empty list of module names, got {layers!r}"
+        )
+    if to not in FALLBACK_TARGETS:
+        raise ValueError(f"fp8_fallback: to must be one of {FALLBACK_TARGETS}, got {to!r}")
+    base_recipe = recipe_from_dict(base)
+    base_factory = _slot_factory(base_recipe)
+    chosen = tuple(sorted(set(names)))
+    target = current_scaling if to == "current" else high_precision
+    params = {"layers": list(chosen), "to": to, "base": base_recipe.to_dict()}
+    key = f"dist_quant.factories.fp8_fallback.v1({json.dumps(params, sort_keys=True)})"
+
+    @built_by("dist_quant.factories:fp8_fallback", params)
+    @quantizer_factory(key=key)
+    def factory(role: QuantizerRole | None) -> Quantizer | DelayedScalingRequest:
+        name = role.name if role is not None else ""
+        kept = base_factory(role)
+        if isinstance(kept, IdentityQuantizer):
+            return kept  # a fallback never lowers precision: high precision stays high
+        if any(name == layer or name.startswith(layer + ".") for layer in chosen):
+            return target(role)
+        return kept
+
+    return factory
+
+
+def _slot_factory(recipe: Recipe) -> Callable[[QuantizerRole | None], Any]:
+    """What `recipe` gives each slot, as a factory (for the slots a fallback leaves alone)."""
+    if isinstance(recipe, CustomRecipe):
+        return recipe.qfactory
+    if isinstance(recipe, DelayedScaling):
+        if not isinstance(recipe.amax_compute_algo, str) or recipe.scaling_factor_compute_algo:
+            raise ValueError(
+                "fp8_fallback: a base DelayedScaling with callable amax_compute_algo or "
+                "scaling_factor_compute_algo has no per-slot request; give a CustomRecipe base"
+            )
+        request = DelayedScalingRequest(
+            fp8_format=recipe.fp8_format, margin=recipe.margin,
+            amax_history_len=recipe.amax_history_len, amax_compute_algo=recipe.amax_compute_algo,
+            reduce_amax=recipe.reduce_amax,
+        )  # fmt: skip
+        return lambda role: request
+    fmt = recipe.fp8_format if hasattr(recipe, "fp8_format") else Format.E4M3
+
+    def dtype_of(role: QuantizerRole | None) -> torch.dtype:
+        grad = _tensor_type(role) in GRADIENT_TENSOR_TYPES
+        return bwd_dtype(fmt) if grad else fwd_dtype(fmt)
+
+    if isinstance(recipe, Float8CurrentScaling):
+        return lambda role: Float8CurrentScalingQuantizer(
+            dtype_of(role), use_power_2_scales=recipe.use_power_2_scales,
+            amax_epsilon=recipe.amax_epsilon,
+        )  # fmt: skip
+    if isinstance(recipe, MXFP8BlockScaling):
+        return lambda role: MXFP8Quantizer(dtype_of(role))
+    if isinstance(recipe, Float8BlockScaling):
+        return lambda role: Float8BlockQuantizer(
+            dtype_of(role), block_scaling_dim=2 if _tensor_type(role) == "weight" else 1,
+            use_power_2_scales=recipe.use_power_2_scales,
+        )  # fmt: skip
+    raise ValueError(f"fp8_fallback: no per-slot form of base recipe {type(recipe).__name__}")

@@ -27,6 +27,7 @@ import dataclasses
 import enum
 import functools
 import hashlib
+import json
 import re
 import types
 import warnings
@@ -214,3 +215,30 @@ def _describe_tensor(t: torch.Tensor) -> str:
         return head + f",{t.layout})"
     raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
     return head + f",{hashlib.sha256(raw.numpy().tobytes()).hexdigest()})"
+
+
+BUILDER_ATTRIBUTE = "__quantizer_factory_builder__"
+"""Where `built_by` stores `(builder import path, params)` of a factory made by a builder."""
+
+
+def built_by(path: str, params: dict[str, Any]) -> Callable[[F], F]:
+    """Mark a factory made by the module-level builder at `path` ("pkg.module:name") from the
+    JSON-serialisable `params`: `Recipe.to_dict()` writes it as `{"builder": path, "params":
+    params}` and `recipe_from_dict` rebuilds it by calling `builder(**params)`. This is how a
+    factory with bound parameters (layer names, say) crosses the wire; give it an explicit key
+    derived from the same params."""
+    try:
+        json.dumps(params, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"built_by({path!r}): params must be JSON-serialisable: {e}") from e
+
+    def mark(fn: F) -> F:
+        setattr(fn, BUILDER_ATTRIBUTE, (path, params))
+        return fn
+
+    return mark
+
+
+def builder_of(fn: Callable) -> tuple[str, dict[str, Any]] | None:
+    """`(path, params)` of a factory marked with `built_by`, else None."""
+    return getattr(fn, BUILDER_ATTRIBUTE, None)

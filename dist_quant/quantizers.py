@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,11 +25,35 @@ from dist_quant.tensor import Float8BlockwiseTensor, Float8Tensor, MXFP8Tensor, 
 
 _HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
+CastObserver = Callable[["Quantizer", Tensor, "Tensor | None"], None]
+# Observers of casts (`dist_quant.telemetry` installs one for its stats steps only): called with
+# the quantizer, its input and the per-tensor scale it cast with (None for per-block scaling).
+# Empty outside stats steps, so a cast then pays one tuple truth test.
+_cast_observers: tuple[CastObserver, ...] = ()
+
+
+def add_cast_observer(observer: CastObserver) -> None:
+    global _cast_observers
+    _cast_observers = (*_cast_observers, observer)
+
+
+def remove_cast_observer(observer: CastObserver) -> None:
+    global _cast_observers
+    _cast_observers = tuple(o for o in _cast_observers if o is not observer)
+
+
+def _observe(q: Quantizer, x: Tensor, scale: Tensor | None) -> None:
+    for observer in _cast_observers:
+        observer(q, x, scale)
+
 
 class Quantizer(abc.ABC):
     """Base of every quantizer: ``quantize(x)``, ``set_usage``, ``scaling`` and ``fp8_dtype``."""
 
     scaling: str = ""
+    stats_slot: tuple[str, str, str] | None = None
+    """(module name, tensor type, direction) of the slot this quantizer was planned for; set by
+    the runtime at plan time (a copy made for tensor parallelism keeps it), read by telemetry."""
 
     def __init__(self, fp8_dtype: torch.dtype) -> None:
         if fp8_dtype not in fp8_kernels.FP8_DTYPES:
@@ -112,6 +137,8 @@ class Float8Quantizer(Quantizer):
                 x, self.scale, self.fp8_dtype, amax_out=self.amax
             )
             data_t = None
+        if _cast_observers:
+            _observe(self, x, self.scale)
         scale_inv = torch.reciprocal(self.scale)  # IEEE 1/scale; a snapshot: scale changes later
         return Float8Tensor(data, scale_inv, dtype=x.dtype, data_t=data_t)
 
@@ -157,6 +184,8 @@ class Float8CurrentScalingQuantizer(Quantizer):
                 use_power_2_scales=self.use_power_2_scales,
                 transpose=transpose,
             )
+            if _cast_observers:
+                _observe(self, x, out.scale)
             return Float8Tensor(out.data, out.scale_inv, dtype=x.dtype, data_t=out.data_t)
         x_amax = fp8_kernels.amax(x).reshape(1)  # (1,): a plain 1-element buffer to all-reduce
         # Imported here: amax.py is the only core module that talks to other ranks.
@@ -171,6 +200,8 @@ class Float8CurrentScalingQuantizer(Quantizer):
             amax_epsilon=self.amax_epsilon,
             use_power_2_scales=self.use_power_2_scales,
         )
+        if _cast_observers:
+            _observe(self, x, scale)
         return _per_tensor(self, x, scale, scale_inv)
 
 
@@ -189,6 +220,8 @@ class MXFP8Quantizer(Quantizer):
 
     def quantize(self, x: Tensor) -> MXFP8Tensor:
         x = self._check_input(x)
+        if _cast_observers:
+            _observe(self, x, None)
         rowwise = fp8_kernels.mxfp8_cast(x, self.fp8_dtype) if self.rowwise_usage else None
         columnwise = (
             fp8_kernels.mxfp8_cast(x, self.fp8_dtype, columnwise=True)
@@ -230,6 +263,8 @@ class Float8BlockQuantizer(Quantizer):
     def quantize(self, x: Tensor) -> Float8BlockwiseTensor:
         x = self._check_input(x)
         dim, pow2 = self.block_scaling_dim, self.use_power_2_scales
+        if _cast_observers:
+            _observe(self, x, None)
         rowwise = columnwise = None
         if self.rowwise_usage or dim == 2:  # a 128x128 columnwise copy derives from the rowwise
             rowwise = fp8_kernels.block_cast(

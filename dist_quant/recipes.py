@@ -29,7 +29,7 @@ from dist_quant.checks import (
     check_int,
     check_margin,
 )
-from dist_quant.factory_keys import callable_key, quantizer_factory
+from dist_quant.factory_keys import builder_of, callable_key, quantizer_factory
 from dist_quant.formats import Format
 
 __all__ = [
@@ -100,6 +100,9 @@ class Recipe:
             value = getattr(self, f.name)
             if isinstance(value, enum.Enum):
                 out[f.name] = value.name
+            elif callable(value) and builder_of(value) is not None:
+                path, params = builder_of(value)
+                out[f.name] = {"builder": path, "params": params}
             elif callable(value):
                 out[f.name] = _import_path(value, f"{type(self).__name__}.{f.name}")
             else:
@@ -331,6 +334,18 @@ def _decode(where: str, kind: str | None, value: Any) -> Any:
         if kind == "algo" and ":" not in value:
             return value  # "max" / "most_recent"; the recipe checks the choice
         return _import_callable(where, value)
+    if kind == "callable" and isinstance(value, Mapping) and set(value) == {"builder", "params"}:
+        # a factory with bound parameters (`factory_keys.built_by`): call its builder again
+        builder = _import_callable(where, value["builder"])
+        if not isinstance(value["params"], Mapping):
+            raise ValueError(f"{where}: builder params must be an object, got {value['params']!r}")
+        try:
+            return builder(**value["params"])
+        except Exception as e:  # the builder validates its own parameters
+            raise ValueError(
+                f"{where}: builder {value['builder']!r} refused {dict(value['params'])!r}: "
+                f"{type(e).__name__}: {e}"
+            ) from e
     return value
 
 

@@ -30,6 +30,7 @@ from torch import nn
 
 from dist_quant import context as _context
 from dist_quant.recipes import Recipe
+from dist_quant.roles import QuantizerRole
 from dist_quant.state import RecipeState
 
 if TYPE_CHECKING:
@@ -204,10 +205,28 @@ def plan_module(
         bwd_q = bwd_state.make_quantizers()
     except (ValueError, TypeError) as e:
         raise _error(name, e) from e
+    _tag_slots(fwd_q, fwd_roles, name, "forward")
+    _tag_slots(bwd_q, bwd_roles, name, "backward")
     rt = ModuleRuntime(recipe, recipe_key, fwd_roles, bwd_roles, fwd_state, bwd_state, fwd_q, bwd_q)
     candidate = ModuleCandidate(module, rt, unchanged=False, state_notes=notes, on_publish=hooks)
     validate_candidate(candidate)
     return candidate
+
+
+def stats_slot(module_name: str, role: QuantizerRole | None, index: int, direction: str) -> tuple:
+    """A slot's telemetry name: (its role's name, else the module's; the role's tensor type, else
+    `slot<index>`; direction). Role names are what factories key on (`layers.0.mlp.fc2` inside a
+    LayerNormMLP `layers.0.mlp`), so a slot reports under the name a fallback recipe would target."""
+    name = role.name if role is not None and role.name else module_name
+    tensor_type = role.tensor_type if role is not None and role.tensor_type else f"slot{index}"
+    return (name, tensor_type, direction)
+
+
+def _tag_slots(quantizers: list, roles: tuple, module_name: str, direction: str) -> None:
+    """Name each quantizer's slot for telemetry (`Quantizer.stats_slot`). A factory that hands
+    one object to several slots: it reports as the last of them."""
+    for i, (q, role) in enumerate(zip(quantizers, roles)):
+        q.stats_slot = stats_slot(module_name, role, i, direction)
 
 
 EMULATION_ENV = "DIST_QUANT_EMULATE_FP8"

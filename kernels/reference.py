@@ -16,6 +16,7 @@ follows the numerics contract in DESIGN.md and the conventions in docs/INTERNALS
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -50,6 +51,34 @@ def cast_to_fp8(x: Tensor, scale: Tensor | float, fp8_dtype: torch.dtype) -> Ten
     limit = fp8_max(fp8_dtype)
     scale_t = _scalar_fp32(scale, x.device, "cast_to_fp8: scale")
     return (x.detach().float() * scale_t).clamp(-limit, limit).to(fp8_dtype)
+
+
+class CastStats(NamedTuple):
+    """What a per-tensor cast did to ``x``: counts (int64 0-dim) and ``amax(x)`` (fp32 0-dim)."""
+
+    saturated: Tensor  # elements whose |fp32(x * scale)| > fp8_max (inf included, NaN not): clamped
+    underflowed: Tensor  # non-zero elements of x whose cast is +-0 (NaN is non-zero, never zero)
+    nonzero: Tensor  # elements of x that are not +-0 (NaN included): the underflow denominator
+    amax: Tensor  # max(|x|), NaN propagating, as ``amax``
+
+
+def cast_stats(x: Tensor, scale: Tensor | float, fp8_dtype: torch.dtype) -> CastStats:
+    """Telemetry of ``cast_to_fp8(x, scale, fp8_dtype)``, computed from the cast's own definition.
+
+    Saturation is the clamp of the contract (``|x * scale| > fp8_max`` in fp32); underflow is a
+    non-zero input whose saturating RNE cast is zero, which includes an fp32 product that is
+    already 0. Nothing is synchronised with the host.
+    """
+    limit = fp8_max(fp8_dtype)
+    scale_t = _scalar_fp32(scale, x.device, "cast_stats: scale")
+    x32 = x.detach().float()
+    v = x32 * scale_t
+    nonzero = x32 != 0
+    q = v.clamp(-limit, limit).to(fp8_dtype)
+    underflowed = nonzero & (q.float() == 0)
+    return CastStats(
+        (v.abs() > limit).sum(), underflowed.sum(), nonzero.sum(), amax(x)
+    )
 
 
 def cast_transpose(

@@ -1,4 +1,4 @@
-"""The `dist-quant` command line: demo, run, switch, cancel, status, roles.
+"""The `dist-quant` command line: demo, run, switch, cancel, status, roles, stats.
 
 Nothing heavy is imported before the arguments are parsed: `--help`, `switch`, `cancel` and
 `status` never import the training stack, and each handler imports only what it needs.
@@ -27,6 +27,8 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
+
+from dist_quant.launch.stats import add_stats_parser, run_stats
 
 
 class CliError(Exception):
@@ -209,6 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="sleep S seconds after each step, to watch the demo or to try "
         "'dist-quant switch' from another terminal",
     )
+    demo.add_argument("--guard", action="store_true", help="run the precision guard (FP8 stats)")
+    demo.add_argument("--spike-at", type=_non_negative_int, metavar="STEP", help="inject an outlier")
 
     run = sub.add_parser(
         "run",
@@ -303,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="built-in name, JSON object or file (default: autocast's default "
         "recipe on this machine)",
     )
+    add_stats_parser(sub)
     return parser
 
 
@@ -322,6 +327,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             model=args.model,
             device=args.device,
             step_delay=args.step_delay,
+            guard=args.guard,
+            spike_at=args.spike_at,
         )
     )
 
@@ -395,6 +402,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "cancel": _cmd_cancel,
     "status": _cmd_status,
     "roles": _cmd_roles,
+    "stats": run_stats,
 }
 
 

@@ -13,7 +13,10 @@ import os
 import re
 import sys
 import time
+from pathlib import Path
 from typing import Any
+
+from dist_quant.launch.stats import describe_guard, last_guard_decision
 
 _BUSY_RETRY_S = 0.2  # how often a waiting `switch` asks again while another switch is open
 
@@ -128,11 +131,14 @@ def status(
         info = query(run_dir=run_dir, address=address, token=token)
     except SwitchRequestError as e:
         raise CliError(str(e), 2) from e
+    # the guard's decisions live in the decision log beside the coordinator's
+    guard = last_guard_decision(Path(info["log"]).parent) if info.get("log") else None
     if as_json:
-        print(json.dumps(info, indent=1, sort_keys=True))
+        print(json.dumps({**info, "last_guard_decision": guard}, indent=1, sort_keys=True))
         return 0
     for line in format_status(info):
         print(line)
+    print(f"last guard decision: {describe_guard(guard)}" if guard else "last guard decision: none")
     return 0
 
 

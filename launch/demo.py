@@ -32,6 +32,7 @@ from typing import Any
 # threads at once can be seen half-initialised (an ImportError seen once on a GPU host).
 from dist_quant.coordinator.endpoint import remove_endpoint
 from dist_quant.launch.cli import CliError
+from dist_quant.launch.demo_guard import HEATMAP_FILE, plot_stats_heatmap
 from dist_quant.launch.demo_report import rank_log_path
 from dist_quant.launch.demo_runners import RayRunner, TorchrunRunner
 from dist_quant.launch.demo_schedule import Schedule, load_schedule_file, resolve_schedule
@@ -39,7 +40,7 @@ from dist_quant.launch.demo_switches import StepWatch, SwitchDriver
 from dist_quant.launch.ray import RAY_INSTALL_HINT
 
 # What a previous run left in the run directory that this run replaces once its ranks are up.
-_RESULT_FILES = ("loss.png", "summary.json", "summary.txt")
+_RESULT_FILES = ("loss.png", "summary.json", "summary.txt", HEATMAP_FILE, "fp8_stats.jsonl")
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,10 @@ class DemoOptions:
     lr: float = 3e-3
     switch_timeout_s: float = 60.0
     """Vote deadline of each scheduled switch."""
+    guard: bool = False
+    """Run the precision guard (launch/demo_guard.py) with FP8 telemetry every step."""
+    spike_at: int | None = None
+    """Inject an activation outlier at this step (launch/demo_guard.py)."""
 
 
 def default_tp(nproc: int) -> int:
@@ -107,6 +112,8 @@ def _resolve(opts: DemoOptions) -> tuple[dict[str, Any], Schedule]:
         "first_recipe": schedule.phases[0].recipe,
         "step_delay": opts.step_delay,
         "device": device,
+        "guard": opts.guard,
+        "spike_at": opts.spike_at,
     }
     return cfg, schedule
 
@@ -252,6 +259,8 @@ def run_demo(opts: DemoOptions) -> int:
         for table in tables:
             text_console.print(table)
     plot_loss(summary, out / "loss.png")
+    if plot_stats_heatmap(out, out / HEATMAP_FILE):
+        console.print(f"FP8 heat map: {out / HEATMAP_FILE}")
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     console.print(f"loss curve: {out / 'loss.png'}   summary: {out / 'summary.json'}")
     failed = [s for s in driver.records if not s["committed"]]

@@ -49,6 +49,7 @@ def train_rank(cfg: dict[str, Any]) -> dict[str, Any]:
     process group. `cfg` is the JSON written by `demo.py` (see `DemoOptions.rank_config`)."""
     from dist_quant.coordinator import attach
     from dist_quant.launch.demo_data import MarkovTask
+    from dist_quant.launch.demo_guard import ActivationSpike, attach_options
     from dist_quant.launch.demo_model import TinyGPT, parse_gpt_spec
     from dist_quant.launch.demo_report import rank_log_path, short_key
 
@@ -74,7 +75,10 @@ def train_rank(cfg: dict[str, Any]) -> dict[str, Any]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=(0.9, 0.95))
     # Delayed-scaling amaxes are reduced over the whole job (TP x DP), so every rank quantizes
     # with the same scales and the DP replicas stay identical.
-    participant = attach(model, tp_group=tp_group if tp > 1 else None, run_dir=cfg["run_dir"])
+    participant = attach(
+        model, tp_group=tp_group if tp > 1 else None, run_dir=cfg["run_dir"], **attach_options(cfg)
+    )
+    spike = ActivationSpike(model, cfg.get("spike_at"), spec.layers)
 
     log_path = rank_log_path(cfg["run_dir"], rank)
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -84,6 +88,7 @@ def train_rank(cfg: dict[str, Any]) -> dict[str, Any]:
             for step in range(cfg["steps"]):
                 started = time.time()
                 participant.step_boundary(step)
+                spike.step = step
                 recipe = current_recipe(model)
                 if recipe is not last_recipe:  # hash the key only when the recipe object changes
                     last_recipe, key = recipe, short_key(recipe)
@@ -105,6 +110,7 @@ def train_rank(cfg: dict[str, Any]) -> dict[str, Any]:
                     dist.all_reduce(reported, group=dp_group)
                     reported /= dp
                 optimizer.step()
+                participant.observe(step, loss=reported)  # telemetry and guard, when asked for
                 loss_value = reported.item()  # waits for the step's kernels on a GPU
                 ended = time.time()
                 record = {
