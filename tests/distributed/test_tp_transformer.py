@@ -188,6 +188,8 @@ def test_tp4_transformer_layer_casts_match_single_rank():
 def s_delayed_factory(role):
     """Delayed scaling only for attention's softmax output and the qkv GEMM's input; stateless
     current scaling for every other forward slot and everywhere in backward."""
+    if role is None:  # a role-less slot (the factory gets None): as the E4M3 default below
+        return dq.Float8CurrentScalingQuantizer(torch.float8_e4m3fn)
     if role.module_type == "dpa" and role.tensor_type == "s":
         return dq.DelayedScalingRequest(amax_history_len=8)
     if role.module_type == "linear" and role.tensor_type == "input" and role.name.endswith("qkv"):

@@ -157,7 +157,7 @@ def plans_1s_on_rank1(role):
 @dq.quantizer_factory(key="faults.dies_mid_plan_on_rank1.v1")
 def dies_mid_plan_on_rank1(role):
     """Rank 1's process ends inside its factory, with fc1's candidate states already built."""
-    if dist.get_rank() == 1 and role.name == "fc2":
+    if dist.get_rank() == 1 and role is not None and role.name == "fc2":
         os._exit(17)
     return factories.current_scaling(role)
 
