@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from dist_quant import context as _context
-from dist_quant.amax import name_groups
+from dist_quant.modules.enrol import enrol_forward, module_key
 from dist_quant.quantizers import IdentityQuantizer, Quantizer
 from dist_quant.roles import QuantizerRole
 
@@ -53,6 +53,13 @@ class QuantizedModule(nn.Module):
         self._dq_pinned_recipe: Recipe | None = None
         self._dq_warned_override = False
         self._dq_weight_cache: dict[str, tuple[tuple, Any]] = {}
+        self._dq_enrol_key = module_key(self)
+        self._dq_resolved_for: Any = None  # autocast's recipe key at the last eager resolve
+        self._dq_planned_roles = -1  # the role revision the runtime was planned with
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._dq_enrol_key = module_key(self)  # a copy (deepcopy, pickle) enrols as itself
 
     # ---- names and roles -------------------------------------------------------------------
     @property
@@ -151,16 +158,33 @@ class QuantizedModule(nn.Module):
             if entry[0][0] == runtime.key
         }
         self._dq_seen = (-1, -1)
+        self._dq_planned_roles = self._dq_role_revision  # planned just now, from these roles
 
     def active_runtime(self) -> ModuleRuntime | None:
         """The runtime for this forward, or None when autocast is off (exact high precision)."""
         ctx = _context.current_context()
         if ctx is None or not ctx.enabled:
             return None
+        if torch.compiler.is_compiling():
+            return self._traced_runtime(ctx)
         seen = (_context.recipe_revision(), self._dq_role_revision)
         if seen == self._dq_seen and self._dq_runtime is not None:
             return self._dq_runtime
         return self._resolve_runtime(ctx, seen)
+
+    def _traced_runtime(self, ctx: _context.AutocastContext) -> ModuleRuntime:
+        """`active_runtime` while torch.compile traces: the revision counter is not read (a graph
+        would be specialised on its value and recompiled at every bump); freshness is decided from
+        values the graph's guards can hold (autocast's recipe key, the role revision), so a switch
+        retraces. Planning allocates state and cannot be traced: a stale runtime is resolved
+        eagerly, outside the graph (a graph break; under fullgraph=True, dynamo refuses it)."""
+        rt = self._dq_runtime
+        stale = (
+            rt is None
+            or self._dq_planned_roles != self._dq_role_revision
+            or (self._dq_pinned_recipe is None and self._dq_resolved_for != ctx.recipe_key)
+        )
+        return _resolve_outside_graph(self) if stale else rt
 
     def _resolve_runtime(
         self, ctx: _context.AutocastContext, seen: tuple[int, int]
@@ -208,16 +232,16 @@ class QuantizedModule(nn.Module):
             publish_candidates(candidates, key)
             seen = (_context.recipe_revision(), self._dq_role_revision)
         self._dq_seen = seen
+        self._dq_resolved_for = ctx.recipe_key
+        self._dq_planned_roles = seen[1]
         return self._dq_runtime
 
     def register_amax_groups(self, runtime: ModuleRuntime) -> None:
-        """Enrol this forward's delayed-scaling groups in the autocast region's reduction."""
-        groups = runtime.delayed_groups(fwd=True)
-        # the name orders the packed amax buffers and names this module if ranks disagree
-        name_groups(groups, self.role_name)
-        name_groups(runtime.delayed_groups(fwd=False), self.role_name)
+        """Enrol this forward's delayed-scaling groups in the autocast region's reduction (an op, so
+        that a compiled forward enrols on every call, not once while tracing)."""
+        groups = runtime.delayed_groups(fwd=True) or runtime.delayed_groups(fwd=False)
         if groups:
-            _context.current_context().region.add(groups)
+            enrol_forward(groups[0].scale, self._dq_enrol_key)
 
     # ---- cached quantized weights ------------------------------------------------------------
     def quantize_weight(
@@ -244,6 +268,14 @@ class QuantizedModule(nn.Module):
         return qw
 
 
+@torch.compiler.disable
+def _resolve_outside_graph(module: QuantizedModule) -> ModuleRuntime:
+    """A compiled forward found `module`'s runtime stale (a lazy `autocast(recipe=...)` switch or a
+    role change): plan it eagerly. Under `torch.compile(..., fullgraph=True)` this graph break is
+    refused; switch with `apply_recipe` (or the coordinator) instead, whose publish retraces."""
+    return module.active_runtime()
+
+
 def assign_role_names(model: nn.Module) -> None:
     """Give every unnamed dist-quant module its path in `model`; under an explicitly named module the
     path restarts at that name (`name="mlp"` -> `mlp.fc1`)."""
@@ -256,6 +288,8 @@ def assign_role_names(model: nn.Module) -> None:
                 path = child.role_name
             walk(child, path)
 
+    # torch.compile's wrapper holds the model as `_orig_mod`: names are the model's own paths
+    model = getattr(model, "_orig_mod", model)
     if isinstance(model, QuantizedModule):
         walk(model, model.role_name)
     else:

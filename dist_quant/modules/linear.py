@@ -145,6 +145,7 @@ class LinearBase(QuantizedModule):
                 grad_input=bq[gi],
                 bwd_groups=bwd_groups,
                 reduction_group=reduction_group,
+                enrol_key=self._dq_enrol_key,
             )
             for (i, w, o), (g, gi) in layout
         ]
