@@ -9,6 +9,7 @@ from dist_quant.context import autocast
 from dist_quant.convert import convert_model
 from dist_quant.factory_keys import quantizer_factory
 from dist_quant.formats import Format
+from dist_quant.graphs import GraphedStep, GraphInvalidated, make_graphed_callables
 from dist_quant.modules import (
     DotProductAttention,
     GroupedLinear,
@@ -43,6 +44,9 @@ from dist_quant.state import RecipeState
 from dist_quant.tensor import Float8BlockwiseTensor, Float8Tensor, MXFP8Tensor, QuantizedTensor
 
 __all__ = [
+    "GraphInvalidated",
+    "GraphedStep",
+    "make_graphed_callables",
     "AmaxReductionMismatch",
     "allreduce_sequence_parallel_grads",
     "load_full_state_dict_into_shards",

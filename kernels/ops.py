@@ -7,8 +7,10 @@ state in place declare it (``mutates_args``), so a compiled graph keeps those wr
 a CUDA graph replays them into the same buffers.
 
 Conventions shared by every op, so the fake and the real outputs agree on shape and stride:
-outputs are new, contiguous tensors (never views of an input); per-tensor scales are 1-element
-fp32 tensors. Inputs are detached by the dispatchers in ``kernels/__init__.py``: no op here has a
+outputs are new tensors, never views of an input; per-tensor casts and dequantize keep the
+input's layout (``empty_like``, as the launchers and torch's elementwise ops do), a columnwise
+MXFP8 dequantize is the transpose of a contiguous buffer (as the reference), everything else is
+contiguous; per-tensor scales are 1-element fp32 tensors. Inputs are detached by the dispatchers in ``kernels/__init__.py``: no op here has a
 derivative (quantized data is not differentiable; autograd lives in the modules' Functions).
 
 Delayed-update algorithms travel as integer codes (``ALGO_CODES``): a schema has no list of strings.
@@ -43,8 +45,7 @@ def _rows_cols(x: Tensor) -> tuple[int, int]:
 
 
 def _pair(q: Tensor, q_t: Tensor) -> tuple[Tensor, Tensor]:
-    """Two distinct contiguous outputs: a (1, n) or (n, 1) transpose is a view of ``q`` already."""
-    q = q.contiguous()
+    """Two distinct outputs: the transpose of a (1, n) or (n, 1) ``q`` is ``q`` itself."""
     if q_t.untyped_storage().data_ptr() == q.untyped_storage().data_ptr():
         q_t = q_t.clone()
     return q, q_t
@@ -73,17 +74,17 @@ def _(x: Tensor) -> Tensor:
 
 @custom_op("dist_quant::cast_to_fp8", mutates_args=())
 def cast_to_fp8(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tensor:
-    return reference.cast_to_fp8(x, scale, fp8_dtype).contiguous()
+    return reference.cast_to_fp8(x, scale, fp8_dtype)
 
 
 @cast_to_fp8.register_kernel("cuda")
 def _(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tensor:
-    return cast_to_fp8_triton(x, scale, fp8_dtype).contiguous()
+    return cast_to_fp8_triton(x, scale, fp8_dtype)
 
 
 @register_fake("dist_quant::cast_to_fp8")
 def _(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tensor:
-    return x.new_empty(x.shape, dtype=fp8_dtype)
+    return torch.empty_like(x, dtype=fp8_dtype)
 
 
 @custom_op("dist_quant::cast_transpose", mutates_args=())
@@ -101,7 +102,7 @@ def _(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> tuple[Tensor, Tensor]
 @register_fake("dist_quant::cast_transpose")
 def _(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     rows, cols = _rows_cols(x)
-    return x.new_empty(x.shape, dtype=fp8_dtype), x.new_empty((cols, rows), dtype=fp8_dtype)
+    return torch.empty_like(x, dtype=fp8_dtype), x.new_empty((cols, rows), dtype=fp8_dtype)
 
 
 # Delayed scaling: the cast also folds max(|x|) into the history slot ``amax_out`` (a view into
@@ -110,19 +111,19 @@ def _(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> tuple[Tensor, Tensor]
 def cast_to_fp8_with_amax(
     x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, amax_out: Tensor
 ) -> Tensor:
-    q = reference.cast_to_fp8(x, scale, fp8_dtype).contiguous()
+    q = reference.cast_to_fp8(x, scale, fp8_dtype)
     _accumulate_amax(amax_out, x)
     return q
 
 
 @cast_to_fp8_with_amax.register_kernel("cuda")
 def _(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, amax_out: Tensor) -> Tensor:
-    return cast_to_fp8_triton(x, scale, fp8_dtype, amax_out=amax_out).contiguous()
+    return cast_to_fp8_triton(x, scale, fp8_dtype, amax_out=amax_out)
 
 
 @register_fake("dist_quant::cast_to_fp8_with_amax")
 def _(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, amax_out: Tensor) -> Tensor:
-    return x.new_empty(x.shape, dtype=fp8_dtype)
+    return torch.empty_like(x, dtype=fp8_dtype)
 
 
 @custom_op("dist_quant::cast_transpose_with_amax", mutates_args=("amax_out",))
@@ -147,7 +148,7 @@ def _(
     x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, amax_out: Tensor
 ) -> tuple[Tensor, Tensor]:
     rows, cols = _rows_cols(x)
-    return x.new_empty(x.shape, dtype=fp8_dtype), x.new_empty((cols, rows), dtype=fp8_dtype)
+    return torch.empty_like(x, dtype=fp8_dtype), x.new_empty((cols, rows), dtype=fp8_dtype)
 
 
 # ---- current scaling ---------------------------------------------------------------------------
@@ -190,7 +191,7 @@ def _reference_current_cast(
     if transpose:
         q, q_t = reference.cast_transpose(x, scale, fp8_dtype)
         return (*_pair(q, q_t), scale.reshape(1), scale_inv.reshape(1), a)
-    q = reference.cast_to_fp8(x, scale, fp8_dtype).contiguous()
+    q = reference.cast_to_fp8(x, scale, fp8_dtype)
     return q, scale.reshape(1), scale_inv.reshape(1), a
 
 
@@ -209,7 +210,7 @@ def _(
     out = current_scaling_cast_triton(
         x, fp8_dtype, amax_epsilon=amax_epsilon, use_power_2_scales=use_power_2_scales
     )
-    return out.data.contiguous(), out.scale, out.scale_inv, out.amax
+    return out.data, out.scale, out.scale_inv, out.amax
 
 
 @register_fake("dist_quant::current_scaling_cast")
@@ -218,7 +219,7 @@ def _(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     one = (1,)
     return (
-        x.new_empty(x.shape, dtype=fp8_dtype),
+        torch.empty_like(x, dtype=fp8_dtype),
         x.new_empty(one, dtype=torch.float32),
         x.new_empty(one, dtype=torch.float32),
         x.new_empty((), dtype=torch.float32),
@@ -241,7 +242,7 @@ def _(
         x, fp8_dtype, amax_epsilon=amax_epsilon, use_power_2_scales=use_power_2_scales,
         transpose=True,
     )  # fmt: skip
-    return out.data.contiguous(), out.data_t, out.scale, out.scale_inv, out.amax
+    return out.data, out.data_t, out.scale, out.scale_inv, out.amax
 
 
 @register_fake("dist_quant::current_scaling_cast_transpose")
@@ -251,7 +252,7 @@ def _(
     rows, cols = _rows_cols(x)
     one = (1,)
     return (
-        x.new_empty(x.shape, dtype=fp8_dtype),
+        torch.empty_like(x, dtype=fp8_dtype),
         x.new_empty((cols, rows), dtype=fp8_dtype),
         x.new_empty(one, dtype=torch.float32),
         x.new_empty(one, dtype=torch.float32),
@@ -357,33 +358,34 @@ def _(
 # ---- dequantize ----------------------------------------------------------------------------------
 @custom_op("dist_quant::dequantize", mutates_args=())
 def dequantize(q: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
-    return reference.dequantize(q, scale_inv, dtype).contiguous()
+    return reference.dequantize(q, scale_inv, dtype)
 
 
 @dequantize.register_kernel("cuda")
 def _(q: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
-    return dequantize_triton(q, scale_inv, dtype).contiguous()
+    return dequantize_triton(q, scale_inv, dtype)
 
 
 @register_fake("dist_quant::dequantize")
 def _(q: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
-    return q.new_empty(q.shape, dtype=dtype)
+    return torch.empty_like(q, dtype=dtype)
 
 
 @custom_op("dist_quant::mxfp8_dequantize", mutates_args=())
 def mxfp8_dequantize(q: Tensor, e8m0: Tensor, columnwise: bool, dtype: torch.dtype) -> Tensor:
-    return reference.mxfp8_dequantize(q, e8m0, columnwise=columnwise, dtype=dtype).contiguous()
+    return reference.mxfp8_dequantize(q, e8m0, columnwise=columnwise, dtype=dtype)
 
 
 @mxfp8_dequantize.register_kernel("cuda")
 def _(q: Tensor, e8m0: Tensor, columnwise: bool, dtype: torch.dtype) -> Tensor:
-    return mxfp8_dequantize_triton(q, e8m0, columnwise=columnwise, dtype=dtype).contiguous()
+    return mxfp8_dequantize_triton(q, e8m0, columnwise=columnwise, dtype=dtype)
 
 
 @register_fake("dist_quant::mxfp8_dequantize")
 def _(q: Tensor, e8m0: Tensor, columnwise: bool, dtype: torch.dtype) -> Tensor:
-    shape = (q.shape[1], q.shape[0]) if columnwise else tuple(q.shape)
-    return q.new_empty(shape, dtype=dtype)
+    # columnwise: the (rows, cols) matrix is the transpose of q's (cols, rows) layout
+    out = q.new_empty(tuple(q.shape), dtype=dtype)
+    return out.t() if columnwise else out
 
 
 @custom_op("dist_quant::block_dequantize", mutates_args=())

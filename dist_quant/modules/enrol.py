@@ -43,6 +43,45 @@ def module_key(module: torch.nn.Module) -> int:
     return key
 
 
+class Recorder:
+    """While active (`recording()`), enrolments are recorded instead of performed: a CUDA graph
+    capture of a forward and backward records which groups a replay must enrol (the replay runs no
+    Python), and its warm-up steps update no scale."""
+
+    def __init__(self) -> None:
+        self.forward: dict[int, Any] = {}  # id(amax_history) -> DelayedGroup
+        self.backward: dict[int, Any] = {}
+
+    def add(self, groups: list, backward: bool) -> None:
+        table = self.backward if backward else self.forward
+        for g in groups:
+            table.setdefault(id(g.amax_history), g)
+
+
+# process-wide, not thread-local: CUDA backward passes run on the autograd engine's device threads
+_active_recorder: Recorder | None = None
+
+
+class recording:  # noqa: N801 - used as a context manager, like torch.no_grad
+    def __init__(self, recorder: Recorder) -> None:
+        self.recorder = recorder
+
+    def __enter__(self) -> Recorder:
+        global _active_recorder
+        if _active_recorder is not None:
+            raise RuntimeError("dist_quant: one CUDA graph capture at a time")
+        _active_recorder = self.recorder
+        return self.recorder
+
+    def __exit__(self, *exc: object) -> None:
+        global _active_recorder
+        _active_recorder = None
+
+
+def _recorder() -> Recorder | None:
+    return _active_recorder
+
+
 def _entry(key: int) -> tuple[Any, list[Any]]:
     entry = _modules.get(key)
     module = entry[0]() if entry is not None else None
@@ -71,7 +110,11 @@ def enrol_forward(anchor: Tensor, key: int) -> None:
         )
     entry[1] = ctx.region.reduction_group
     groups = runtime.delayed_groups(fwd=True)
-    if groups:
+    recorder = _recorder()
+    if recorder is not None:
+        recorder.add(groups, backward=False)
+        recorder.add(runtime.delayed_groups(fwd=False), backward=True)
+    elif groups:
         ctx.region.add(groups)
 
 
@@ -85,6 +128,8 @@ def enrol_backward_op(anchor: Tensor, key: int) -> None:
     """Enrol module `key`'s backward groups in this autograd pass's reduction. `anchor` (the
     incoming gradient) only ties the op to the backward graph."""
     _, entry = _entry(key)
+    if _recorder() is not None:
+        return  # recorded by the forward
     # the runtime whose quantizers the forward saved for this backward (a publish in between
     # must not enrol another runtime's buffers)
     enrol_backward(entry[2].delayed_groups(fwd=False), entry[1])
