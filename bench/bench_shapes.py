@@ -66,7 +66,9 @@ def _variant(label: str, mode: str, k: int, n: int, x: torch.Tensor, device: str
         module = dq.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device=device)
         dq.apply_recipe(module, recipe)  # planned and pinned: a compiled forward needs no planning
     if mode == "graphed":
-        graph = dq.make_graphed_callables if recipe is not None else torch.cuda.make_graphed_callables
+        graph = (
+            dq.make_graphed_callables if recipe is not None else torch.cuda.make_graphed_callables
+        )
         module = graph(module, (x,))
     elif mode == "compiled":
         module = torch.compile(module, fullgraph=True)
@@ -122,7 +124,9 @@ def print_rows(shape: tuple[int, int, int], rows: list[tuple]) -> None:
     name = "x".join(map(str, shape))
     for mode, label, us, host in rows:
         if us is None:
-            print(f"{name:>16} | {mode:>8} | {label:>18} | {'-':>9} | {'-':>9} | {'-':>8} | {'-':>8}")
+            print(
+                f"{name:>16} | {mode:>8} | {label:>18} | {'-':>9} | {'-':>9} | {'-':>8} | {'-':>8}"
+            )
             continue
         same = base[mode] / us
         vs_eager = f"{eager_bf16 / us:7.2f}x" if eager_bf16 else "-"
@@ -149,7 +153,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SHAPES))
-    parser.add_argument("--modes", default=",".join(MODES), help="comma list of " + ", ".join(MODES))
+    parser.add_argument(
+        "--modes", default=",".join(MODES), help="comma list of " + ", ".join(MODES)
+    )
     parser.add_argument("--dry-run", action="store_true", help="tiny CPU run, no GPU, no timing")
     args = parser.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]

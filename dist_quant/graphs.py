@@ -129,7 +129,9 @@ def make_graphed_callables(
         if not bwd_groups or not torch.is_grad_enabled():
             return out
         single = isinstance(out, torch.Tensor)
-        outs = _EnrolBackward.apply(bwd_groups, ctx.region.reduction_group, *((out,) if single else out))
+        outs = _EnrolBackward.apply(
+            bwd_groups, ctx.region.reduction_group, *((out,) if single else out)
+        )
         return outs[0] if single else outs
 
     graphed.forward = forward

@@ -127,7 +127,9 @@ def current_scaling_cast(
 ) -> CurrentScalingCast:
     eps, pow2 = float(amax_epsilon), bool(use_power_2_scales)
     if transpose:
-        return CurrentScalingCast(*ops.current_scaling_cast_transpose(x.detach(), fp8_dtype, eps, pow2))
+        return CurrentScalingCast(
+            *ops.current_scaling_cast_transpose(x.detach(), fp8_dtype, eps, pow2)
+        )
     q, scale, scale_inv, a = ops.current_scaling_cast(x.detach(), fp8_dtype, eps, pow2)
     return CurrentScalingCast(q, None, scale, scale_inv, a)
 

@@ -19,13 +19,19 @@ Delayed-update algorithms travel as integer codes (``ALGO_CODES``): a schema has
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from dist_quant.kernels import reference
 from dist_quant.kernels.block import block_cast_triton
 from dist_quant.kernels.block_gemm import block_scaled_gemm_triton
 from dist_quant.kernels.cast import cast_to_fp8_triton, cast_transpose_triton
-from dist_quant.kernels.current import amax_triton, current_scale_triton, current_scaling_cast_triton
+from dist_quant.kernels.current import (
+    amax_triton,
+    current_scale_triton,
+    current_scaling_cast_triton,
+)
 from dist_quant.kernels.delayed_update import delayed_scaling_update_groups_triton
 from dist_quant.kernels.dequantize import (
     block_dequantize_triton,
@@ -34,7 +40,46 @@ from dist_quant.kernels.dequantize import (
 )
 from dist_quant.kernels.mxfp8 import mxfp8_cast_triton
 from torch import Tensor
-from torch.library import custom_op, register_fake
+from torch.library import custom_op
+
+
+class Op:
+    """A registered op and the two functions it runs: called eagerly it runs the function for the
+    tensors' device directly (the same computation, without the dispatcher's Python overhead of
+    ~30-60 us a call on the CPU); while torch.compile traces, it is the op itself."""
+
+    def __init__(self, op: Any, default: Callable | None, cuda: Callable | None) -> None:
+        self.op, self.default, self.cuda = op, default, cuda
+
+    def __call__(self, *args: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return self.op(*args)
+        first = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
+        fn = self.cuda if first.is_cuda and self.cuda is not None else self.default
+        if fn is None:
+            raise RuntimeError(f"{self.op}: no kernel for {first.device} tensors")
+        return fn(*args)
+
+
+def _register(
+    name: str,
+    mutates_args: tuple[str, ...],
+    default: Callable | None,
+    cuda: Callable | None,
+    fake: Callable,
+) -> Op:
+    impl = default if default is not None else cuda
+    op = custom_op(
+        f"dist_quant::{name}",
+        impl,
+        mutates_args=mutates_args,
+        device_types=None if default is not None else "cuda",
+    )
+    if default is not None and cuda is not None:
+        op.register_kernel("cuda")(cuda)
+    op.register_fake(fake)
+    return Op(op, default, cuda)
+
 
 ALGO_CODES = {"max": 0, "most_recent": 1}
 _ALGO_NAMES = {code: name for name, code in ALGO_CODES.items()}
@@ -57,58 +102,48 @@ def _accumulate_amax(amax_out: Tensor, x: Tensor) -> None:
 
 
 # ---- amax / per-tensor casts -----------------------------------------------------------------
-@custom_op("dist_quant::amax", mutates_args=())
-def amax(x: Tensor) -> Tensor:
+def _amax_ref(x: Tensor) -> Tensor:
     return reference.amax(x)
 
 
-@amax.register_kernel("cuda")
-def _(x: Tensor) -> Tensor:
+def _amax_cuda(x: Tensor) -> Tensor:
     return amax_triton(x)
 
 
-@register_fake("dist_quant::amax")
-def _(x: Tensor) -> Tensor:
+def _amax_fake(x: Tensor) -> Tensor:
     return x.new_empty((), dtype=torch.float32)
 
 
-@custom_op("dist_quant::cast_to_fp8", mutates_args=())
-def cast_to_fp8(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tensor:
+def _cast_to_fp8_ref(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tensor:
     return reference.cast_to_fp8(x, scale, fp8_dtype)
 
 
-@cast_to_fp8.register_kernel("cuda")
-def _(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tensor:
+def _cast_to_fp8_cuda(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tensor:
     return cast_to_fp8_triton(x, scale, fp8_dtype)
 
 
-@register_fake("dist_quant::cast_to_fp8")
-def _(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tensor:
+def _cast_to_fp8_fake(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tensor:
     return torch.empty_like(x, dtype=fp8_dtype)
 
 
-@custom_op("dist_quant::cast_transpose", mutates_args=())
-def cast_transpose(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def _cast_transpose_ref(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     q, q_t = reference.cast_transpose(x, scale, fp8_dtype)
     return _pair(q, q_t)
 
 
-@cast_transpose.register_kernel("cuda")
-def _(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def _cast_transpose_cuda(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     q, q_t = cast_transpose_triton(x, scale, fp8_dtype)
     return _pair(q, q_t)
 
 
-@register_fake("dist_quant::cast_transpose")
-def _(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def _cast_transpose_fake(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     rows, cols = _rows_cols(x)
     return torch.empty_like(x, dtype=fp8_dtype), x.new_empty((cols, rows), dtype=fp8_dtype)
 
 
 # Delayed scaling: the cast also folds max(|x|) into the history slot ``amax_out`` (a view into
 # row 0 of a recipe state's amax history), declared as a mutation.
-@custom_op("dist_quant::cast_to_fp8_with_amax", mutates_args=("amax_out",))
-def cast_to_fp8_with_amax(
+def _cast_to_fp8_with_amax_ref(
     x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, amax_out: Tensor
 ) -> Tensor:
     q = reference.cast_to_fp8(x, scale, fp8_dtype)
@@ -116,18 +151,19 @@ def cast_to_fp8_with_amax(
     return q
 
 
-@cast_to_fp8_with_amax.register_kernel("cuda")
-def _(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, amax_out: Tensor) -> Tensor:
+def _cast_to_fp8_with_amax_cuda(
+    x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, amax_out: Tensor
+) -> Tensor:
     return cast_to_fp8_triton(x, scale, fp8_dtype, amax_out=amax_out)
 
 
-@register_fake("dist_quant::cast_to_fp8_with_amax")
-def _(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, amax_out: Tensor) -> Tensor:
+def _cast_to_fp8_with_amax_fake(
+    x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, amax_out: Tensor
+) -> Tensor:
     return torch.empty_like(x, dtype=fp8_dtype)
 
 
-@custom_op("dist_quant::cast_transpose_with_amax", mutates_args=("amax_out",))
-def cast_transpose_with_amax(
+def _cast_transpose_with_amax_ref(
     x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, amax_out: Tensor
 ) -> tuple[Tensor, Tensor]:
     q, q_t = reference.cast_transpose(x, scale, fp8_dtype)
@@ -135,16 +171,14 @@ def cast_transpose_with_amax(
     return _pair(q, q_t)
 
 
-@cast_transpose_with_amax.register_kernel("cuda")
-def _(
+def _cast_transpose_with_amax_cuda(
     x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, amax_out: Tensor
 ) -> tuple[Tensor, Tensor]:
     q, q_t = cast_transpose_triton(x, scale, fp8_dtype, amax_out=amax_out)
     return _pair(q, q_t)
 
 
-@register_fake("dist_quant::cast_transpose_with_amax")
-def _(
+def _cast_transpose_with_amax_fake(
     x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, amax_out: Tensor
 ) -> tuple[Tensor, Tensor]:
     rows, cols = _rows_cols(x)
@@ -152,8 +186,7 @@ def _(
 
 
 # ---- current scaling ---------------------------------------------------------------------------
-@custom_op("dist_quant::current_scale", mutates_args=())
-def current_scale(
+def _current_scale_ref(
     amax: Tensor, fp8_dtype: torch.dtype, amax_epsilon: float, use_power_2_scales: bool
 ) -> tuple[Tensor, Tensor]:
     s, s_inv = reference.current_scale(
@@ -162,8 +195,7 @@ def current_scale(
     return s.contiguous(), s_inv.contiguous()
 
 
-@current_scale.register_kernel("cuda")
-def _(
+def _current_scale_cuda(
     amax: Tensor, fp8_dtype: torch.dtype, amax_epsilon: float, use_power_2_scales: bool
 ) -> tuple[Tensor, Tensor]:
     s, s_inv = current_scale_triton(
@@ -172,8 +204,7 @@ def _(
     return s.contiguous(), s_inv.contiguous()
 
 
-@register_fake("dist_quant::current_scale")
-def _(
+def _current_scale_fake(
     amax: Tensor, fp8_dtype: torch.dtype, amax_epsilon: float, use_power_2_scales: bool
 ) -> tuple[Tensor, Tensor]:
     return amax.new_empty(amax.shape, dtype=torch.float32), amax.new_empty(
@@ -182,7 +213,11 @@ def _(
 
 
 def _reference_current_cast(
-    x: Tensor, fp8_dtype: torch.dtype, amax_epsilon: float, use_power_2_scales: bool, transpose: bool
+    x: Tensor,
+    fp8_dtype: torch.dtype,
+    amax_epsilon: float,
+    use_power_2_scales: bool,
+    transpose: bool,
 ) -> tuple[Tensor, ...]:
     a = reference.amax(x)
     scale, scale_inv = reference.current_scale(
@@ -195,16 +230,14 @@ def _reference_current_cast(
     return q, scale.reshape(1), scale_inv.reshape(1), a
 
 
-@custom_op("dist_quant::current_scaling_cast", mutates_args=())
-def current_scaling_cast(
+def _current_scaling_cast_ref(
     x: Tensor, fp8_dtype: torch.dtype, amax_epsilon: float, use_power_2_scales: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(q, scale (1,), scale_inv (1,), amax ())`` of amax -> current scale -> cast."""
     return _reference_current_cast(x, fp8_dtype, amax_epsilon, use_power_2_scales, False)
 
 
-@current_scaling_cast.register_kernel("cuda")
-def _(
+def _current_scaling_cast_cuda(
     x: Tensor, fp8_dtype: torch.dtype, amax_epsilon: float, use_power_2_scales: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     out = current_scaling_cast_triton(
@@ -213,8 +246,7 @@ def _(
     return out.data, out.scale, out.scale_inv, out.amax
 
 
-@register_fake("dist_quant::current_scaling_cast")
-def _(
+def _current_scaling_cast_fake(
     x: Tensor, fp8_dtype: torch.dtype, amax_epsilon: float, use_power_2_scales: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     one = (1,)
@@ -226,16 +258,14 @@ def _(
     )
 
 
-@custom_op("dist_quant::current_scaling_cast_transpose", mutates_args=())
-def current_scaling_cast_transpose(
+def _current_scaling_cast_transpose_ref(
     x: Tensor, fp8_dtype: torch.dtype, amax_epsilon: float, use_power_2_scales: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(q, q_t (cols, rows), scale (1,), scale_inv (1,), amax ())``."""
     return _reference_current_cast(x, fp8_dtype, amax_epsilon, use_power_2_scales, True)
 
 
-@current_scaling_cast_transpose.register_kernel("cuda")
-def _(
+def _current_scaling_cast_transpose_cuda(
     x: Tensor, fp8_dtype: torch.dtype, amax_epsilon: float, use_power_2_scales: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     out = current_scaling_cast_triton(
@@ -245,8 +275,7 @@ def _(
     return out.data, out.data_t, out.scale, out.scale_inv, out.amax
 
 
-@register_fake("dist_quant::current_scaling_cast_transpose")
-def _(
+def _current_scaling_cast_transpose_fake(
     x: Tensor, fp8_dtype: torch.dtype, amax_epsilon: float, use_power_2_scales: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     rows, cols = _rows_cols(x)
@@ -261,8 +290,7 @@ def _(
 
 
 # ---- delayed scaling update ----------------------------------------------------------------------
-@custom_op("dist_quant::delayed_scaling_update_groups", mutates_args=("histories", "scales"))
-def delayed_scaling_update_groups(
+def _delayed_scaling_update_groups_ref(
     histories: list[Tensor],
     scales: list[Tensor],
     fp8_maxes: list[Tensor],
@@ -276,8 +304,7 @@ def delayed_scaling_update_groups(
         )
 
 
-@delayed_scaling_update_groups.register_kernel("cuda")
-def _(
+def _delayed_scaling_update_groups_cuda(
     histories: list[Tensor],
     scales: list[Tensor],
     fp8_maxes: list[Tensor],
@@ -292,8 +319,7 @@ def _(
     )
 
 
-@register_fake("dist_quant::delayed_scaling_update_groups")
-def _(
+def _delayed_scaling_update_groups_fake(
     histories: list[Tensor],
     scales: list[Tensor],
     fp8_maxes: list[Tensor],
@@ -304,20 +330,17 @@ def _(
 
 
 # ---- MXFP8 and float8 block scaling ------------------------------------------------------------
-@custom_op("dist_quant::mxfp8_cast", mutates_args=())
-def mxfp8_cast(x: Tensor, fp8_dtype: torch.dtype, columnwise: bool) -> tuple[Tensor, Tensor]:
+def _mxfp8_cast_ref(x: Tensor, fp8_dtype: torch.dtype, columnwise: bool) -> tuple[Tensor, Tensor]:
     q, e8m0 = reference.mxfp8_cast(x, fp8_dtype, columnwise=columnwise)
     return q.contiguous(), e8m0.contiguous()
 
 
-@mxfp8_cast.register_kernel("cuda")
-def _(x: Tensor, fp8_dtype: torch.dtype, columnwise: bool) -> tuple[Tensor, Tensor]:
+def _mxfp8_cast_cuda(x: Tensor, fp8_dtype: torch.dtype, columnwise: bool) -> tuple[Tensor, Tensor]:
     q, e8m0 = mxfp8_cast_triton(x, fp8_dtype, columnwise=columnwise)
     return q.contiguous(), e8m0.contiguous()
 
 
-@register_fake("dist_quant::mxfp8_cast")
-def _(x: Tensor, fp8_dtype: torch.dtype, columnwise: bool) -> tuple[Tensor, Tensor]:
+def _mxfp8_cast_fake(x: Tensor, fp8_dtype: torch.dtype, columnwise: bool) -> tuple[Tensor, Tensor]:
     rows, cols = _rows_cols(x)
     if columnwise:
         q_shape, s_shape = (cols, rows), (cols, -(-rows // reference.MXFP8_BLOCK))
@@ -326,8 +349,7 @@ def _(x: Tensor, fp8_dtype: torch.dtype, columnwise: bool) -> tuple[Tensor, Tens
     return x.new_empty(q_shape, dtype=fp8_dtype), x.new_empty(s_shape, dtype=torch.uint8)
 
 
-@custom_op("dist_quant::block_cast", mutates_args=())
-def block_cast(
+def _block_cast_ref(
     x: Tensor, fp8_dtype: torch.dtype, block_dim: int, use_power_2_scales: bool
 ) -> tuple[Tensor, Tensor]:
     q, s_inv = reference.block_cast(
@@ -336,8 +358,7 @@ def block_cast(
     return q.contiguous(), s_inv.contiguous()
 
 
-@block_cast.register_kernel("cuda")
-def _(
+def _block_cast_cuda(
     x: Tensor, fp8_dtype: torch.dtype, block_dim: int, use_power_2_scales: bool
 ) -> tuple[Tensor, Tensor]:
     q, s_inv = block_cast_triton(
@@ -346,8 +367,7 @@ def _(
     return q.contiguous(), s_inv.contiguous()
 
 
-@register_fake("dist_quant::block_cast")
-def _(
+def _block_cast_fake(
     x: Tensor, fp8_dtype: torch.dtype, block_dim: int, use_power_2_scales: bool
 ) -> tuple[Tensor, Tensor]:
     rows, cols = _rows_cols(x)
@@ -356,56 +376,52 @@ def _(
 
 
 # ---- dequantize ----------------------------------------------------------------------------------
-@custom_op("dist_quant::dequantize", mutates_args=())
-def dequantize(q: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
+def _dequantize_ref(q: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
     return reference.dequantize(q, scale_inv, dtype)
 
 
-@dequantize.register_kernel("cuda")
-def _(q: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
+def _dequantize_cuda(q: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
     return dequantize_triton(q, scale_inv, dtype)
 
 
-@register_fake("dist_quant::dequantize")
-def _(q: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
+def _dequantize_fake(q: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.empty_like(q, dtype=dtype)
 
 
-@custom_op("dist_quant::mxfp8_dequantize", mutates_args=())
-def mxfp8_dequantize(q: Tensor, e8m0: Tensor, columnwise: bool, dtype: torch.dtype) -> Tensor:
+def _mxfp8_dequantize_ref(q: Tensor, e8m0: Tensor, columnwise: bool, dtype: torch.dtype) -> Tensor:
     return reference.mxfp8_dequantize(q, e8m0, columnwise=columnwise, dtype=dtype)
 
 
-@mxfp8_dequantize.register_kernel("cuda")
-def _(q: Tensor, e8m0: Tensor, columnwise: bool, dtype: torch.dtype) -> Tensor:
+def _mxfp8_dequantize_cuda(q: Tensor, e8m0: Tensor, columnwise: bool, dtype: torch.dtype) -> Tensor:
     return mxfp8_dequantize_triton(q, e8m0, columnwise=columnwise, dtype=dtype)
 
 
-@register_fake("dist_quant::mxfp8_dequantize")
-def _(q: Tensor, e8m0: Tensor, columnwise: bool, dtype: torch.dtype) -> Tensor:
+def _mxfp8_dequantize_fake(q: Tensor, e8m0: Tensor, columnwise: bool, dtype: torch.dtype) -> Tensor:
     # columnwise: the (rows, cols) matrix is the transpose of q's (cols, rows) layout
     out = q.new_empty(tuple(q.shape), dtype=dtype)
     return out.t() if columnwise else out
 
 
-@custom_op("dist_quant::block_dequantize", mutates_args=())
-def block_dequantize(q: Tensor, scale_inv: Tensor, block_dim: int, dtype: torch.dtype) -> Tensor:
+def _block_dequantize_ref(
+    q: Tensor, scale_inv: Tensor, block_dim: int, dtype: torch.dtype
+) -> Tensor:
     return reference.block_dequantize(q, scale_inv, block_dim=block_dim, dtype=dtype).contiguous()
 
 
-@block_dequantize.register_kernel("cuda")
-def _(q: Tensor, scale_inv: Tensor, block_dim: int, dtype: torch.dtype) -> Tensor:
+def _block_dequantize_cuda(
+    q: Tensor, scale_inv: Tensor, block_dim: int, dtype: torch.dtype
+) -> Tensor:
     return block_dequantize_triton(q, scale_inv, block_dim=block_dim, dtype=dtype).contiguous()
 
 
-@register_fake("dist_quant::block_dequantize")
-def _(q: Tensor, scale_inv: Tensor, block_dim: int, dtype: torch.dtype) -> Tensor:
+def _block_dequantize_fake(
+    q: Tensor, scale_inv: Tensor, block_dim: int, dtype: torch.dtype
+) -> Tensor:
     return q.new_empty(q.shape, dtype=dtype)
 
 
 # ---- block-scaled GEMM (Triton only: the CPU path is gemm.py's emulation) ----------------------
-@custom_op("dist_quant::block_scaled_gemm", mutates_args=(), device_types="cuda")
-def block_scaled_gemm(
+def _block_scaled_gemm_cuda(
     a_data: Tensor,
     a_scale_inv: Tensor,
     a_block_dim: int,
@@ -421,8 +437,7 @@ def block_scaled_gemm(
     )  # fmt: skip
 
 
-@register_fake("dist_quant::block_scaled_gemm")
-def _(
+def _block_scaled_gemm_fake(
     a_data: Tensor,
     a_scale_inv: Tensor,
     a_block_dim: int,
@@ -433,3 +448,61 @@ def _(
     bias: Tensor | None,
 ) -> Tensor:
     return a_data.new_empty((a_data.shape[0], b_data.shape[0]), dtype=out_dtype)
+
+
+# ---- registration ------------------------------------------------------------------------------
+amax = _register("amax", (), _amax_ref, _amax_cuda, _amax_fake)
+cast_to_fp8 = _register("cast_to_fp8", (), _cast_to_fp8_ref, _cast_to_fp8_cuda, _cast_to_fp8_fake)
+cast_transpose = _register(
+    "cast_transpose", (), _cast_transpose_ref, _cast_transpose_cuda, _cast_transpose_fake
+)
+cast_to_fp8_with_amax = _register(
+    "cast_to_fp8_with_amax",
+    ("amax_out",),
+    _cast_to_fp8_with_amax_ref,
+    _cast_to_fp8_with_amax_cuda,
+    _cast_to_fp8_with_amax_fake,
+)
+cast_transpose_with_amax = _register(
+    "cast_transpose_with_amax",
+    ("amax_out",),
+    _cast_transpose_with_amax_ref,
+    _cast_transpose_with_amax_cuda,
+    _cast_transpose_with_amax_fake,
+)
+current_scale = _register(
+    "current_scale", (), _current_scale_ref, _current_scale_cuda, _current_scale_fake
+)
+current_scaling_cast = _register(
+    "current_scaling_cast",
+    (),
+    _current_scaling_cast_ref,
+    _current_scaling_cast_cuda,
+    _current_scaling_cast_fake,
+)
+current_scaling_cast_transpose = _register(
+    "current_scaling_cast_transpose",
+    (),
+    _current_scaling_cast_transpose_ref,
+    _current_scaling_cast_transpose_cuda,
+    _current_scaling_cast_transpose_fake,
+)
+delayed_scaling_update_groups = _register(
+    "delayed_scaling_update_groups",
+    ("histories", "scales"),
+    _delayed_scaling_update_groups_ref,
+    _delayed_scaling_update_groups_cuda,
+    _delayed_scaling_update_groups_fake,
+)
+mxfp8_cast = _register("mxfp8_cast", (), _mxfp8_cast_ref, _mxfp8_cast_cuda, _mxfp8_cast_fake)
+block_cast = _register("block_cast", (), _block_cast_ref, _block_cast_cuda, _block_cast_fake)
+dequantize = _register("dequantize", (), _dequantize_ref, _dequantize_cuda, _dequantize_fake)
+mxfp8_dequantize = _register(
+    "mxfp8_dequantize", (), _mxfp8_dequantize_ref, _mxfp8_dequantize_cuda, _mxfp8_dequantize_fake
+)
+block_dequantize = _register(
+    "block_dequantize", (), _block_dequantize_ref, _block_dequantize_cuda, _block_dequantize_fake
+)
+block_scaled_gemm = _register(
+    "block_scaled_gemm", (), None, _block_scaled_gemm_cuda, _block_scaled_gemm_fake
+)

@@ -35,7 +35,9 @@ def _models(recipe: str) -> tuple[torch.nn.Module, torch.nn.Module]:
 
 def _batch(step: int) -> torch.Tensor:
     g = torch.Generator(device="cuda").manual_seed(10 + step)
-    return torch.randn(TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=g) * (1 + step)
+    return torch.randn(TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=g) * (
+        1 + step
+    )
 
 
 def _buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -96,7 +98,9 @@ def test_graphed_training_step_matches_eager_over_six_steps(recipe: str) -> None
         return loss.detach()
 
     warmup = 3
-    graphed_step = dq.GraphedStep(lambda: step(graphed, opt_g, static_x), graphed, warmup_steps=warmup)
+    graphed_step = dq.GraphedStep(
+        lambda: step(graphed, opt_g, static_x), graphed, warmup_steps=warmup
+    )
     for _ in range(warmup):  # the graphed model's warm-up steps all saw batch 0
         step(eager, opt_e, _batch(0))
     _assert_same_state(eager, graphed, "after capture")
