@@ -126,11 +126,34 @@ def test_compiled_transformer_layer_other_recipes_match_eager(recipe: str) -> No
     _run_side_by_side("transformer_layer", recipe, "aot_eager")
 
 
+def _sqnr_db(ref: torch.Tensor, got: torch.Tensor) -> float:
+    noise = (ref.double() - got.double()).square().sum()
+    return (
+        float("inf") if noise == 0 else float(10 * torch.log10(ref.double().square().sum() / noise))
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("kind", ["layernorm_linear", "layernorm_mlp"])
-def test_compiled_modules_under_inductor_match_eager(kind: str, recipe: str) -> None:
-    _run_side_by_side(kind, recipe, "inductor")
+def test_compiled_modules_under_inductor_track_eager(kind: str, recipe: str) -> None:
+    """Inductor's own layer norm / GELU code differs from eager ATen in the last bits, and a
+    last-bit change of an FP8 operand can move one element by an FP8 quantum, so these are compared
+    by SQNR. 40 dB: FP8 itself is ~30 dB from high precision, so a run on a stale scale or with a
+    skipped update lands near or below that, while a few last-bit flips stay far above."""
+    eager = _model(kind)
+    compiled_src = copy.deepcopy(eager)
+    for m in (eager, compiled_src):
+        dq.apply_recipe(m, dq.recipe_from_dict(recipe))
+    compiled = torch.compile(compiled_src, backend="inductor", fullgraph=True)
+    for step in range(STEPS):
+        x_e, x_c = _input(kind, step), _input(kind, step)
+        pairs = [(_step(eager, x_e), _step(compiled, x_c)), (x_e.grad, x_c.grad)]
+        pairs += [(p.grad, q.grad) for p, q in zip(eager.parameters(), compiled_src.parameters())]
+        buf_e, buf_c = _scaling_buffers(eager), _scaling_buffers(compiled_src)
+        pairs += [(buf_e[k], buf_c[k]) for k in buf_e]
+        for ref, got in pairs:
+            assert _sqnr_db(ref, got) > 40, f"step {step}: compiled drifted from eager"
 
 
 class _CountingBackend:

@@ -257,7 +257,11 @@ class QuantizedModule(nn.Module):
         `is_first_microbatch=None` always quantizes; True quantizes and caches; False reuses the cache
         when it was built under the same runtime key from the same weight version, else re-quantizes.
         """
-        if isinstance(quantizer, IdentityQuantizer) or is_first_microbatch is None:
+        if (
+            isinstance(quantizer, IdentityQuantizer)
+            or is_first_microbatch is None
+            or torch.compiler.is_compiling()  # a traced forward cannot keep Python-side copies
+        ):
             return quantizer.quantize(weight)
         tag = (runtime.key, weight._version, weight.data_ptr())
         cached = self._dq_weight_cache.get(slot)
