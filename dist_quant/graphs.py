@@ -60,8 +60,9 @@ class _Binding:
     def check(self) -> None:
         for m, rt in zip(self.modules, self.runtimes):
             if m._dq_runtime is not rt:
+                name = m.role_name or type(m).__name__
                 raise GraphInvalidated(
-                    f"{self.what}: module {m.role_name!r} switched recipe since the capture "
+                    f"{self.what}: module {name!r} switched recipe since the capture "
                     "(apply_recipe or a coordinator publish); the graph would quantize with the "
                     "old recipe's buffers. Capture again."
                 )
