@@ -18,6 +18,9 @@ _EXPORTS: dict[str, str] = {
     "convert_model": "dist_quant.convert",
     "quantizer_factory": "dist_quant.factory_keys",
     "Format": "dist_quant.formats",
+    "GraphedStep": "dist_quant.graphs",
+    "GraphInvalidated": "dist_quant.graphs",
+    "make_graphed_callables": "dist_quant.graphs",
     "DotProductAttention": "dist_quant.modules",
     "GroupedLinear": "dist_quant.modules",
     "LayerNormLinear": "dist_quant.modules",
@@ -71,6 +74,9 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "GraphInvalidated",
+    "GraphedStep",
+    "make_graphed_callables",
     "AmaxReductionMismatch",
     "allreduce_sequence_parallel_grads",
     "load_full_state_dict_into_shards",

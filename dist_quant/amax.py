@@ -130,6 +130,13 @@ def reduce_and_update(
     groups = _unique(groups)
     reduced = [g for g in groups if g.reduce_amax]
     if _group_size(group) > 1:
+        if reduced and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"amax reduction ({direction}) over {_group_size(group)} ranks cannot be captured "
+                "in a CUDA graph (its mismatch guard reads a header on the host): graph the "
+                "forward+backward with dist_quant.make_graphed_callables, which keeps the "
+                "reduction outside the graph"
+            )
         with _capacity_lock:
             capacity = _capacity.get(group, 0)
         if reduced or capacity:

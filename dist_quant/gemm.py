@@ -7,7 +7,8 @@ result ``(M, N)``. Paths, in order:
 2. CUDA sm89+, both operands per-tensor FP8, not both E5M2 (no such cuBLASLt kernel), ``K`` and
    ``N`` divisible by 16 (cuBLASLt FP8 alignment): ``torch._scaled_mm`` with fp32 accumulation;
 3. CUDA sm90+, both operands Float8 block-scaled (1x128 or 128x128 tiles), output fp32/bf16/fp16:
-   the Triton block-scaled GEMM (``kernels/block_gemm.py``), which scales each 128-deep partial
+   the Triton block-scaled GEMM (``kernels/block_gemm.py``, as the ``dist_quant::block_scaled_gemm``
+   op), which scales each 128-deep partial
    product of the FP8 tensor cores and accumulates in fp32;
 4. otherwise the exact emulation: dequantize both to fp32, ``torch.matmul`` in fp32, cast to
    ``out_dtype``. This is what CPUs use, and MXFP8 or mixed operands everywhere.
@@ -18,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dist_quant.kernels import block_scaled_gemm_triton
+from dist_quant.kernels import block_scaled_gemm
 from dist_quant.tensor import GemmOperand
 
 _SCALED_MM_ALIGN = 16
@@ -69,7 +70,7 @@ def gemm(
         )
         return out + bias.float() if bias is not None and not epilogue_bias else out
     if _can_use_block_gemm(a, b, out_dtype):
-        return block_scaled_gemm_triton(
+        return block_scaled_gemm(
             a.data, a.scale_inv, _BLOCK_DIMS[a.scaling],
             b.data, b.scale_inv, _BLOCK_DIMS[b.scaling],
             out_dtype=out_dtype, bias=bias,

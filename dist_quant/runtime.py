@@ -61,15 +61,18 @@ class ModuleRuntime:
     def key(self) -> tuple:
         return (self.recipe_key, self.fwd_roles, self.bwd_roles)
 
+    def __post_init__(self) -> None:
+        # built with the runtime, not on first use: a forward traced by torch.compile would
+        # otherwise fill the cache while tracing and guard on it (a retrace on the next call)
+        self._groups = {
+            True: list(self.fwd_state.delayed_groups()),
+            False: list(self.bwd_state.delayed_groups()),
+        }
+
     def delayed_groups(self, fwd: bool) -> list:
         """The state's delayed-scaling groups, built once per runtime: every forward asks, and the
         buffers they view never change identity after publish (updates and loads work in place)."""
-        groups = self._groups.get(fwd)
-        if groups is None:
-            state = self.fwd_state if fwd else self.bwd_state
-            groups = list(state.delayed_groups())
-            self._groups[fwd] = groups
-        return groups
+        return self._groups[fwd]
 
 
 @dataclass

@@ -24,8 +24,8 @@ from typing import NoReturn
 import torch
 from torch import Tensor
 
-# The quantizer-facing kernels; the kernels engineer switches this to the dispatchers.
-from dist_quant.kernels import reference as fp8_kernels
+# The dispatchers: torch.library ops (Triton on CUDA, the reference elsewhere).
+from dist_quant import kernels as fp8_kernels
 
 SCALINGS = ("tensor", "mxfp8", "block1d", "block2d")
 
@@ -159,10 +159,13 @@ class Float8Tensor(QuantizedTensor):
 
     def transpose_data(self) -> Tensor:
         """The 2D transpose ``(cols, rows)`` of the bytes; built on first call, then cached."""
-        if self._data_t is None:
-            rows, cols = self._rows_cols()
-            self._data_t = self._data.reshape(rows, cols).t().contiguous()
-        return self._data_t
+        if self._data_t is not None:
+            return self._data_t
+        rows, cols = self._rows_cols()
+        data_t = self._data.reshape(rows, cols).t().contiguous()
+        if not torch.compiler.is_compiling():  # a traced graph cannot mutate this container
+            self._data_t = data_t
+        return data_t
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         return fp8_kernels.dequantize(self._data, self._scale_inv, dtype)
@@ -291,7 +294,10 @@ class Float8BlockwiseTensor(_TwoCopyTensor):
         if self.block_dim == 2 and self._columnwise is None:
             data, scale = self._rowwise
             rows, cols = self._rows_cols()
-            self._columnwise = (data.reshape(rows, cols).t().contiguous(), scale.t().contiguous())
+            pair = (data.reshape(rows, cols).t().contiguous(), scale.t().contiguous())
+            if torch.compiler.is_compiling():  # a traced graph cannot mutate this container
+                return pair
+            self._columnwise = pair
         return super()._columnwise_pair()
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:

@@ -1,8 +1,12 @@
 """FP8 kernels: Triton implementations and the PyTorch reference they match bit for bit.
 
-The functions here are dispatchers with the reference's names and signatures: CUDA tensors go to
-the Triton launcher in ``kernels/<op>.py``, everything else to ``reference`` (CPU keeps the plain
+The functions here are dispatchers with the reference's names and signatures. Each calls one
+``torch.library`` custom op of ``kernels/ops.py`` (``torch.ops.dist_quant.*``): CUDA tensors run
+the Triton launcher in ``kernels/<op>.py``, everything else ``reference`` (CPU keeps the plain
 PyTorch path; the Triton kernels run on CPU only in the tests, under ``TRITON_INTERPRET=1``).
+Going through the ops is what lets ``torch.compile`` trace a quantized step (fake implementations,
+declared in-place writes) and keeps the compiled step the same computation as the eager one. A
+Python-float scale (tests, interactive use) skips the op: an op takes tensors.
 
 Fused operations with no single reference function:
 
@@ -20,26 +24,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from dist_quant.kernels import reference
-from dist_quant.kernels.block import block_cast_triton
+from dist_quant.kernels import ops, reference
 from dist_quant.kernels.block_gemm import block_scaled_gemm_triton
 from dist_quant.kernels.cast import cast_to_fp8_triton, cast_transpose_triton
-from dist_quant.kernels.current import (
-    CurrentScalingCast,
-    amax_triton,
-    current_scale_triton,
-    current_scaling_cast_triton,
-)
-from dist_quant.kernels.delayed_update import (
-    delayed_scaling_update_groups_triton,
-    delayed_scaling_update_triton,
-)
-from dist_quant.kernels.dequantize import (
-    block_dequantize_triton,
-    dequantize_triton,
-    mxfp8_dequantize_triton,
-)
-from dist_quant.kernels.mxfp8 import mxfp8_cast_triton
+from dist_quant.kernels.current import CurrentScalingCast
+from dist_quant.kernels.dequantize import dequantize_triton
 from torch import Tensor
 
 # Constants and helpers of the reference, so this module is a drop-in for it.
@@ -54,6 +43,7 @@ __all__ = [
     "amax",
     "block_cast",
     "block_dequantize",
+    "block_scaled_gemm",
     "block_scaled_gemm_triton",
     "cast_to_fp8",
     "cast_to_fp8_with_amax",
@@ -72,46 +62,47 @@ __all__ = [
 
 
 def amax(x: Tensor) -> Tensor:
-    return amax_triton(x) if x.is_cuda else reference.amax(x)
+    return ops.amax(x.detach())
+
+
+def _float_scale_cast(x: Tensor, scale: float, fp8_dtype: torch.dtype, transpose: bool):
+    if transpose:
+        fn = cast_transpose_triton if x.is_cuda else reference.cast_transpose
+    else:
+        fn = cast_to_fp8_triton if x.is_cuda else reference.cast_to_fp8
+    return fn(x, scale, fp8_dtype)
 
 
 def cast_to_fp8(x: Tensor, scale: Tensor | float, fp8_dtype: torch.dtype) -> Tensor:
-    if x.is_cuda:
-        return cast_to_fp8_triton(x, scale, fp8_dtype)
-    return reference.cast_to_fp8(x, scale, fp8_dtype)
+    if not isinstance(scale, Tensor):
+        return _float_scale_cast(x, scale, fp8_dtype, transpose=False)
+    return ops.cast_to_fp8(x.detach(), scale, fp8_dtype)
 
 
 def cast_transpose(
     x: Tensor, scale: Tensor | float, fp8_dtype: torch.dtype
 ) -> tuple[Tensor, Tensor]:
-    if x.is_cuda:
-        return cast_transpose_triton(x, scale, fp8_dtype)
-    return reference.cast_transpose(x, scale, fp8_dtype)
-
-
-def _accumulate_amax(amax_out: Tensor, x: Tensor) -> None:
-    """Reference path of the fused ops: ``amax_out = max(amax_out, amax(x))``, NaN propagating."""
-    amax_out.copy_(torch.maximum(amax_out, reference.amax(x)))
+    if not isinstance(scale, Tensor):
+        return _float_scale_cast(x, scale, fp8_dtype, transpose=True)
+    return ops.cast_transpose(x.detach(), scale, fp8_dtype)
 
 
 def cast_to_fp8_with_amax(
     x: Tensor, scale: Tensor | float, fp8_dtype: torch.dtype, amax_out: Tensor
 ) -> Tensor:
-    if x.is_cuda:
-        return cast_to_fp8_triton(x, scale, fp8_dtype, amax_out=amax_out)
-    q = reference.cast_to_fp8(x, scale, fp8_dtype)
-    _accumulate_amax(amax_out, x)
-    return q
+    scale = scale if isinstance(scale, Tensor) else _scale_tensor(scale, x.device)
+    return ops.cast_to_fp8_with_amax(x.detach(), scale, fp8_dtype, amax_out)
 
 
 def cast_transpose_with_amax(
     x: Tensor, scale: Tensor | float, fp8_dtype: torch.dtype, amax_out: Tensor
 ) -> tuple[Tensor, Tensor]:
-    if x.is_cuda:
-        return cast_transpose_triton(x, scale, fp8_dtype, amax_out=amax_out)
-    q, q_t = reference.cast_transpose(x, scale, fp8_dtype)
-    _accumulate_amax(amax_out, x)
-    return q, q_t
+    scale = scale if isinstance(scale, Tensor) else _scale_tensor(scale, x.device)
+    return ops.cast_transpose_with_amax(x.detach(), scale, fp8_dtype, amax_out)
+
+
+def _scale_tensor(scale: float, device: torch.device) -> Tensor:
+    return torch.tensor([scale], dtype=torch.float32, device=device)
 
 
 def current_scale(
@@ -121,8 +112,9 @@ def current_scale(
     amax_epsilon: float = 0.0,
     use_power_2_scales: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    fn = current_scale_triton if amax.is_cuda else reference.current_scale
-    return fn(amax, fp8_dtype, amax_epsilon=amax_epsilon, use_power_2_scales=use_power_2_scales)
+    return ops.current_scale(
+        amax.detach(), fp8_dtype, float(amax_epsilon), bool(use_power_2_scales)
+    )
 
 
 def current_scaling_cast(
@@ -133,20 +125,13 @@ def current_scaling_cast(
     use_power_2_scales: bool = False,
     transpose: bool = False,
 ) -> CurrentScalingCast:
-    if x.is_cuda:
-        return current_scaling_cast_triton(
-            x, fp8_dtype, amax_epsilon=amax_epsilon, use_power_2_scales=use_power_2_scales,
-            transpose=transpose,
-        )  # fmt: skip
-    a = reference.amax(x)
-    scale, scale_inv = reference.current_scale(
-        a, fp8_dtype, amax_epsilon=amax_epsilon, use_power_2_scales=use_power_2_scales
-    )
+    eps, pow2 = float(amax_epsilon), bool(use_power_2_scales)
     if transpose:
-        q, q_t = reference.cast_transpose(x, scale, fp8_dtype)
-    else:
-        q, q_t = reference.cast_to_fp8(x, scale, fp8_dtype), None
-    return CurrentScalingCast(q, q_t, scale.reshape(1), scale_inv.reshape(1), a)
+        return CurrentScalingCast(
+            *ops.current_scaling_cast_transpose(x.detach(), fp8_dtype, eps, pow2)
+        )
+    q, scale, scale_inv, a = ops.current_scaling_cast(x.detach(), fp8_dtype, eps, pow2)
+    return CurrentScalingCast(q, None, scale, scale_inv, a)
 
 
 def delayed_scaling_update(
@@ -157,47 +142,78 @@ def delayed_scaling_update(
     margin: float,
     algo: str,
 ) -> None:
-    fn = delayed_scaling_update_triton if amax_history.is_cuda else reference.delayed_scaling_update
-    fn(amax_history, scale, fp8_max_per_slot, margin=margin, algo=algo)
+    delayed_scaling_update_groups([(amax_history, scale, fp8_max_per_slot, margin, algo)])
 
 
 def delayed_scaling_update_groups(groups: Sequence[Sequence]) -> None:
-    """All groups in one launch when they live on a CUDA device; the reference one by one else."""
-    if groups and all(g[0].is_cuda for g in groups):
-        delayed_scaling_update_groups_triton(groups)
+    """Every ``(amax_history, scale, fp8_max, margin, algo)`` group in place: one op call, one
+    launch on CUDA (the reference one group after another elsewhere)."""
+    if not groups:
         return
-    for history, scale, fp8_max, margin, algo in groups:
-        reference.delayed_scaling_update(history, scale, fp8_max, margin=margin, algo=algo)
+    for i, g in enumerate(groups):
+        if len(g) != 5 or g[4] not in ops.ALGO_CODES:
+            raise ValueError(
+                f"delayed_scaling_update: group {i}: expected (amax_history, scale, fp8_max, "
+                f"margin, algo) with algo 'max' or 'most_recent', got {g!r}"
+            )
+    histories = [g[0] for g in groups]
+    limits = [
+        g[2] if isinstance(g[2], Tensor) else torch.tensor(float(g[2]), device=g[0].device)
+        for g in groups
+    ]
+    ops.delayed_scaling_update_groups(
+        histories,
+        [g[1] for g in groups],
+        [limit.float() for limit in limits],
+        [float(g[3]) for g in groups],
+        [ops.ALGO_CODES[g[4]] for g in groups],
+    )
 
 
 def mxfp8_cast(
     x: Tensor, fp8_dtype: torch.dtype, *, columnwise: bool = False
 ) -> tuple[Tensor, Tensor]:
-    fn = mxfp8_cast_triton if x.is_cuda else reference.mxfp8_cast
-    return fn(x, fp8_dtype, columnwise=columnwise)
+    return ops.mxfp8_cast(x.detach(), fp8_dtype, bool(columnwise))
 
 
 def mxfp8_dequantize(
     q: Tensor, e8m0: Tensor, *, columnwise: bool = False, dtype: torch.dtype = torch.float32
 ) -> Tensor:
-    fn = mxfp8_dequantize_triton if q.is_cuda else reference.mxfp8_dequantize
-    return fn(q, e8m0, columnwise=columnwise, dtype=dtype)
+    return ops.mxfp8_dequantize(q, e8m0, bool(columnwise), dtype)
 
 
 def block_cast(
     x: Tensor, fp8_dtype: torch.dtype, *, block_dim: int, use_power_2_scales: bool = True
 ) -> tuple[Tensor, Tensor]:
-    fn = block_cast_triton if x.is_cuda else reference.block_cast
-    return fn(x, fp8_dtype, block_dim=block_dim, use_power_2_scales=use_power_2_scales)
+    return ops.block_cast(x.detach(), fp8_dtype, block_dim, bool(use_power_2_scales))
 
 
 def block_dequantize(
     q: Tensor, scale_inv: Tensor, *, block_dim: int, dtype: torch.dtype = torch.float32
 ) -> Tensor:
-    fn = block_dequantize_triton if q.is_cuda else reference.block_dequantize
-    return fn(q, scale_inv, block_dim=block_dim, dtype=dtype)
+    return ops.block_dequantize(q, scale_inv, block_dim, dtype)
 
 
 def dequantize(q: Tensor, scale_inv: Tensor | float, dtype: torch.dtype = torch.float32) -> Tensor:
-    fn = dequantize_triton if q.is_cuda else reference.dequantize
-    return fn(q, scale_inv, dtype)
+    if not isinstance(scale_inv, Tensor):
+        fn = dequantize_triton if q.is_cuda else reference.dequantize
+        return fn(q, scale_inv, dtype)
+    return ops.dequantize(q, scale_inv, dtype)
+
+
+def block_scaled_gemm(
+    a_data: Tensor,
+    a_scale_inv: Tensor,
+    a_block_dim: int,
+    b_data: Tensor,
+    b_scale_inv: Tensor,
+    b_block_dim: int,
+    *,
+    out_dtype: torch.dtype,
+    bias: Tensor | None = None,
+) -> Tensor:
+    """The Triton block-scaled GEMM (CUDA only) as the ``dist_quant::block_scaled_gemm`` op."""
+    return ops.block_scaled_gemm(
+        a_data, a_scale_inv, a_block_dim, b_data, b_scale_inv, b_block_dim, out_dtype,
+        None if bias is None else bias.detach(),
+    )  # fmt: skip

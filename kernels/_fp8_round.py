@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -62,8 +63,15 @@ def fp8_spec(fp8_dtype: torch.dtype, where: str) -> Fp8Spec:
 
 
 def f32_bits(value: float) -> int:
-    """The int32 bits of ``value`` rounded to fp32 as torch rounds it (overflow gives inf)."""
-    return int(torch.tensor(value, dtype=torch.float32).view(torch.int32).item())
+    """The int32 bits of ``value`` rounded to fp32 as torch rounds it (overflow gives inf).
+
+    Pure Python (no tensor, no ``.item()``): launchers call it on the host, also while a graph is
+    captured or traced."""
+    try:
+        packed = struct.pack("<f", value)
+    except OverflowError:  # beyond fp32 after rounding: torch gives +-inf
+        packed = struct.pack("<f", math.copysign(math.inf, value))
+    return struct.unpack("<i", packed)[0]
 
 
 _INTERPRETED = tl.constexpr(

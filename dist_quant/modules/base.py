@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from dist_quant import context as _context
-from dist_quant.amax import name_groups
+from dist_quant.modules.enrol import enrol_forward, module_key
 from dist_quant.quantizers import IdentityQuantizer, Quantizer
 from dist_quant.roles import QuantizerRole
 
@@ -57,12 +57,16 @@ class QuantizedModule(nn.Module):
         self._dq_warned_override = False
         self._dq_weight_cache: dict[str, tuple[tuple, Any]] = {}
         self._dq_planned = False
+        self._dq_enrol_key = module_key(self)
+        self._dq_resolved_for: Any = None  # autocast's recipe key at the last eager resolve
+        self._dq_planned_roles = -1  # the role revision the runtime was planned with
         _context.track_unplanned(self)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # a copy or an unpickled module keeps its names but not its planned root: the next plan
-        # (or call under autocast) records the root again
+        # (or call under autocast) records the root again; it enrols as itself
         super().__setstate__(state)
+        self._dq_enrol_key = module_key(self)
         _context.track_unplanned(self)
 
     # ---- names and roles -------------------------------------------------------------------
@@ -172,16 +176,33 @@ class QuantizedModule(nn.Module):
             if entry[0][0] == runtime.key
         }
         self._dq_seen = (-1, -1)
+        self._dq_planned_roles = self._dq_role_revision  # planned just now, from these roles
 
     def active_runtime(self) -> ModuleRuntime | None:
         """The runtime for this forward, or None when autocast is off (exact high precision)."""
         ctx = _context.current_context()
         if ctx is None or not ctx.enabled:
             return None
+        if torch.compiler.is_compiling():
+            return self._traced_runtime(ctx)
         seen = (_context.recipe_revision(), self._dq_role_revision)
         if seen == self._dq_seen and self._dq_runtime is not None:
             return self._dq_runtime
         return self._resolve_runtime(ctx, seen)
+
+    def _traced_runtime(self, ctx: _context.AutocastContext) -> ModuleRuntime:
+        """`active_runtime` while torch.compile traces: the revision counter is not read (a graph
+        would be specialised on its value and recompiled at every bump); freshness is decided from
+        values the graph's guards can hold (autocast's recipe key, the role revision), so a switch
+        retraces. Planning allocates state and cannot be traced: a stale runtime is resolved
+        eagerly, outside the graph (a graph break; under fullgraph=True, dynamo refuses it)."""
+        rt = self._dq_runtime
+        stale = (
+            rt is None
+            or self._dq_planned_roles != self._dq_role_revision
+            or (self._dq_pinned_recipe is None and self._dq_resolved_for != ctx.recipe_key)
+        )
+        return _resolve_outside_graph(self) if stale else rt
 
     def _resolve_runtime(
         self, ctx: _context.AutocastContext, seen: tuple[int, int]
@@ -234,16 +255,16 @@ class QuantizedModule(nn.Module):
             publish_candidates(candidates, key)
             seen = (_context.recipe_revision(), self._dq_role_revision)
         self._dq_seen = seen
+        self._dq_resolved_for = ctx.recipe_key
+        self._dq_planned_roles = seen[1]
         return self._dq_runtime
 
     def register_amax_groups(self, runtime: ModuleRuntime) -> None:
-        """Enrol this forward's delayed-scaling groups in the autocast region's reduction."""
-        groups = runtime.delayed_groups(fwd=True)
-        # the name orders the packed amax buffers and names this module if ranks disagree
-        name_groups(groups, self.role_name)
-        name_groups(runtime.delayed_groups(fwd=False), self.role_name)
+        """Enrol this forward's delayed-scaling groups in the autocast region's reduction (an op, so
+        that a compiled forward enrols on every call, not once while tracing)."""
+        groups = runtime.delayed_groups(fwd=True) or runtime.delayed_groups(fwd=False)
         if groups:
-            _context.current_context().region.add(groups)
+            enrol_forward(groups[0].scale, self._dq_enrol_key)
 
     # ---- cached quantized weights ------------------------------------------------------------
     def quantize_weight(
@@ -259,7 +280,11 @@ class QuantizedModule(nn.Module):
         `is_first_microbatch=None` always quantizes; True quantizes and caches; False reuses the cache
         when it was built under the same runtime key from the same weight version, else re-quantizes.
         """
-        if isinstance(quantizer, IdentityQuantizer) or is_first_microbatch is None:
+        if (
+            isinstance(quantizer, IdentityQuantizer)
+            or is_first_microbatch is None
+            or torch.compiler.is_compiling()  # a traced forward cannot keep Python-side copies
+        ):
             return quantizer.quantize(weight)
         tag = (runtime.key, weight._version, weight.data_ptr())
         cached = self._dq_weight_cache.get(slot)
@@ -268,6 +293,14 @@ class QuantizedModule(nn.Module):
         qw = quantizer.quantize(weight)
         self._dq_weight_cache[slot] = (tag, qw)
         return qw
+
+
+@torch.compiler.disable
+def _resolve_outside_graph(module: QuantizedModule) -> ModuleRuntime:
+    """A compiled forward found `module`'s runtime stale (a lazy `autocast(recipe=...)` switch or a
+    role change): plan it eagerly. Under `torch.compile(..., fullgraph=True)` this graph break is
+    refused; switch with `apply_recipe` (or the coordinator) instead, whose publish retraces."""
+    return module.active_runtime()
 
 
 _planned_roots: weakref.WeakKeyDictionary[QuantizedModule, weakref.ref[nn.Module]] = (
@@ -294,6 +327,8 @@ def assign_role_names(model: nn.Module, names: Mapping[nn.Module, str] | None = 
     of a lazy recipe switch) of every module under it, unless it was planned inside a larger model.
     """
     names = names or {}
+    # torch.compile's wrapper holds the model as `_orig_mod`: names are the model's own paths
+    model = getattr(model, "_orig_mod", model)
     prefix_of: dict[str, str] = {}  # structural path -> the role-name prefix of its children
     first_path: dict[int, str] = {}
     warned: set[str] = set()  # paths of reported second uses, and everything below them

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dist_quant.amax import enrol_backward
 from dist_quant.gemm import gemm
+from dist_quant.modules.enrol import enrol_backward_op
 from dist_quant.parallel import (
     TPLayout,
     all_gather_quantized,
@@ -43,6 +43,8 @@ class LinearSlots:
     grad_input: Quantizer | None = None
     bwd_groups: tuple = ()
     reduction_group: Any = None
+    enrol_key: int = -1
+    """The owning module's `enrol.module_key`: its backward enrols `bwd_groups` through it."""
 
     @property
     def high_precision(self) -> bool:
@@ -142,7 +144,8 @@ class _QuantizedLinear(torch.autograd.Function):
         else:
             slots.grad_output.set_usage(rowwise=need_dx, columnwise=need_dw)
             dy_q = slots.grad_output.quantize(dy2d)
-        enrol_backward(slots.bwd_groups, slots.reduction_group)
+        if slots.bwd_groups:
+            enrol_backward_op(dy2d, slots.enrol_key)
         dx = dw = db = None
         if need_dx:
             if tp is not None and tp.mode == "column":

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dist_quant import context as _context
 from dist_quant.modules.base import QuantizedModule, check_sizes
 from dist_quant.modules.functional import LinearSlots, parallel_linear_hp, quantized_linear
 from dist_quant.parallel import (
@@ -30,6 +31,7 @@ from dist_quant.roles import QuantizerRole
 
 FWD_SLOTS = 3
 BWD_SLOTS = 2
+_LINEAR_LAYOUT = (((0, 1, 2), (0, 1)),)  # `_gemm_slots` layout of the one GEMM
 
 
 class LinearBase(QuantizedModule):
@@ -42,6 +44,7 @@ class LinearBase(QuantizedModule):
     tp_size: int = 1
     parallel_mode: str | None = None
     sequence_parallel: bool = False
+    _dq_gemm_slots: tuple | None = None  # `_gemm_slots` cache: (runtime, group, layout, slots)
 
     def num_quantizers(self, *, fwd: bool) -> int:
         return FWD_SLOTS if fwd else BWD_SLOTS
@@ -132,10 +135,29 @@ class LinearBase(QuantizedModule):
     # ---- dispatch ------------------------------------------------------------------------------
     def _gemm_slots(self, runtime: Any, layout: Sequence[tuple[tuple, tuple]]) -> list[LinearSlots]:
         """One `LinearSlots` per GEMM: `layout[i] = ((input, weight, output), (grad_output,
-        grad_input))`, indices into the runtime's forward and backward quantizers."""
+        grad_input))`, indices into the runtime's forward and backward quantizers. Built once per
+        runtime and amax-reduction group, not on every forward (eager; a traced forward builds
+        them in the graph's trace instead of mutating the module)."""
+        reduction_group = _context.current_context().region.reduction_group
+        if torch.compiler.is_compiling():
+            return self._build_gemm_slots(runtime, layout, reduction_group)
+        cached = self._dq_gemm_slots
+        if (
+            cached is not None
+            and cached[0] is runtime
+            and cached[1] is reduction_group
+            and cached[2] == layout
+        ):
+            return cached[3]
+        slots = self._build_gemm_slots(runtime, layout, reduction_group)
+        self._dq_gemm_slots = (runtime, reduction_group, layout, slots)
+        return slots
+
+    def _build_gemm_slots(
+        self, runtime: Any, layout: Sequence[tuple[tuple, tuple]], reduction_group: Any
+    ) -> list[LinearSlots]:
         fq, bq = runtime.fwd_quantizers, runtime.bwd_quantizers
         bwd_groups = tuple(runtime.delayed_groups(fwd=False))
-        reduction_group = self._amax_reduction_group()
         return [
             LinearSlots(
                 input=fq[i],
@@ -145,6 +167,7 @@ class LinearBase(QuantizedModule):
                 grad_input=bq[gi],
                 bwd_groups=bwd_groups,
                 reduction_group=reduction_group,
+                enrol_key=self._dq_enrol_key,
             )
             for (i, w, o), (g, gi) in layout
         ]
@@ -195,7 +218,7 @@ class LinearBase(QuantizedModule):
         runtime = self.active_runtime()
         slots = None
         if runtime is not None:
-            (slots,) = self._gemm_slots(runtime, [((0, 1, 2), (0, 1))])
+            (slots,) = self._gemm_slots(runtime, _LINEAR_LAYOUT)
             self.register_amax_groups(runtime)
         tp = self._tp_layout(self.parallel_mode)
         return self._linear(
@@ -210,11 +233,6 @@ class LinearBase(QuantizedModule):
             fp8_grad_input,
             tp,
         )
-
-    def _amax_reduction_group(self):
-        from dist_quant.context import current_context
-
-        return current_context().region.reduction_group
 
 
 def init_linear_(weight: torch.Tensor, bias: torch.Tensor | None, fan_in: int) -> None:

@@ -1,0 +1,145 @@
+"""Delayed-scaling enrolment as side-effecting ``torch.library`` ops.
+
+Every forward that ran a module with delayed-scaling slots tells the autocast region (the forward
+amax reduction at its outermost exit) and, from its backward, the backward region (the reduction
+after the last module's backward). Those are Python side effects: a ``torch.compile``'d forward or
+an AOT-compiled backward would perform them once, while tracing, and never again. As ops marked
+side-effecting (never dead-code eliminated, never run at trace time) they run on every call of the
+compiled step, eager and compiled alike. A CUDA graph replays kernels only: see
+``dist_quant.graphs`` for how a graphed callable re-enrols.
+
+A module is named to the ops by an integer key (``module_key``), assigned once per module; the op
+reads the module's current runtime when it runs, so a compiled graph never holds on to a runtime
+that a later publish replaced (publishing also changes what the graph's guards see, so the graph is
+retraced where the new quantizers differ).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.library import custom_op, register_fake
+
+from dist_quant import context as _context
+from dist_quant.amax import enrol_backward, name_groups
+
+_lock = threading.Lock()
+_keys = itertools.count()
+# key -> [module ref, reduction group of its latest forward, runtime of its latest forward]
+_modules: dict[int, list[Any]] = {}
+
+
+def module_key(module: torch.nn.Module) -> int:
+    """A fresh key for `module` (called once, from its constructor); forgotten with the module."""
+    with _lock:
+        key = next(_keys)
+        ref = weakref.ref(module, lambda _r, k=key: _modules.pop(k, None))
+        _modules[key] = [ref, None, None]
+    return key
+
+
+class Recorder:
+    """While active (`recording()`), enrolments are recorded instead of performed: a CUDA graph
+    capture of a forward and backward records which groups a replay must enrol (the replay runs no
+    Python), and its warm-up steps update no scale."""
+
+    def __init__(self) -> None:
+        self.forward: dict[int, Any] = {}  # id(amax_history) -> DelayedGroup
+        self.backward: dict[int, Any] = {}
+
+    def add(self, groups: list, backward: bool) -> None:
+        table = self.backward if backward else self.forward
+        for g in groups:
+            table.setdefault(id(g.amax_history), g)
+
+
+# process-wide, not thread-local: CUDA backward passes run on the autograd engine's device threads
+_active_recorder: Recorder | None = None
+
+
+class recording:  # noqa: N801 - used as a context manager, like torch.no_grad
+    def __init__(self, recorder: Recorder) -> None:
+        self.recorder = recorder
+
+    def __enter__(self) -> Recorder:
+        global _active_recorder
+        if _active_recorder is not None:
+            raise RuntimeError("dist_quant: one CUDA graph capture at a time")
+        _active_recorder = self.recorder
+        return self.recorder
+
+    def __exit__(self, *exc: object) -> None:
+        global _active_recorder
+        _active_recorder = None
+
+
+def _recorder() -> Recorder | None:
+    return _active_recorder
+
+
+def _entry(key: int) -> tuple[Any, list[Any]]:
+    entry = _modules.get(key)
+    module = entry[0]() if entry is not None else None
+    if module is None or module._dq_runtime is None:
+        raise RuntimeError(f"dist_quant::enrol: no live module with a runtime has key {key}")
+    return module, entry
+
+
+@custom_op("dist_quant::enrol_forward", mutates_args=())
+def enrol_forward(anchor: Tensor, key: int) -> None:
+    """Enrol module `key`'s forward delayed-scaling groups in the innermost autocast region and
+    remember the region's reduction group for its backward. `anchor` (one of the module's scale
+    buffers) is only read by nothing: an op without tensor inputs confuses inductor's buffer
+    lifetimes (torch 2.13 frees a graph input before its last use)."""
+    module, entry = _entry(key)
+    runtime = module._dq_runtime
+    if entry[2] is not runtime:  # name once per runtime: the name orders the packed amaxes
+        name_groups(runtime.delayed_groups(fwd=True), module.role_name)
+        name_groups(runtime.delayed_groups(fwd=False), module.role_name)
+        entry[2] = runtime
+    ctx = _context.current_context()
+    if ctx is None:
+        raise RuntimeError(
+            f"module {module.role_name!r}: a quantized forward ran outside autocast (a compiled "
+            "or graphed step must be called inside dist_quant.autocast)"
+        )
+    entry[1] = ctx.region.reduction_group
+    groups = runtime.delayed_groups(fwd=True)
+    recorder = _recorder()
+    if recorder is not None:
+        recorder.add(groups, backward=False)
+        recorder.add(runtime.delayed_groups(fwd=False), backward=True)
+    elif groups:
+        ctx.region.add(groups)
+
+
+@register_fake("dist_quant::enrol_forward")
+def _(anchor: Tensor, key: int) -> None:
+    return None
+
+
+@custom_op("dist_quant::enrol_backward", mutates_args=())
+def enrol_backward_op(anchor: Tensor, key: int) -> None:
+    """Enrol module `key`'s backward groups in this autograd pass's reduction. `anchor` (the
+    incoming gradient) only ties the op to the backward graph."""
+    _, entry = _entry(key)
+    if _recorder() is not None:
+        return  # recorded by the forward
+    # the runtime whose quantizers the forward saved for this backward (a publish in between
+    # must not enrol another runtime's buffers)
+    enrol_backward(entry[2].delayed_groups(fwd=False), entry[1])
+
+
+@register_fake("dist_quant::enrol_backward")
+def _(anchor: Tensor, key: int) -> None:
+    return None
+
+
+# Nothing consumes these ops' (absent) outputs: without this, graph passes would drop them.
+torch.fx.node.has_side_effect(torch.ops.dist_quant.enrol_forward.default)
+torch.fx.node.has_side_effect(torch.ops.dist_quant.enrol_backward.default)

@@ -1,0 +1,508 @@
+"""Every kernel entry point as a ``torch.library`` custom op (namespace ``dist_quant``).
+
+The default implementation of each op is ``kernels/reference.py`` (CPU, and any device without a
+registered kernel); CUDA tensors run the Triton launcher. Each op has a fake (meta) implementation
+so that ``torch.compile`` traces through it without running it, and the ops that write scaling
+state in place declare it (``mutates_args``), so a compiled graph keeps those writes in order and
+a CUDA graph replays them into the same buffers.
+
+Conventions shared by every op, so the fake and the real outputs agree on shape and stride:
+outputs are new tensors, never views of an input; per-tensor casts and dequantize keep the
+input's layout (``empty_like``, as the launchers and torch's elementwise ops do), a columnwise
+MXFP8 dequantize is the transpose of a contiguous buffer (as the reference), everything else is
+contiguous; per-tensor scales are 1-element fp32 tensors. Inputs are detached by the dispatchers in ``kernels/__init__.py``: no op here has a
+derivative (quantized data is not differentiable; autograd lives in the modules' Functions).
+
+Delayed-update algorithms travel as integer codes (``ALGO_CODES``): a schema has no list of strings.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from dist_quant.kernels import reference
+from dist_quant.kernels.block import block_cast_triton
+from dist_quant.kernels.block_gemm import block_scaled_gemm_triton
+from dist_quant.kernels.cast import cast_to_fp8_triton, cast_transpose_triton
+from dist_quant.kernels.current import (
+    amax_triton,
+    current_scale_triton,
+    current_scaling_cast_triton,
+)
+from dist_quant.kernels.delayed_update import delayed_scaling_update_groups_triton
+from dist_quant.kernels.dequantize import (
+    block_dequantize_triton,
+    dequantize_triton,
+    mxfp8_dequantize_triton,
+)
+from dist_quant.kernels.mxfp8 import mxfp8_cast_triton
+from torch import Tensor
+from torch.library import custom_op
+
+
+class Op:
+    """A registered op and the two functions it runs: called eagerly it runs the function for the
+    tensors' device directly (the same computation, without the dispatcher's Python overhead of
+    ~30-60 us a call on the CPU); while torch.compile traces, it is the op itself."""
+
+    def __init__(self, op: Any, default: Callable | None, cuda: Callable | None) -> None:
+        self.op, self.default, self.cuda = op, default, cuda
+
+    def __call__(self, *args: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return self.op(*args)
+        first = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
+        fn = self.cuda if first.is_cuda and self.cuda is not None else self.default
+        if fn is None:
+            raise RuntimeError(f"{self.op}: no kernel for {first.device} tensors")
+        return fn(*args)
+
+
+def _register(
+    name: str,
+    mutates_args: tuple[str, ...],
+    default: Callable | None,
+    cuda: Callable | None,
+    fake: Callable,
+) -> Op:
+    impl = default if default is not None else cuda
+    op = custom_op(
+        f"dist_quant::{name}",
+        impl,
+        mutates_args=mutates_args,
+        device_types=None if default is not None else "cuda",
+    )
+    if default is not None and cuda is not None:
+        op.register_kernel("cuda")(cuda)
+    op.register_fake(fake)
+    return Op(op, default, cuda)
+
+
+ALGO_CODES = {"max": 0, "most_recent": 1}
+_ALGO_NAMES = {code: name for name, code in ALGO_CODES.items()}
+
+
+def _rows_cols(x: Tensor) -> tuple[int, int]:
+    return math.prod(x.shape[:-1]), x.shape[-1]
+
+
+def _pair(q: Tensor, q_t: Tensor) -> tuple[Tensor, Tensor]:
+    """Two distinct outputs: the transpose of a (1, n) or (n, 1) ``q`` is ``q`` itself."""
+    if q_t.untyped_storage().data_ptr() == q.untyped_storage().data_ptr():
+        q_t = q_t.clone()
+    return q, q_t
+
+
+def _accumulate_amax(amax_out: Tensor, x: Tensor) -> None:
+    """``amax_out = max(amax_out, amax(x))`` in place, NaN propagating (reference of the fused ops)."""
+    amax_out.copy_(torch.maximum(amax_out, reference.amax(x)))
+
+
+# ---- amax / per-tensor casts -----------------------------------------------------------------
+def _amax_ref(x: Tensor) -> Tensor:
+    return reference.amax(x)
+
+
+def _amax_cuda(x: Tensor) -> Tensor:
+    return amax_triton(x)
+
+
+def _amax_fake(x: Tensor) -> Tensor:
+    return x.new_empty((), dtype=torch.float32)
+
+
+def _cast_to_fp8_ref(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tensor:
+    return reference.cast_to_fp8(x, scale, fp8_dtype)
+
+
+def _cast_to_fp8_cuda(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tensor:
+    return cast_to_fp8_triton(x, scale, fp8_dtype)
+
+
+def _cast_to_fp8_fake(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tensor:
+    return torch.empty_like(x, dtype=fp8_dtype)
+
+
+def _cast_transpose_ref(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    q, q_t = reference.cast_transpose(x, scale, fp8_dtype)
+    return _pair(q, q_t)
+
+
+def _cast_transpose_cuda(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    q, q_t = cast_transpose_triton(x, scale, fp8_dtype)
+    return _pair(q, q_t)
+
+
+def _cast_transpose_fake(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    rows, cols = _rows_cols(x)
+    return torch.empty_like(x, dtype=fp8_dtype), x.new_empty((cols, rows), dtype=fp8_dtype)
+
+
+# Delayed scaling: the cast also folds max(|x|) into the history slot ``amax_out`` (a view into
+# row 0 of a recipe state's amax history), declared as a mutation.
+def _cast_to_fp8_with_amax_ref(
+    x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, amax_out: Tensor
+) -> Tensor:
+    q = reference.cast_to_fp8(x, scale, fp8_dtype)
+    _accumulate_amax(amax_out, x)
+    return q
+
+
+def _cast_to_fp8_with_amax_cuda(
+    x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, amax_out: Tensor
+) -> Tensor:
+    return cast_to_fp8_triton(x, scale, fp8_dtype, amax_out=amax_out)
+
+
+def _cast_to_fp8_with_amax_fake(
+    x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, amax_out: Tensor
+) -> Tensor:
+    return torch.empty_like(x, dtype=fp8_dtype)
+
+
+def _cast_transpose_with_amax_ref(
+    x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, amax_out: Tensor
+) -> tuple[Tensor, Tensor]:
+    q, q_t = reference.cast_transpose(x, scale, fp8_dtype)
+    _accumulate_amax(amax_out, x)
+    return _pair(q, q_t)
+
+
+def _cast_transpose_with_amax_cuda(
+    x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, amax_out: Tensor
+) -> tuple[Tensor, Tensor]:
+    q, q_t = cast_transpose_triton(x, scale, fp8_dtype, amax_out=amax_out)
+    return _pair(q, q_t)
+
+
+def _cast_transpose_with_amax_fake(
+    x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, amax_out: Tensor
+) -> tuple[Tensor, Tensor]:
+    rows, cols = _rows_cols(x)
+    return torch.empty_like(x, dtype=fp8_dtype), x.new_empty((cols, rows), dtype=fp8_dtype)
+
+
+# ---- current scaling ---------------------------------------------------------------------------
+def _current_scale_ref(
+    amax: Tensor, fp8_dtype: torch.dtype, amax_epsilon: float, use_power_2_scales: bool
+) -> tuple[Tensor, Tensor]:
+    s, s_inv = reference.current_scale(
+        amax, fp8_dtype, amax_epsilon=amax_epsilon, use_power_2_scales=use_power_2_scales
+    )
+    return s.contiguous(), s_inv.contiguous()
+
+
+def _current_scale_cuda(
+    amax: Tensor, fp8_dtype: torch.dtype, amax_epsilon: float, use_power_2_scales: bool
+) -> tuple[Tensor, Tensor]:
+    s, s_inv = current_scale_triton(
+        amax, fp8_dtype, amax_epsilon=amax_epsilon, use_power_2_scales=use_power_2_scales
+    )
+    return s.contiguous(), s_inv.contiguous()
+
+
+def _current_scale_fake(
+    amax: Tensor, fp8_dtype: torch.dtype, amax_epsilon: float, use_power_2_scales: bool
+) -> tuple[Tensor, Tensor]:
+    return amax.new_empty(amax.shape, dtype=torch.float32), amax.new_empty(
+        amax.shape, dtype=torch.float32
+    )
+
+
+def _reference_current_cast(
+    x: Tensor,
+    fp8_dtype: torch.dtype,
+    amax_epsilon: float,
+    use_power_2_scales: bool,
+    transpose: bool,
+) -> tuple[Tensor, ...]:
+    a = reference.amax(x)
+    scale, scale_inv = reference.current_scale(
+        a, fp8_dtype, amax_epsilon=amax_epsilon, use_power_2_scales=use_power_2_scales
+    )
+    if transpose:
+        q, q_t = reference.cast_transpose(x, scale, fp8_dtype)
+        return (*_pair(q, q_t), scale.reshape(1), scale_inv.reshape(1), a)
+    q = reference.cast_to_fp8(x, scale, fp8_dtype)
+    return q, scale.reshape(1), scale_inv.reshape(1), a
+
+
+def _current_scaling_cast_ref(
+    x: Tensor, fp8_dtype: torch.dtype, amax_epsilon: float, use_power_2_scales: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(q, scale (1,), scale_inv (1,), amax ())`` of amax -> current scale -> cast."""
+    return _reference_current_cast(x, fp8_dtype, amax_epsilon, use_power_2_scales, False)
+
+
+def _current_scaling_cast_cuda(
+    x: Tensor, fp8_dtype: torch.dtype, amax_epsilon: float, use_power_2_scales: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    out = current_scaling_cast_triton(
+        x, fp8_dtype, amax_epsilon=amax_epsilon, use_power_2_scales=use_power_2_scales
+    )
+    return out.data, out.scale, out.scale_inv, out.amax
+
+
+def _current_scaling_cast_fake(
+    x: Tensor, fp8_dtype: torch.dtype, amax_epsilon: float, use_power_2_scales: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    one = (1,)
+    return (
+        torch.empty_like(x, dtype=fp8_dtype),
+        x.new_empty(one, dtype=torch.float32),
+        x.new_empty(one, dtype=torch.float32),
+        x.new_empty((), dtype=torch.float32),
+    )
+
+
+def _current_scaling_cast_transpose_ref(
+    x: Tensor, fp8_dtype: torch.dtype, amax_epsilon: float, use_power_2_scales: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(q, q_t (cols, rows), scale (1,), scale_inv (1,), amax ())``."""
+    return _reference_current_cast(x, fp8_dtype, amax_epsilon, use_power_2_scales, True)
+
+
+def _current_scaling_cast_transpose_cuda(
+    x: Tensor, fp8_dtype: torch.dtype, amax_epsilon: float, use_power_2_scales: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    out = current_scaling_cast_triton(
+        x, fp8_dtype, amax_epsilon=amax_epsilon, use_power_2_scales=use_power_2_scales,
+        transpose=True,
+    )  # fmt: skip
+    return out.data, out.data_t, out.scale, out.scale_inv, out.amax
+
+
+def _current_scaling_cast_transpose_fake(
+    x: Tensor, fp8_dtype: torch.dtype, amax_epsilon: float, use_power_2_scales: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    rows, cols = _rows_cols(x)
+    one = (1,)
+    return (
+        torch.empty_like(x, dtype=fp8_dtype),
+        x.new_empty((cols, rows), dtype=fp8_dtype),
+        x.new_empty(one, dtype=torch.float32),
+        x.new_empty(one, dtype=torch.float32),
+        x.new_empty((), dtype=torch.float32),
+    )
+
+
+# ---- delayed scaling update ----------------------------------------------------------------------
+def _delayed_scaling_update_groups_ref(
+    histories: list[Tensor],
+    scales: list[Tensor],
+    fp8_maxes: list[Tensor],
+    margins: list[float],
+    algos: list[int],
+) -> None:
+    """``reference.delayed_scaling_update`` of each group ``i``, in place; one launch on CUDA."""
+    for history, scale, limit, margin, code in zip(histories, scales, fp8_maxes, margins, algos):
+        reference.delayed_scaling_update(
+            history, scale, limit, margin=margin, algo=_ALGO_NAMES[code]
+        )
+
+
+def _delayed_scaling_update_groups_cuda(
+    histories: list[Tensor],
+    scales: list[Tensor],
+    fp8_maxes: list[Tensor],
+    margins: list[float],
+    algos: list[int],
+) -> None:
+    delayed_scaling_update_groups_triton(
+        [
+            (h, s, limit, margin, _ALGO_NAMES[code])
+            for h, s, limit, margin, code in zip(histories, scales, fp8_maxes, margins, algos)
+        ]
+    )
+
+
+def _delayed_scaling_update_groups_fake(
+    histories: list[Tensor],
+    scales: list[Tensor],
+    fp8_maxes: list[Tensor],
+    margins: list[float],
+    algos: list[int],
+) -> None:
+    return None
+
+
+# ---- MXFP8 and float8 block scaling ------------------------------------------------------------
+def _mxfp8_cast_ref(x: Tensor, fp8_dtype: torch.dtype, columnwise: bool) -> tuple[Tensor, Tensor]:
+    q, e8m0 = reference.mxfp8_cast(x, fp8_dtype, columnwise=columnwise)
+    return q.contiguous(), e8m0.contiguous()
+
+
+def _mxfp8_cast_cuda(x: Tensor, fp8_dtype: torch.dtype, columnwise: bool) -> tuple[Tensor, Tensor]:
+    q, e8m0 = mxfp8_cast_triton(x, fp8_dtype, columnwise=columnwise)
+    return q.contiguous(), e8m0.contiguous()
+
+
+def _mxfp8_cast_fake(x: Tensor, fp8_dtype: torch.dtype, columnwise: bool) -> tuple[Tensor, Tensor]:
+    rows, cols = _rows_cols(x)
+    if columnwise:
+        q_shape, s_shape = (cols, rows), (cols, -(-rows // reference.MXFP8_BLOCK))
+    else:
+        q_shape, s_shape = tuple(x.shape), (rows, -(-cols // reference.MXFP8_BLOCK))
+    return x.new_empty(q_shape, dtype=fp8_dtype), x.new_empty(s_shape, dtype=torch.uint8)
+
+
+def _block_cast_ref(
+    x: Tensor, fp8_dtype: torch.dtype, block_dim: int, use_power_2_scales: bool
+) -> tuple[Tensor, Tensor]:
+    q, s_inv = reference.block_cast(
+        x, fp8_dtype, block_dim=block_dim, use_power_2_scales=use_power_2_scales
+    )
+    return q.contiguous(), s_inv.contiguous()
+
+
+def _block_cast_cuda(
+    x: Tensor, fp8_dtype: torch.dtype, block_dim: int, use_power_2_scales: bool
+) -> tuple[Tensor, Tensor]:
+    q, s_inv = block_cast_triton(
+        x, fp8_dtype, block_dim=block_dim, use_power_2_scales=use_power_2_scales
+    )
+    return q.contiguous(), s_inv.contiguous()
+
+
+def _block_cast_fake(
+    x: Tensor, fp8_dtype: torch.dtype, block_dim: int, use_power_2_scales: bool
+) -> tuple[Tensor, Tensor]:
+    rows, cols = _rows_cols(x)
+    s_shape = reference._block_scale_shape(rows, cols, block_dim)
+    return x.new_empty(x.shape, dtype=fp8_dtype), x.new_empty(s_shape, dtype=torch.float32)
+
+
+# ---- dequantize ----------------------------------------------------------------------------------
+def _dequantize_ref(q: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
+    return reference.dequantize(q, scale_inv, dtype)
+
+
+def _dequantize_cuda(q: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
+    return dequantize_triton(q, scale_inv, dtype)
+
+
+def _dequantize_fake(q: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
+    return torch.empty_like(q, dtype=dtype)
+
+
+def _mxfp8_dequantize_ref(q: Tensor, e8m0: Tensor, columnwise: bool, dtype: torch.dtype) -> Tensor:
+    return reference.mxfp8_dequantize(q, e8m0, columnwise=columnwise, dtype=dtype)
+
+
+def _mxfp8_dequantize_cuda(q: Tensor, e8m0: Tensor, columnwise: bool, dtype: torch.dtype) -> Tensor:
+    return mxfp8_dequantize_triton(q, e8m0, columnwise=columnwise, dtype=dtype)
+
+
+def _mxfp8_dequantize_fake(q: Tensor, e8m0: Tensor, columnwise: bool, dtype: torch.dtype) -> Tensor:
+    # columnwise: the (rows, cols) matrix is the transpose of q's (cols, rows) layout
+    out = q.new_empty(tuple(q.shape), dtype=dtype)
+    return out.t() if columnwise else out
+
+
+def _block_dequantize_ref(
+    q: Tensor, scale_inv: Tensor, block_dim: int, dtype: torch.dtype
+) -> Tensor:
+    return reference.block_dequantize(q, scale_inv, block_dim=block_dim, dtype=dtype).contiguous()
+
+
+def _block_dequantize_cuda(
+    q: Tensor, scale_inv: Tensor, block_dim: int, dtype: torch.dtype
+) -> Tensor:
+    return block_dequantize_triton(q, scale_inv, block_dim=block_dim, dtype=dtype).contiguous()
+
+
+def _block_dequantize_fake(
+    q: Tensor, scale_inv: Tensor, block_dim: int, dtype: torch.dtype
+) -> Tensor:
+    return q.new_empty(q.shape, dtype=dtype)
+
+
+# ---- block-scaled GEMM (Triton only: the CPU path is gemm.py's emulation) ----------------------
+def _block_scaled_gemm_cuda(
+    a_data: Tensor,
+    a_scale_inv: Tensor,
+    a_block_dim: int,
+    b_data: Tensor,
+    b_scale_inv: Tensor,
+    b_block_dim: int,
+    out_dtype: torch.dtype,
+    bias: Tensor | None,
+) -> Tensor:
+    return block_scaled_gemm_triton(
+        a_data, a_scale_inv, a_block_dim, b_data, b_scale_inv, b_block_dim,
+        out_dtype=out_dtype, bias=bias,
+    )  # fmt: skip
+
+
+def _block_scaled_gemm_fake(
+    a_data: Tensor,
+    a_scale_inv: Tensor,
+    a_block_dim: int,
+    b_data: Tensor,
+    b_scale_inv: Tensor,
+    b_block_dim: int,
+    out_dtype: torch.dtype,
+    bias: Tensor | None,
+) -> Tensor:
+    return a_data.new_empty((a_data.shape[0], b_data.shape[0]), dtype=out_dtype)
+
+
+# ---- registration ------------------------------------------------------------------------------
+amax = _register("amax", (), _amax_ref, _amax_cuda, _amax_fake)
+cast_to_fp8 = _register("cast_to_fp8", (), _cast_to_fp8_ref, _cast_to_fp8_cuda, _cast_to_fp8_fake)
+cast_transpose = _register(
+    "cast_transpose", (), _cast_transpose_ref, _cast_transpose_cuda, _cast_transpose_fake
+)
+cast_to_fp8_with_amax = _register(
+    "cast_to_fp8_with_amax",
+    ("amax_out",),
+    _cast_to_fp8_with_amax_ref,
+    _cast_to_fp8_with_amax_cuda,
+    _cast_to_fp8_with_amax_fake,
+)
+cast_transpose_with_amax = _register(
+    "cast_transpose_with_amax",
+    ("amax_out",),
+    _cast_transpose_with_amax_ref,
+    _cast_transpose_with_amax_cuda,
+    _cast_transpose_with_amax_fake,
+)
+current_scale = _register(
+    "current_scale", (), _current_scale_ref, _current_scale_cuda, _current_scale_fake
+)
+current_scaling_cast = _register(
+    "current_scaling_cast",
+    (),
+    _current_scaling_cast_ref,
+    _current_scaling_cast_cuda,
+    _current_scaling_cast_fake,
+)
+current_scaling_cast_transpose = _register(
+    "current_scaling_cast_transpose",
+    (),
+    _current_scaling_cast_transpose_ref,
+    _current_scaling_cast_transpose_cuda,
+    _current_scaling_cast_transpose_fake,
+)
+delayed_scaling_update_groups = _register(
+    "delayed_scaling_update_groups",
+    ("histories", "scales"),
+    _delayed_scaling_update_groups_ref,
+    _delayed_scaling_update_groups_cuda,
+    _delayed_scaling_update_groups_fake,
+)
+mxfp8_cast = _register("mxfp8_cast", (), _mxfp8_cast_ref, _mxfp8_cast_cuda, _mxfp8_cast_fake)
+block_cast = _register("block_cast", (), _block_cast_ref, _block_cast_cuda, _block_cast_fake)
+dequantize = _register("dequantize", (), _dequantize_ref, _dequantize_cuda, _dequantize_fake)
+mxfp8_dequantize = _register(
+    "mxfp8_dequantize", (), _mxfp8_dequantize_ref, _mxfp8_dequantize_cuda, _mxfp8_dequantize_fake
+)
+block_dequantize = _register(
+    "block_dequantize", (), _block_dequantize_ref, _block_dequantize_cuda, _block_dequantize_fake
+)
+block_scaled_gemm = _register(
+    "block_scaled_gemm", (), None, _block_scaled_gemm_cuda, _block_scaled_gemm_fake
+)
