@@ -40,7 +40,7 @@ from dist_quant.coordinator.endpoint import (
 )
 from dist_quant.coordinator.faults import Fault
 from dist_quant.coordinator.locality import Locality, choose_host, here, local_leaders
-from dist_quant.coordinator.log import DecisionLog
+from dist_quant.coordinator.log import DecisionLog, resume_schedule
 from dist_quant.coordinator.participant import Participant
 from dist_quant.coordinator.protocol import Stop
 from dist_quant.coordinator.transport import Transport, TransportError
@@ -95,7 +95,7 @@ def attach(
         try:
             bind, advertise, how = ("", "", "") if kind == "ray" else choose_host(host, localities)
             host_side = _Host.start(kind, bind, advertise, how, world, resolve_run_dir(run_dir))
-            endpoint = host_side.endpoint
+            endpoint = {**host_side.endpoint, "reapply": host_side.reapply}
         except Exception as e:  # noqa: BLE001 - reported to every rank after the gather
             endpoint = {"error": f"rank 0 could not start the coordinator: {type(e).__name__}: {e}"}
     else:
@@ -139,8 +139,15 @@ def attach(
         faults=faults,
         decision_grace_s=decision_grace_s,
         on_close=on_close,
+        reapply=endpoint.get("reapply", ()),
     )
-    return participant.start()
+    try:
+        return participant.start()
+    except BaseException:  # a re-applied recipe that no longer plans: the same on every rank
+        rank_transport.close()
+        for fn in on_close:
+            fn()
+        raise
 
 
 def check_tp_groups(claims: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
@@ -216,7 +223,7 @@ def _join(
     if rank != 0 and rank in local_leaders(localities):
         try:
             where = resolve_run_dir(run_dir)
-            write_endpoint(where, endpoint)
+            write_endpoint(where, {k: v for k, v in endpoint.items() if k != "reapply"})
             on_close.append(lambda: remove_endpoint(where, endpoint["token"]))
         except OSError as e:
             transport.close()
@@ -252,6 +259,8 @@ class _Host:
         self._run_dir = run_dir
         self._coordinator: Coordinator | None = None
         self._world = 0
+        # switches a resumed job publishes again (the log's `restored` record), for every rank
+        self.reapply = resume_schedule(DecisionLog(run_dir / LOG_FILE).records())
 
     @classmethod
     def start(
