@@ -293,6 +293,10 @@ class _Host:
 
                 # clients join this cluster, not whichever `ray.init(address="auto")` finds first
                 info["ray_address"] = ray.get_runtime_context().gcs_address
+                # a client outside the cluster must use the same authentication (Ray >= 2.5x
+                # turns token auth on by default and exports the mode to its workers)
+                if os.environ.get("RAY_AUTH_MODE"):
+                    info["ray_auth_mode"] = os.environ["RAY_AUTH_MODE"]
             write_endpoint(run_dir, info)
         except BaseException:
             self.close()

@@ -147,7 +147,11 @@ def _open(address: str, info: dict[str, Any]) -> Transport:
         if address.startswith("ray://"):
             from dist_quant.coordinator.transport_ray import RayTransport
 
-            return RayTransport.connect(address, ray_address=info.get("ray_address"))
+            return RayTransport.connect(
+                address,
+                ray_address=info.get("ray_address"),
+                ray_auth_mode=info.get("ray_auth_mode"),
+            )
         from dist_quant.coordinator.transport_store import StoreTransport
 
         return StoreTransport(address, connect_timeout_s=ACCEPT_TIMEOUT_S)
