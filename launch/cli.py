@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--steps", type=_positive_int, default=200, help="optimizer steps (default 200)"
     )
-    demo.add_argument("--launcher", choices=("torchrun", "ray"), default="torchrun")
+    demo.add_argument("--launcher", choices=("torchrun", "ray", "ray-train"), default="torchrun")
     demo.add_argument(
         "--recipe-schedule",
         metavar="FILE",

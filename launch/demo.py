@@ -29,6 +29,8 @@ from dist_quant.coordinator.endpoint import read_endpoint
 from dist_quant.launch.cli import CliError
 from dist_quant.launch.demo_schedule import Phase, Schedule, load_schedule_file, resolve_schedule
 
+LAUNCHERS = ("torchrun", "ray", "ray-train")
+
 
 @dataclass(frozen=True)
 class DemoOptions:
@@ -36,7 +38,7 @@ class DemoOptions:
     tp: int | None = None
     """Tensor-parallel size; None: `default_tp(nproc)`."""
     steps: int = 200
-    launcher: str = "torchrun"
+    launcher: str = "torchrun"  # one of LAUNCHERS
     schedule_file: str | None = None
     out: str = "dist_quant_run"
     seed: int = 0
@@ -62,8 +64,8 @@ def _resolve(opts: DemoOptions) -> tuple[dict[str, Any], Schedule]:
     tp = opts.tp if opts.tp is not None else default_tp(opts.nproc)
     if opts.nproc % tp:
         raise CliError(f"demo: --tp {tp} must divide --nproc {opts.nproc}", 2)
-    if opts.launcher not in ("torchrun", "ray"):
-        raise CliError(f"demo: --launcher must be torchrun or ray, got {opts.launcher!r}", 2)
+    if opts.launcher not in LAUNCHERS:
+        raise CliError(f"demo: --launcher must be one of {LAUNCHERS}, got {opts.launcher!r}", 2)
     if opts.step_delay < 0:
         raise CliError(f"demo: --step-delay must be >= 0, got {opts.step_delay}", 2)
     try:
@@ -240,6 +242,14 @@ class _RayRunner:
         self.job.shutdown()
 
 
+def _runner(launcher: str) -> Any:
+    if launcher == "ray-train":
+        from dist_quant.launch.ray_train import DemoRunner
+
+        return DemoRunner
+    return _RayRunner if launcher == "ray" else _TorchrunRunner
+
+
 # ---- the whole demo --------------------------------------------------------------------------
 def _stale_token(out: Path) -> str | None:
     from dist_quant.coordinator.endpoint import read_endpoint
@@ -294,7 +304,7 @@ def run_demo(opts: DemoOptions) -> int:
     runner: _TorchrunRunner | _RayRunner | None = None
     try:
         with console.status(f"starting {opts.nproc} ranks with {opts.launcher}..."):
-            runner = (_RayRunner if opts.launcher == "ray" else _TorchrunRunner)(cfg, out)
+            runner = _runner(opts.launcher)(cfg, out)
         driver.start()
         _follow(
             runner,
