@@ -24,10 +24,10 @@ from switch_harness import Script, wait_for
 TOKEN = "job-token"
 
 
-
 def switch_records(log):
     """The log's records about switches (every coordinator start also records its attempt)."""
     return [r for r in log.records() if r["event"] != "attempt"]
+
 
 class Job:
     """A coordinator for `world` ranks (TP groups of two) plus a scripted side to talk to it."""

@@ -23,8 +23,6 @@ STEPS, CKPT, SWITCH, CRASH = 16, 4, 7, 10
 
 
 def train_loop_per_worker(config):
-
-
     rank = train.get_context().get_world_rank()
     torch.manual_seed(0)
     model = nn.Sequential(dq.Linear(16, 16), nn.Tanh(), dq.Linear(16, 8))
