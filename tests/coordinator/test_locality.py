@@ -45,5 +45,7 @@ def test_each_location_has_one_leader_its_lowest_rank():
     assert local_leaders(locs) == {0: "a", 1: "b"}
 
 
-def test_two_threads_of_one_process_share_a_location():
-    assert here().where == here().where
+def test_a_process_reports_one_location_naming_its_network_namespace():
+    first, again = here(), here()
+    assert first.where == again.where
+    assert "/netns:" in first.where or first.where.startswith("host:")
