@@ -1,19 +1,22 @@
 """`attach(model)`: join a job's switch protocol; rank 0 also hosts the coordinator.
 
-One collective, at attach time only: an all-gather over the process group that carries each
-rank's tensor-parallel peers to everyone and rank 0's endpoint (transport, address, token) to the
-other ranks. It works however the group was initialised (env://, tcp://, file://, Ray actors):
-nothing else is taken from the process group. After attach, no collective is ever issued by the
+Three small all-gathers, at attach time only: each rank's TP peers and location (`locality.py`),
+rank 0's endpoint (transport, address, token), and each rank's "could I reach it" (so a coordinator
+one rank cannot reach fails every rank at once, with one line naming the address and the `host=`
+fix). It works however the group was initialised (env://, tcp://, file://, Ray actors): nothing
+else is taken from the process group. After attach, no collective is ever issued by the
 coordinator code.
 
-- transport "store" (torchrun): rank 0 starts a TCPStore server of its own on 127.0.0.1 (or
-  `host`) and the coordinator thread beside it;
+- transport "store" (torchrun): rank 0 starts a TCPStore server of its own and the coordinator
+  thread beside it, on 127.0.0.1 when every rank runs on its host, else on the address the other
+  ranks reach it at (`locality.choose_host`), or on `host`;
 - transport "ray": rank 0 creates the named actor "dist_quant.coordinator" in a namespace of the
   job's own, on its node;
 - "auto": "ray" when this process runs inside an initialised Ray, else "store".
 
 Rank 0 writes `<run_dir>/coordinator.json` (mode 0600: address and token) and the decision log
-`<run_dir>/decisions.jsonl`.
+`<run_dir>/decisions.jsonl`; the lowest rank of every other host writes the same
+`coordinator.json` into its own run dir.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch.distributed as dist
 from dist_quant.coordinator.client import request_switch
 from dist_quant.coordinator.coordinator import Coordinator
 from dist_quant.coordinator.endpoint import (
+    ENDPOINT_FILE,
     LOG_FILE,
     remove_endpoint,
     resolve_run_dir,
@@ -38,7 +42,8 @@ from dist_quant.coordinator.endpoint import (
 from dist_quant.coordinator.faults import Fault
 from dist_quant.coordinator.guard import PrecisionGuard
 from dist_quant.coordinator.guard_runner import GuardRunner, StepMonitor
-from dist_quant.coordinator.log import DecisionLog
+from dist_quant.coordinator.locality import Locality, choose_host, here, local_leaders
+from dist_quant.coordinator.log import DecisionLog, resume_schedule
 from dist_quant.coordinator.participant import Participant
 from dist_quant.coordinator.protocol import Stop
 from dist_quant.coordinator.transport import Transport, TransportError
@@ -49,6 +54,8 @@ from dist_quant.modules.base import assign_role_names
 from dist_quant.telemetry import Telemetry
 
 TRANSPORTS = ("auto", "store", "ray")
+# A reachable coordinator answers in milliseconds; an unreachable one must fail the job quickly.
+CONNECT_TIMEOUT_S = 5.0
 _DRAIN_S = 1.0  # how long rank 0's close waits for the other ranks' listeners to stop
 
 
@@ -96,30 +103,45 @@ def attach(
     if isinstance(model, nn.Module):
         assign_role_names(model)  # fixed here, not by the listener thread's first plan
 
+    # Collective 1: everyone's TP peers and location (is the job on one host?).
+    claims = _all_gather({"tp": tp, "where": here()}, world, group)
+    localities = [c["where"] for c in claims]
+    tp_groups = check_tp_groups([c["tp"] for c in claims])
     host_side: _Host | None = None
     endpoint: dict[str, Any]
     if rank == 0:
         try:
-            host_side = _Host.start(kind, host or "127.0.0.1", world, resolve_run_dir(run_dir))
-            endpoint = host_side.endpoint
+            bind, advertise, how = ("", "", "") if kind == "ray" else choose_host(host, localities)
+            host_side = _Host.start(kind, bind, advertise, how, world, resolve_run_dir(run_dir))
+            endpoint = {**host_side.endpoint, "reapply": host_side.reapply}
         except Exception as e:  # noqa: BLE001 - reported to every rank after the gather
             endpoint = {"error": f"rank 0 could not start the coordinator: {type(e).__name__}: {e}"}
     else:
         endpoint = {}
-    gathered: list[Any] = [None] * world
-    # The one collective: everyone's TP peers, and rank 0's endpoint.
-    dist.all_gather_object(gathered, {"tp": tp, "endpoint": endpoint}, group=group)
-    endpoint = gathered[0]["endpoint"]
+    # Collective 2: rank 0's endpoint.
+    endpoint = _all_gather(endpoint, world, group)[0]
+    if "error" in endpoint:
+        if host_side is not None:
+            host_side.close()
+        raise RuntimeError(endpoint["error"])
+    rank_transport, problem, on_close = _join(endpoint, rank, localities, run_dir)
+    # Collective 3: did every rank reach the coordinator? Every rank fails together, or none.
+    problems = [p for p in _all_gather(problem, world, group) if p]
+    if problems:
+        if rank_transport is not None:
+            rank_transport.close()
+        for fn in on_close:
+            fn()
+        if host_side is not None:
+            host_side.close()
+        more = f" (and {len(problems) - 1} other rank(s))" if len(problems) > 1 else ""
+        raise TransportError(problems[0] + more)
     try:
-        if "error" in endpoint:
-            raise RuntimeError(endpoint["error"])
-        tp_groups = check_tp_groups([g["tp"] for g in gathered])
-        on_close: list[Callable[[], None]] = []
         if host_side is not None:
             host_side.run_coordinator(tp_groups, tuple(faults), decision_grace_s / 2)
             on_close.append(host_side.close)
-        rank_transport = _connect(endpoint)
     except BaseException:
+        rank_transport.close()
         if host_side is not None:
             host_side.close()
         raise
@@ -136,8 +158,15 @@ def attach(
         decision_grace_s=decision_grace_s,
         on_close=on_close,
         monitor=_monitor(telemetry if stats_interval else None, guard, model, run_dir, rank),
+        reapply=endpoint.get("reapply", ()),
     )
-    return participant.start()
+    try:
+        return participant.start()
+    except BaseException:  # a re-applied recipe that no longer plans: the same on every rank
+        rank_transport.close()
+        for fn in on_close:
+            fn()
+        raise
 
 
 def _monitor(
@@ -204,14 +233,56 @@ def _tp_ranks(
     return tuple(sorted(int(r) for r in tp_group))
 
 
-def _connect(endpoint: dict[str, Any]) -> Transport:
+def _all_gather(obj: Any, world: int, group: dist.ProcessGroup | None) -> list[Any]:
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
+
+
+def _join(
+    endpoint: dict[str, Any], rank: int, localities: list[Locality], run_dir: Any
+) -> tuple[Transport | None, str, list[Callable[[], None]]]:
+    """Connect to the coordinator; a node's lowest rank also writes coordinator.json there.
+    Returns (transport, problem text or "", cleanups)."""
+    on_close: list[Callable[[], None]] = []
+    try:
+        transport = _connect(endpoint, connect_timeout_s=CONNECT_TIMEOUT_S)
+    except TransportError as e:
+        cause = str(e.__cause__ or e).strip().splitlines()[0]
+        me = localities[rank].reach or localities[rank].where
+        return (
+            None,
+            (
+                f"attach: rank {rank} (at {me}) cannot reach the coordinator at {endpoint['address']} "
+                f"within {CONNECT_TIMEOUT_S:g} s ({cause}); rank 0 advertised it because "
+                f"{endpoint.get('chosen_by', '?')}. Pass attach(..., host=<an address of rank 0's host "
+                "that every rank reaches>), e.g. the MASTER_ADDR every rank rendezvoused at"
+            ),
+            on_close,
+        )
+    if rank != 0 and rank in local_leaders(localities):
+        try:
+            where = resolve_run_dir(run_dir)
+            write_endpoint(where, {k: v for k, v in endpoint.items() if k != "reapply"})
+            on_close.append(lambda: remove_endpoint(where, endpoint["token"]))
+        except OSError as e:
+            transport.close()
+            return (
+                None,
+                f"attach: rank {rank} cannot write {ENDPOINT_FILE} into its run dir: {e}",
+                [],
+            )
+    return transport, "", on_close
+
+
+def _connect(endpoint: dict[str, Any], connect_timeout_s: float = 30.0) -> Transport:
     if endpoint["transport"] == "ray":
         from dist_quant.coordinator.transport_ray import RayTransport
 
         return RayTransport.connect(endpoint["address"])
     from dist_quant.coordinator.transport_store import StoreTransport
 
-    return StoreTransport(endpoint["address"])
+    return StoreTransport(endpoint["address"], connect_timeout_s=connect_timeout_s)
 
 
 class _Host:
@@ -228,9 +299,13 @@ class _Host:
         self._run_dir = run_dir
         self._coordinator: Coordinator | None = None
         self._world = 0
+        # switches a resumed job publishes again (the log's `restored` record), for every rank
+        self.reapply = resume_schedule(DecisionLog(run_dir / LOG_FILE).records())
 
     @classmethod
-    def start(cls, kind: str, host: str, world: int, run_dir: Path) -> _Host:
+    def start(
+        cls, kind: str, bind: str, advertise: str, chosen_by: str, world: int, run_dir: Path
+    ) -> _Host:
         token = secrets.token_hex(32)
         if kind == "ray":
             from dist_quant.coordinator.transport_ray import create_coordinator_actor
@@ -239,18 +314,29 @@ class _Host:
         else:
             from dist_quant.coordinator.transport_store import StoreServer
 
-            server = StoreServer(host)
+            server = StoreServer(bind, advertise=advertise)
             address = server.address
-        self = cls(kind, {"transport": kind, "address": address, "token": token}, server, run_dir)
+        info = {
+            "transport": kind,
+            "address": address,
+            "token": token,
+            "chosen_by": chosen_by,
+            "world_size": world,
+            "log": str(run_dir / LOG_FILE),  # on rank 0's host
+        }
+        self = cls(kind, info, server, run_dir)
         self._world = world
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
-            info = {**self.endpoint, "world_size": world, "log": str(run_dir / LOG_FILE)}
             if kind == "ray":
                 import ray
 
                 # clients join this cluster, not whichever `ray.init(address="auto")` finds first
                 info["ray_address"] = ray.get_runtime_context().gcs_address
+                # a client outside the cluster must use the same authentication (Ray >= 2.5x
+                # turns token auth on by default and exports the mode to its workers)
+                if os.environ.get("RAY_AUTH_MODE"):
+                    info["ray_auth_mode"] = os.environ["RAY_AUTH_MODE"]
             write_endpoint(run_dir, info)
         except BaseException:
             self.close()

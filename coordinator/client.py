@@ -194,7 +194,11 @@ def _open(address: str, info: dict[str, Any], found: str) -> Transport:
         from dist_quant.coordinator.transport_ray import RayTransport
 
         try:
-            return RayTransport.connect(address, ray_address=info.get("ray_address"))
+            return RayTransport.connect(
+                address,
+                ray_address=info.get("ray_address"),
+                ray_auth_mode=info.get("ray_auth_mode"),
+            )
         except (TransportError, ValueError) as e:
             raise SwitchRequestError(str(e)) from e
     try:

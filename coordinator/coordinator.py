@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dist_quant.coordinator.faults import CoordinatorKilled, Fault, inject
-from dist_quant.coordinator.log import DecisionLog, DecisionLogError
+from dist_quant.coordinator.log import DecisionLog, DecisionLogError, begin_attempt
 from dist_quant.coordinator.logfmt import SwitchLog
 from dist_quant.coordinator.protocol import (
     TRANSITIONS,
@@ -117,7 +117,16 @@ class Coordinator:
         return self._phase
 
     def start(self) -> None:
-        """Recover the log, then start the pump and state-machine threads (daemons)."""
+        """Record this attempt and recover the log, then start the pump and state-machine
+        threads (daemons)."""
+        try:
+            attempt = begin_attempt(self._log)
+            self._say.info(
+                f"job {attempt['job_id']} attempt {attempt['attempt']} "
+                f"({'resumed from a checkpoint' if attempt['resumed'] else 'clean start'})"
+            )
+        except DecisionLogError as e:  # every switch will abort with this reason; training runs
+            self._say.error(f"cannot record this attempt: {e}")
         dangling = self._log.recover_open_switch()
         if dangling is not None:
             self._say.warning("closed as aborted after a restart", switch_id=dangling)

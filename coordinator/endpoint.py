@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,8 @@ def write_endpoint(run_dir: Path, info: dict[str, Any]) -> Path:
     """Write the endpoint atomically, readable by the owner only (it holds the token)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / ENDPOINT_FILE
-    tmp = run_dir / f".{ENDPOINT_FILE}.{os.getpid()}.tmp"
+    # host and pid: nodes sharing one run dir (NFS) each write the same content
+    tmp = run_dir / f".{ENDPOINT_FILE}.{socket.gethostname()}.{os.getpid()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.fchmod(fd, 0o600)  # O_CREAT's mode does not apply to a leftover file

@@ -5,12 +5,27 @@ The coordinator appends a record when it opens a switch and when it decides one,
 what ranks saw: a switch with an "open" record and no "decision" record was never committed
 anywhere, and `recover_open_switch` closes it as aborted. A log that cannot be written (disk full,
 read-only) makes `append` raise `DecisionLogError`; the coordinator then aborts the switch.
+
+Jobs and attempts. Every coordinator start appends `{"event": "attempt", "job_id", "attempt",
+"resumed"}`. An attempt is *resumed* when the record before it is the `restored` marker that
+`restore_job_state` writes; it then continues that job (same `job_id`, next `attempt` number). Any
+other start is *clean*: the job trains from its initial state, so no earlier switch applies to it;
+COMMITs of earlier attempts that never got their `published` marker are recorded as `abandoned`.
+The job id is `$DIST_QUANT_JOB_ID`, else torchrun's `$TORCHELASTIC_RUN_ID` (unless "none"), else
+random; a clean restart under the same id counts up `attempt`.
+
+The switch timeline (`timeline`) of the current lineage, the records from the last clean attempt
+on, is what checkpoints and resumes agree on: each COMMIT adds (switch_id, step, recipe); a later
+ABORT record of the same switch (a COMMIT logged too late) or an `abandoned` record removes it; a
+`restored` record at step S keeps the entries before S and replaces the rest by its `reapply`
+list (the switches the resumed job publishes again at their steps; see docs/checkpoint.md).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import time
 from pathlib import Path
 from typing import Any
@@ -89,6 +104,79 @@ class DecisionLog:
                 }
             )
         return dangling[-1] if dangling else None
+
+
+def lineage(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records from the last clean attempt on (all of them if no attempt is recorded)."""
+    start = 0
+    for i, rec in enumerate(records):
+        if rec.get("event") == "attempt" and not rec.get("resumed"):
+            start = i
+    return records[start:]
+
+
+def timeline(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The committed switches in force for the current lineage, in step order:
+    `[{"switch_id", "step", "recipe"}]` (see the module docstring for the rules)."""
+    recipes: dict[Any, Any] = {}
+    entries: list[dict[str, Any]] = []
+    for rec in lineage(records):
+        event, sid = rec.get("event"), rec.get("switch_id")
+        if event == "open":
+            recipes[sid] = rec.get("recipe")
+        elif event == "decision":
+            entries = [e for e in entries if e["switch_id"] != sid]
+            if rec.get("commit") is True and isinstance(rec.get("step"), int):
+                entries.append({"switch_id": sid, "step": rec["step"], "recipe": recipes.get(sid)})
+        elif event == "abandoned":
+            entries = [e for e in entries if e["switch_id"] != sid]
+        elif event == "restored" and isinstance(rec.get("step"), int):
+            kept = [e for e in entries if e["step"] < rec["step"]]
+            entries = kept + [dict(e) for e in rec.get("reapply") or []]
+    return sorted(entries, key=lambda e: e["step"])
+
+
+def unpublished_commits(records: list[dict[str, Any]]) -> list[int]:
+    """Switch ids of the lineage whose outcome is COMMIT but that never got a `published` marker."""
+    published = {r.get("switch_id") for r in records if r.get("event") == "published"}
+    return [e["switch_id"] for e in timeline(records) if e["switch_id"] not in published]
+
+
+def resume_schedule(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The switches a job about to attach must publish again, from the `restored` record that
+    precedes it (none when the last record is anything else: a clean start)."""
+    if records and records[-1].get("event") == "restored":
+        return [dict(e) for e in records[-1].get("reapply") or []]
+    return []
+
+
+def begin_attempt(log: DecisionLog) -> dict[str, Any]:
+    """Append this coordinator start's `attempt` record (after `abandoned` records on a clean
+    start) and return it."""
+    records = log.records()
+    resumed = bool(records) and records[-1].get("event") == "restored"
+    attempts = [r for r in records if r.get("event") == "attempt"]
+    if resumed and attempts:
+        job_id = attempts[-1]["job_id"]
+    else:
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+        job_id = os.environ.get("DIST_QUANT_JOB_ID") or (
+            run_id if run_id not in ("", "none") else secrets.token_hex(6)
+        )
+    if not resumed:
+        for switch_id in unpublished_commits(records):
+            log.append(
+                {
+                    "event": "abandoned",
+                    "switch_id": switch_id,
+                    "summary": "committed by an earlier attempt that never published it; this "
+                    "attempt starts clean",
+                }
+            )
+    number = 1 + sum(1 for r in attempts if r.get("job_id") == job_id)
+    record = {"event": "attempt", "job_id": job_id, "attempt": number, "resumed": resumed}
+    log.append(record)
+    return record
 
 
 def _fsync_dir(directory: Path) -> None:

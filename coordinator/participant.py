@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import Any
@@ -100,7 +101,11 @@ class Participant:
         decision_grace_s: float = 1.0,
         on_close: Sequence[Callable[[], None]] = (),
         monitor: StepMonitor | None = None,
+        reapply: Sequence[dict[str, Any]] = (),
     ) -> None:
+        """`reapply`: committed switches `{"switch_id", "step", "recipe"}` that a job resumed from
+        a checkpoint taken before their step publishes again at that step (from the decision
+        log's `restored` record, see `checkpoint_job`)."""
         self.rank = rank
         self.address = address
         self._model = model
@@ -130,13 +135,18 @@ class Participant:
         self._given_up: set[int] = set()
         self._cancel_give_up_at = 0.0
         self._cancel_given_up: set[int] = set()  # cancels this rank stopped waiting for at S
-        self._decided: dict[int, tuple[bool, int | None]] = {}  # switch id -> (commit, step) acted on
+        self._decided: dict[
+            int, tuple[bool, int | None]
+        ] = {}  # switch id -> (commit, step) acted on
         self._broken_reason = ""
+        self._reapply = deque(sorted(reapply, key=lambda e: e["step"]))
         self._listener = threading.Thread(
             target=self._listen, name=f"dist_quant.participant.r{rank}", daemon=True
         )
 
     def start(self) -> Participant:
+        if self._reapply:
+            self._schedule_reapply(None)
         self._listener.start()
         # Rank 0 hosts the store: tearing it down during interpreter shutdown, under a listener
         # still blocked on it, aborts the process. Closing at exit stops everything in order.
@@ -267,6 +277,20 @@ class Participant:
         self._send(self._tx, Ack(switch_id, self.rank, step, not error, error, self._key()))
         if error:
             raise SwitchError(self._broken_reason)
+        if self._reapply:
+            self._schedule_reapply(step)
+
+    def _schedule_reapply(self, step: int | None) -> None:
+        """Hold the next re-applied switch as COMMITTING for its step, as if its COMMIT had just
+        arrived (planned on the training thread: before training, or right after a publish)."""
+        entry = self._reapply.popleft()
+        plan = self._planner(self._model, self._loader(entry["recipe"]))
+        with self._cond:
+            self._switch_id = max(self._switch_id, entry["switch_id"])
+            self._candidate, self._commit_step = plan, entry["step"]
+            self._decided[entry["switch_id"]] = (True, entry["step"])
+            self._set_state(_State.COMMITTING, step)
+        self._say.info(f"re-applies switch {entry['switch_id']} at step {entry['step']}")
 
     # -- listener thread -------------------------------------------------------------------------
 

@@ -10,7 +10,10 @@ one filesystem. Ray is imported only here, and only when this transport is used.
 
 from __future__ import annotations
 
+import os
 import secrets
+import socket
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,6 +25,7 @@ from dist_quant.coordinator.transport_memory import MemoryHub, MemoryTransport
 
 ACTOR_NAME = "dist_quant.coordinator"
 _SCHEME = "ray://"
+CONNECT_TIMEOUT_S = 3.0  # a live GCS accepts a connection at once
 
 
 class _CoordinatorActor:
@@ -61,6 +65,17 @@ class _CoordinatorActor:
         if self._coordinator is not None:
             self._coordinator.stop()
         self._hub.close()
+
+
+def _probe_cluster(gcs_address: str) -> None:
+    """Fail fast where the cluster is gone: `ray.init` would retry for tens of seconds."""
+    host, _, port = gcs_address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except (OSError, ValueError) as e:
+        raise TransportError(
+            f"the job's Ray cluster at {gcs_address} cannot be reached ({e}); has the job ended?"
+        ) from e
 
 
 def _ray():
@@ -123,14 +138,30 @@ class RayTransport:
         self.address = address
 
     @classmethod
-    def connect(cls, address: str, *, ray_address: str | None = None) -> RayTransport:
-        """Find the actor of `address` ("ray://<namespace>"), joining the Ray cluster if needed."""
+    def connect(
+        cls, address: str, *, ray_address: str | None = None, ray_auth_mode: str | None = None
+    ) -> RayTransport:
+        """Find the actor of `address` ("ray://<namespace>"), joining the Ray cluster if needed.
+
+        `ray_address` / `ray_auth_mode`: the job's cluster (GCS host:port) and its Ray
+        authentication mode, from coordinator.json. A client outside the cluster adopts the
+        job's mode unless `$RAY_AUTH_MODE` says otherwise (Ray reads the token itself, from
+        `$RAY_AUTH_TOKEN` or ~/.ray/auth_token), and gives up within seconds, with
+        `TransportError`, when nothing listens at the cluster's address."""
         if not address.startswith(_SCHEME):
             raise ValueError(f"Ray coordinator address {address!r} must start with {_SCHEME}")
         namespace = address[len(_SCHEME) :]
+        if ray_auth_mode and "RAY_AUTH_MODE" not in os.environ and "ray" not in sys.modules:
+            os.environ["RAY_AUTH_MODE"] = ray_auth_mode  # read once, when Ray is imported
         ray = _ray()
         if not ray.is_initialized():
-            ray.init(address=ray_address or "auto", namespace=namespace, log_to_driver=False)
+            if ray_address:
+                _probe_cluster(ray_address)
+            target = ray_address or "auto"
+            try:
+                ray.init(address=target, namespace=namespace, log_to_driver=False)
+            except (ConnectionError, RuntimeError, ray.exceptions.RayError) as e:
+                raise TransportError(f"cannot join the job's Ray cluster at {target}: {e}") from e
         try:
             actor = ray.get_actor(ACTOR_NAME, namespace=namespace)
         except ValueError as e:

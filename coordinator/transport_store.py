@@ -9,6 +9,7 @@ descriptor. The store has no authentication: messages are sealed with the job's 
 from __future__ import annotations
 
 import socket
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -21,9 +22,14 @@ _FOREVER = timedelta(days=3650)
 
 
 class StoreServer:
-    """The TCPStore server of one job, listening on `host` (default loopback) at a free port."""
+    """The TCPStore server of one job, listening on `host` (default loopback) at a free port.
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    `advertise`: the host clients are told to connect to (default `host`); a wildcard bind must
+    advertise one of the addresses it covers."""
+
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 0, *, advertise: str | None = None
+    ) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -31,6 +37,7 @@ class StoreServer:
             self._sock.bind((host, port))
             self._sock.listen(128)
             self.host = host
+            self.advertised_host = advertise or host
             self.port = self._sock.getsockname()[1]
             self._store = dist.TCPStore(
                 host,
@@ -46,12 +53,32 @@ class StoreServer:
 
     @property
     def address(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
+        host = self.advertised_host
+        host = f"[{host}]" if ":" in host else host
         return f"{host}:{self.port}"
 
     def close(self) -> None:
         """Stops the server; connected clients then get `TransportError`."""
         self._store = None
+
+
+def _probe(host: str, port: int, timeout_s: float, address: str) -> None:
+    """Fail fast, with the OS's reason, where nothing listens: c10d's client would retry with
+    back-off past its timeout and print a stack trace per try."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(
+                (host, port), timeout=max(deadline - time.monotonic(), 0.1)
+            ).close()
+            return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                reason = e.strerror or str(e) or type(e).__name__
+                raise TransportError(
+                    f"cannot reach the coordinator store at {address}: {reason}"
+                ) from e
+            time.sleep(0.05)
 
 
 class StoreTransport:
@@ -61,6 +88,7 @@ class StoreTransport:
         self.address = address
         self._connect_timeout_s = connect_timeout_s
         host, port = parse_address(address)
+        _probe(host, port, connect_timeout_s, address)
         try:
             self._store: dist.TCPStore | None = dist.TCPStore(
                 host, port, is_master=False, timeout=timedelta(seconds=connect_timeout_s)

@@ -39,9 +39,7 @@ class StoreClientTransport:
         host, port = parse_address(address)
         self._sock: socket.socket | None = None
         try:
-            self._sock = socket.create_connection(
-                (host, port), timeout=connect_timeout_s
-            )
+            self._sock = socket.create_connection((host, port), timeout=connect_timeout_s)
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._sock.sendall(struct.pack("<BI", _VALIDATE, _VALIDATION_MAGIC))
             nonce = os.getpid() & 0xFFFFFFFF

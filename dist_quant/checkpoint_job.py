@@ -1,14 +1,17 @@
-"""The coordinator's part of a job checkpoint: its decision log and the last committed switch.
+"""The coordinator's part of a job checkpoint: its decision log and the switches in force.
 
 `job_state(participant, step=S)` is taken with the model's checkpoint, between steps (S is the step
-the resumed job runs first). It refuses while this rank has voted on, or holds a committed but not
-yet published, switch, and when the log records a COMMIT at step S or later: that switch would be
-lost on resume. `restore_job_state(state)` runs before `attach` in the resumed job, on the rank
-that hosts the coordinator: it writes the saved records into the run directory's decision log
-when that has none (the new coordinator continues the switch ids after them), or checks that the
-existing log begins with them (a restart in the same run directory), then appends a
-`{"event": "restored", ...}` record saying from which step the job went on. With `model=` it also
-checks that the model resumes on the recipe of the last committed switch.
+the resumed job runs first). It never refuses because of a switch in flight: the checkpoint holds
+the state *before* any switch whose step is S or later (the model as it is), and records those
+switches as `pending`; an undecided switch is decided in the log later. Only a BROKEN rank (its
+recipe may differ from its peers') refuses. `restore_job_state(state)` runs before `attach` in the
+resumed job and reconciles the checkpoint with the run directory's decision log by rule: every
+COMMIT in force for the lineage (`coordinator.log.timeline`) at step S or later is re-applied at
+its own step (recorded in the `restored` record's `reapply`; `attach` hands the list to every
+rank, which publishes each at its step's boundary), except one overtaken by a later COMMIT for the
+same step, recorded as `superseded`. So the resumed job runs the same recipes at the same steps as
+the original would have, and every later checkpoint is consistent with the log. See
+docs/checkpoint.md for the exact semantics.
 
 The decision log lives in `<run_dir>/decisions.jsonl` on the coordinator's host (rank 0): take the
 job state there (the participant does not expose its run directory; pass the `run_dir` given to
@@ -28,8 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 JOB_FORMAT = "dist_quant.job_state/1"
-# Participant states in which a checkpoint loses no decision: nothing voted, nothing to publish.
-_QUIET_STATES = ("idle", "preparing")
+_BROKEN = "broken"  # the participant state in which a checkpoint would be wrong
 
 
 def _log_path(run_dir: str | os.PathLike[str] | None) -> Path:
@@ -44,15 +46,24 @@ def _records(path: Path) -> list[dict[str, Any]]:
     return DecisionLog(path).records()
 
 
-def last_commit(records: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """`{"switch_id", "step", "recipe"}` of the last COMMIT in decision-log records, or None."""
-    recipes = {r.get("switch_id"): r.get("recipe") for r in records if r.get("event") == "open"}
-    last = None
-    for r in records:
-        if r.get("event") == "decision" and r.get("commit") is True:
-            sid = r.get("switch_id")
-            last = {"switch_id": sid, "step": r.get("step"), "recipe": recipes.get(sid)}
-    return last
+def last_commit(
+    records: list[dict[str, Any]], before_step: int | None = None
+) -> dict[str, Any] | None:
+    """`{"switch_id", "step", "recipe"}` of the last switch in force (for steps before
+    `before_step`, if given) in decision-log records, or None."""
+    from dist_quant.coordinator.log import timeline
+
+    entries = timeline(records)
+    if before_step is not None:
+        entries = [e for e in entries if e["step"] < before_step]
+    return entries[-1] if entries else None
+
+
+def pending_switches(records: list[dict[str, Any]], step: int) -> list[dict[str, Any]]:
+    """The switches in force whose step is `step` or later: a checkpoint before `step` lacks them."""
+    from dist_quant.coordinator.log import timeline
+
+    return [e for e in timeline(records) if e["step"] >= step]
 
 
 def job_state(
@@ -61,31 +72,18 @@ def job_state(
     """The coordinator's state to save with a checkpoint taken before step `step`."""
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"job_state: step must be an int >= 0, got {step!r}")
-    state = participant.state
-    if state not in _QUIET_STATES:
+    if participant.state == _BROKEN:
         raise ValueError(
-            f"job_state: rank {participant.rank} is {state!r} in a recipe switch, so a checkpoint "
-            "now would lose its outcome; checkpoint once the switch is published or aborted"
+            f"job_state: rank {participant.rank} is broken (it may run another recipe than its "
+            "peers); restart the job from an earlier checkpoint"
         )
     records = _records(_log_path(run_dir))
-    pending = [
-        r["switch_id"]
-        for r in records
-        if r.get("event") == "decision"
-        and r.get("commit") is True
-        and isinstance(r.get("step"), int)
-        and r["step"] >= step
-    ]
-    if pending:
-        raise ValueError(
-            f"job_state: switch {pending[-1]} is committed for step >= {step} but not yet "
-            "published; checkpoint after that step"
-        )
     return {
         "format": JOB_FORMAT,
         "step": step,
         "decisions": records,
-        "last_commit": last_commit(records),
+        "last_commit": last_commit(records, step),
+        "pending": pending_switches(records, step),
     }
 
 
@@ -98,8 +96,10 @@ def _parse(state: object) -> dict[str, Any]:
         raise ValueError("restore_job_state: corrupted job state ('step' or 'decisions')")
     if not all(isinstance(r, dict) for r in decisions):
         raise ValueError("restore_job_state: corrupted job state (a decision record is no dict)")
-    if state.get("last_commit") != last_commit(decisions):
+    if state.get("last_commit") != last_commit(decisions, step):
         raise ValueError("restore_job_state: corrupted job state ('last_commit' disagrees)")
+    if "pending" in state and state["pending"] != pending_switches(decisions, step):
+        raise ValueError("restore_job_state: corrupted job state ('pending' disagrees)")
     return dict(state)
 
 
@@ -137,6 +137,22 @@ def _write_new_log(path: Path, records: list[dict[str, Any]]) -> None:
         os.close(dir_fd)
 
 
+def _reconcile(
+    entries: list[dict[str, Any]], step: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(reapply, superseded) of the timeline entries at `step` or later: one per step, the last
+    COMMIT for a step wins."""
+    by_step: dict[int, dict[str, Any]] = {}
+    superseded = []
+    for e in entries:
+        if e["step"] < step:
+            continue
+        if e["step"] in by_step:
+            superseded.append(by_step[e["step"]])
+        by_step[e["step"]] = e
+    return [by_step[s] for s in sorted(by_step)], superseded
+
+
 def restore_job_state(
     state: Mapping[str, Any],
     *,
@@ -144,12 +160,14 @@ def restore_job_state(
     model: nn.Module | None = None,
     write: bool | None = None,
 ) -> dict[str, Any] | None:
-    """Restore the decision log before `attach`; returns the last committed switch (or None).
+    """Restore the decision log before `attach`; returns the last switch in force at the
+    checkpoint's step (or None). The switches to re-apply go into the `restored` record, which
+    `attach` reads.
 
     `write` defaults to "this process hosts the coordinator" (rank 0, or no process group);
     other ranks only validate.
     """
-    from dist_quant.coordinator.log import DecisionLog
+    from dist_quant.coordinator.log import DecisionLog, timeline
 
     saved = _parse(state)
     commit = saved["last_commit"]
@@ -167,6 +185,12 @@ def restore_job_state(
             f"{len(records)} records: it belongs to another job; resume in this job's run "
             "directory or in an empty one"
         )
+    # A restart in the same run dir also sees what this job decided after the checkpoint was
+    # taken, up to a clean start (an unrelated job, or a restart without checkpoint).
+    later = existing[len(records) :]
+    clean = [i for i, r in enumerate(later) if r.get("event") == "attempt" and not r["resumed"]]
+    live = records + later[: clean[0] if clean else len(later)]
+    reapply, superseded = _reconcile(timeline(live), saved["step"])
     if not existing and records:
         _write_new_log(path, records)
     DecisionLog(path).append(
@@ -175,9 +199,11 @@ def restore_job_state(
             "step": saved["step"],
             "last_commit": None if commit is None else commit["switch_id"],
             "records": len(records),
+            "reapply": reapply,
+            "superseded": [e["switch_id"] for e in superseded],
         }
     )
     return commit
 
 
-__all__ = ["JOB_FORMAT", "job_state", "last_commit", "restore_job_state"]
+__all__ = ["JOB_FORMAT", "job_state", "last_commit", "pending_switches", "restore_job_state"]

@@ -76,9 +76,7 @@ def cast_stats(x: Tensor, scale: Tensor | float, fp8_dtype: torch.dtype) -> Cast
     nonzero = x32 != 0
     q = v.clamp(-limit, limit).to(fp8_dtype)
     underflowed = nonzero & (q.float() == 0)
-    return CastStats(
-        (v.abs() > limit).sum(), underflowed.sum(), nonzero.sum(), amax(x)
-    )
+    return CastStats((v.abs() > limit).sum(), underflowed.sum(), nonzero.sum(), amax(x))
 
 
 def cast_transpose(

@@ -166,10 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--launcher",
-        choices=("torchrun", "ray"),
+        choices=("torchrun", "ray", "ray-train"),
         default="torchrun",
         help="torchrun (default): local processes; ray: Ray actors, joining a running cluster "
-        'or starting a local one (needs Ray: pip install -e ".[ray]" in a source checkout)',
+        "or starting a local one; ray-train: the ranks as a Ray Train TorchTrainer's workers "
+        '(needs Ray: pip install -e ".[ray]", or ".[ray-train]" for ray-train)',
     )
     demo.add_argument(
         "--recipe-schedule",
@@ -212,7 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
         "'dist-quant switch' from another terminal",
     )
     demo.add_argument("--guard", action="store_true", help="run the precision guard (FP8 stats)")
-    demo.add_argument("--spike-at", type=_non_negative_int, metavar="STEP", help="inject an outlier")
+    demo.add_argument(
+        "--spike-at", type=_non_negative_int, metavar="STEP", help="inject an outlier"
+    )
 
     run = sub.add_parser(
         "run",

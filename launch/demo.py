@@ -42,6 +42,8 @@ from dist_quant.launch.ray import RAY_INSTALL_HINT
 # What a previous run left in the run directory that this run replaces once its ranks are up.
 _RESULT_FILES = ("loss.png", "summary.json", "summary.txt", HEATMAP_FILE, "fp8_stats.jsonl")
 
+LAUNCHERS = ("torchrun", "ray", "ray-train")
+
 
 @dataclass(frozen=True)
 class DemoOptions:
@@ -49,7 +51,7 @@ class DemoOptions:
     tp: int | None = None
     """Tensor-parallel size; None: `default_tp(nproc)`."""
     steps: int = 200
-    launcher: str = "torchrun"
+    launcher: str = "torchrun"  # one of LAUNCHERS
     schedule_file: str | None = None
     out: str = "dist_quant_run"
     seed: int = 0
@@ -79,13 +81,14 @@ def _resolve(opts: DemoOptions) -> tuple[dict[str, Any], Schedule]:
     tp = opts.tp if opts.tp is not None else default_tp(opts.nproc)
     if opts.nproc % tp:
         raise CliError(f"demo: --tp {tp} must divide --nproc {opts.nproc}", 2)
-    if opts.launcher not in ("torchrun", "ray"):
-        raise CliError(f"demo: --launcher must be torchrun or ray, got {opts.launcher!r}", 2)
+    if opts.launcher not in LAUNCHERS:
+        raise CliError(f"demo: --launcher must be one of {LAUNCHERS}, got {opts.launcher!r}", 2)
     if opts.step_delay < 0:
         raise CliError(f"demo: --step-delay must be >= 0, got {opts.step_delay}", 2)
-    if opts.launcher == "ray" and importlib.util.find_spec("ray") is None:
+    if opts.launcher != "torchrun" and importlib.util.find_spec("ray") is None:
         raise CliError(
-            f"demo: --launcher ray needs Ray, which is not installed: {RAY_INSTALL_HINT}"
+            f"demo: --launcher {opts.launcher} needs Ray, which is not installed: "
+            f"{RAY_INSTALL_HINT}"
         )
     try:
         spec = parse_gpt_spec(opts.model)
@@ -116,6 +119,14 @@ def _resolve(opts: DemoOptions) -> tuple[dict[str, Any], Schedule]:
         "spike_at": opts.spike_at,
     }
     return cfg, schedule
+
+
+def _runner_class(launcher: str) -> Any:
+    if launcher == "ray-train":
+        from dist_quant.launch.ray_train import DemoRunner  # Ray Train is imported only here
+
+        return DemoRunner
+    return RayRunner if launcher == "ray" else TorchrunRunner
 
 
 # ---- the whole demo --------------------------------------------------------------------------
@@ -198,11 +209,11 @@ def run_demo(opts: DemoOptions) -> int:
     console.print("schedule: " + ", ".join(f"{p.label} @ {p.start}" for p in schedule.phases))
     watch = StepWatch(rank_log_path(out, 0), since=launched_at)
     driver = SwitchDriver(schedule.switches, out, _stale_token(out), opts.switch_timeout_s, watch)
-    runner: TorchrunRunner | RayRunner | None = None
+    runner: Any = None
     finished = False
     try:
         with console.status(f"starting {opts.nproc} ranks with {opts.launcher}..."):
-            runner = (RayRunner if opts.launcher == "ray" else TorchrunRunner)(cfg, out)
+            runner = _runner_class(opts.launcher)(cfg, out)
             driver.start()
             while driver.token is None and driver.is_alive():
                 if runner.finished():  # raises CliError naming the failure

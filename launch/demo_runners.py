@@ -34,6 +34,15 @@ def _first_error(log_path: Path) -> str:
     return ""
 
 
+def adopt_run_dir(out: Path, cfg: dict[str, Any]) -> None:
+    """A Ray run's config replaces whatever a previous (torchrun) demo left; that demo's launch log
+    does not describe this run."""
+    tmp = out / f".demo_config.{os.getpid()}.json"
+    tmp.write_text(json.dumps(cfg, indent=1))
+    os.replace(tmp, out / "demo_config.json")
+    (out / "torchrun.log").unlink(missing_ok=True)
+
+
 class TorchrunRunner:
     """The ranks read their config from a file; it and torchrun's log live under names of this
     launcher's own until the ranks are up (`started`), so a run that fails to start replaces
@@ -98,12 +107,7 @@ class RayRunner:
         self.job.start(train_rank, cfg)
 
     def started(self) -> None:
-        """This run's config replaces whatever a previous (torchrun) demo left; its launch log
-        does not describe this run."""
-        tmp = self.out / f".demo_config.{os.getpid()}.json"
-        tmp.write_text(json.dumps(self.cfg, indent=1))
-        os.replace(tmp, self.out / "demo_config.json")
-        (self.out / "torchrun.log").unlink(missing_ok=True)
+        adopt_run_dir(self.out, self.cfg)
 
     def finished(self) -> bool:
         from dist_quant.launch.ray import RankFailedError

@@ -166,10 +166,15 @@ def test_resume_after_coordinator_switch_is_bit_identical_to_uninterrupted_run(
     assert resumed["last_commit"]["switch_id"] == 1
     log = (tmp_path / "run_b" / "decisions.jsonl").read_text().splitlines()
     first_log = (tmp_path / "run_a" / "decisions.jsonl").read_text().splitlines()
-    restored, marker = log[:-1], json.loads(log[-1])
-    assert [json.loads(r)["event"] for r in restored][:2] == ["open", "decision"]
+    # ... then says it was restored at the checkpoint's step, and the resumed attempt continues it
+    restored, marker, attempt = log[:-2], json.loads(log[-2]), json.loads(log[-1])
+    events = [json.loads(r)["event"] for r in restored]
+    assert events[:3] == ["attempt", "open", "decision"]
     assert first_log[: len(restored)] == restored
     assert marker["event"] == "restored" and marker["step"] == CHECKPOINT_AT
+    assert marker["reapply"] == [] and marker["superseded"] == []
+    assert (attempt["event"], attempt["attempt"], attempt["resumed"]) == ("attempt", 2, True)
+    assert attempt["job_id"] == json.loads(first_log[0])["job_id"]
 
 
 def test_delayed_scaling_resume_continues_amax_history_and_scale_bit_identically(tmp_path):
@@ -487,16 +492,88 @@ def test_job_state_records_the_log_and_last_commit_and_restores_it_into_a_new_ru
     assert len((tmp_path / "a" / "decisions.jsonl").read_text().splitlines()) == 5
 
 
-@pytest.mark.parametrize("phase", ["voted", "committing", "broken"])
-def test_job_state_refuses_while_a_switch_is_undecided_or_unpublished(tmp_path, phase):
-    with pytest.raises(ValueError, match=f"rank 0 is '{phase}'"):
-        ckpt.job_state(FakeParticipant(phase), step=8, run_dir=tmp_path)
+@pytest.mark.parametrize("phase", ["voted", "committing"])
+def test_job_state_during_a_switch_holds_the_state_before_it_and_names_the_pending_commit(
+    tmp_path, phase
+):
+    write_log(tmp_path, SWITCH_1)  # switch 1 commits at step 5
+    state = ckpt.job_state(FakeParticipant(phase), step=5, run_dir=tmp_path)
+    assert state["last_commit"] is None  # steps before 5 ran the initial recipe
+    assert state["pending"] == [{"switch_id": 1, "step": 5, "recipe": "current"}]
 
 
-def test_job_state_refuses_a_commit_for_a_step_the_checkpoint_has_not_reached(tmp_path):
-    write_log(tmp_path, SWITCH_1)
-    with pytest.raises(ValueError, match="switch 1 is committed for step >= 5"):
-        ckpt.job_state(FakeParticipant(), step=5, run_dir=tmp_path)
+def test_job_state_refuses_only_a_broken_rank(tmp_path):
+    with pytest.raises(ValueError, match="rank 0 is broken"):
+        ckpt.job_state(FakeParticipant("broken"), step=8, run_dir=tmp_path)
+
+
+def restored_record(run_dir: Path) -> dict:
+    records = [json.loads(x) for x in (run_dir / "decisions.jsonl").read_text().splitlines()]
+    return [r for r in records if r["event"] == "restored"][-1]
+
+
+def test_a_commit_the_checkpoint_had_not_reached_is_reapplied_at_its_step_on_resume(tmp_path):
+    write_log(tmp_path / "a", SWITCH_1)
+    state = ckpt.job_state(FakeParticipant("committing"), step=3, run_dir=tmp_path / "a")
+    assert ckpt.restore_job_state(state, run_dir=tmp_path / "b", model=mlp()) is None
+    marker = restored_record(tmp_path / "b")
+    assert marker["reapply"] == [{"switch_id": 1, "step": 5, "recipe": "current"}]
+    assert marker["superseded"] == []
+
+
+def test_a_commit_decided_after_the_checkpoint_is_reapplied_when_resuming_in_the_run_dir(tmp_path):
+    write_log(tmp_path, SWITCH_1[:1])  # switch 1 open (ranks voting) when the checkpoint is taken
+    state = ckpt.job_state(FakeParticipant("voted"), step=3, run_dir=tmp_path)
+    assert state["pending"] == []
+    write_log(tmp_path, SWITCH_1)  # ... then it committed for step 5, and the job crashed
+    ckpt.restore_job_state(state, run_dir=tmp_path)
+    assert restored_record(tmp_path)["reapply"] == [
+        {"switch_id": 1, "step": 5, "recipe": "current"}
+    ]
+    # a checkpoint of the resumed job before step 5 still names it; one after it has it in force
+    again = ckpt.job_state(FakeParticipant("committing"), step=4, run_dir=tmp_path)
+    assert [e["switch_id"] for e in again["pending"]] == [1]
+    later = ckpt.job_state(FakeParticipant(), step=9, run_dir=tmp_path)
+    assert later["last_commit"]["switch_id"] == 1 and later["pending"] == []
+
+
+def test_two_commits_for_one_step_reapply_the_later_and_record_the_earlier_as_superseded(tmp_path):
+    records = [
+        {"event": "open", "switch_id": 1, "recipe": "current"},
+        {"event": "decision", "switch_id": 1, "commit": True, "step": 7},
+        {
+            "event": "restored",
+            "step": 2,
+            "reapply": [{"switch_id": 1, "step": 7, "recipe": "current"}],
+            "superseded": [],
+        },
+        {"event": "open", "switch_id": 2, "recipe": "mxfp8"},
+        {"event": "decision", "switch_id": 2, "commit": True, "step": 7},
+    ]
+    write_log(tmp_path, records[:2])
+    state = ckpt.job_state(FakeParticipant(), step=2, run_dir=tmp_path)
+    write_log(tmp_path, records)
+    ckpt.restore_job_state(state, run_dir=tmp_path)
+    marker = restored_record(tmp_path)
+    assert [e["switch_id"] for e in marker["reapply"]] == [2]
+    assert marker["superseded"] == [1]
+
+
+def test_a_clean_start_abandons_a_dead_attempts_unpublished_commit_and_inherits_nothing(
+    tmp_path,
+):
+    from dist_quant.coordinator.log import DecisionLog, begin_attempt
+
+    write_log(tmp_path, SWITCH_1)  # switch 1: COMMIT at step 5, never published
+    attempt = begin_attempt(DecisionLog(tmp_path / "decisions.jsonl"))
+    assert attempt["resumed"] is False
+    records = [json.loads(x) for x in (tmp_path / "decisions.jsonl").read_text().splitlines()]
+    assert [(r["event"], r.get("switch_id")) for r in records[-2:]] == [
+        ("abandoned", 1),
+        ("attempt", None),
+    ]
+    state = ckpt.job_state(FakeParticipant(), step=3, run_dir=tmp_path)
+    assert state["last_commit"] is None and state["pending"] == []
 
 
 def test_restore_job_state_refuses_another_jobs_log_and_a_model_on_another_recipe(tmp_path):

@@ -164,3 +164,24 @@ def test_tp_group_claims_must_agree(claims, error):
     else:
         with pytest.raises(ValueError, match=error):
             check_tp_groups(claims)
+
+
+def test_a_client_of_a_ray_job_whose_cluster_is_gone_exits_2_naming_the_cluster(tmp_path):
+    """coordinator.json of a Ray job whose cluster ended: the CLI gives up at once (nothing listens
+    at the GCS address), exit code 2, instead of ray.init retrying for tens of seconds."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        gone = f"127.0.0.1:{s.getsockname()[1]}"  # closed again: nothing listens there
+    info = {"transport": "ray", "address": "ray://dist_quant-gone", "token": "t" * 64}
+    (tmp_path / "coordinator.json").write_text(json.dumps({**info, "ray_address": gone}))
+    cli = [sys.executable, "-m", "dist_quant.launch.cli", "switch", "current"]
+    done = subprocess.run(
+        [*cli, "--run-dir", str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"the job's Ray cluster at {gone} cannot be reached" in done.stderr

@@ -185,11 +185,15 @@ def test_tp2_resume_after_coordinator_switch_is_bit_identical(tmp_path):
         assert resumed[rank]["last_commit"]["step"] == SWITCH_AT
         assert_same_run(full[rank], resumed[rank])
     lines = (tmp_path / "run_b" / "decisions.jsonl").read_text().splitlines()
-    assert [json.loads(x)["event"] for x in lines][:2] == ["open", "decision"]
-    assert json.loads(lines[-1]) | {"time": 0} == {
+    assert [json.loads(x)["event"] for x in lines][:3] == ["attempt", "open", "decision"]
+    # the checkpoint's records, the restored marker, then the resumed coordinator's attempt
+    assert json.loads(lines[-2]) | {"time": 0} == {
         "event": "restored",
         "step": CHECKPOINT_AT,
         "last_commit": 1,
-        "records": len(lines) - 1,
+        "records": len(lines) - 2,
+        "reapply": [],
+        "superseded": [],
         "time": 0,
     }
+    assert json.loads(lines[-1])["resumed"] is True

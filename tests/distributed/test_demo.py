@@ -110,6 +110,21 @@ def test_demo_under_ray_commits_every_scheduled_switch_on_every_rank(tmp_path) -
     _check_scheduled_demo(out, proc, steps)
 
 
+@pytest.mark.ray
+@pytest.mark.slow  # Ray Train's controller and workers: ~1.5 min on 2 busy cores
+def test_demo_under_ray_train_commits_every_scheduled_switch_on_every_rank(tmp_path) -> None:
+    pytest.importorskip("ray.train.torch")
+    out = tmp_path / "run"
+    steps = 30
+    proc = subprocess.run(
+        _demo_cmd(out, "--steps", str(steps), "--step-delay", "0.02", "--launcher", "ray-train"),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    _check_scheduled_demo(out, proc, steps)
+
+
 def _wait_for(cond, what: str, proc: subprocess.Popen, timeout: float = 180.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():

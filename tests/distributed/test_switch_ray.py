@@ -3,7 +3,9 @@ coordinator is the named actor "dist_quant.coordinator" that rank 0 creates, and
 driver) is the client. Happy path, then the coordinator actor killed after the votes and before
 its decision: every rank keeps the old recipe and trains on."""
 
+import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -62,6 +64,14 @@ def test_ray_actors_switch_together_and_survive_a_killed_coordinator(ray_cluster
         to_b = request_switch({"name": "B"}, run_dir=cfg["run_dir"], timeout_s=20)
         assert to_b.committed
         wait_for(lambda: status(run_dir=cfg["run_dir"])["phase"] == "published", 20, "acks")
+        # the CLI in a shell without Ray's auth settings (this cluster has token auth on, Ray's
+        # default) joins with the job's mode from coordinator.json
+        assert endpoint.get("ray_auth_mode") == os.environ.get("RAY_AUTH_MODE")
+        env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+        cli = [sys.executable, "-m", "dist_quant.launch.cli", "status", "--run-dir", cfg["run_dir"]]
+        shown = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=120)
+        assert shown.returncode == 0, shown.stdout + shown.stderr
+        assert "phase: published" in shown.stdout
 
         errors = []
 
