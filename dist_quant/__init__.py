@@ -39,6 +39,7 @@ from dist_quant.recipes import (
 )
 from dist_quant.roles import DelayedScalingRequest, QuantizerRequest, QuantizerRole
 from dist_quant.runtime import RecipeUpdateError, apply_recipe, current_recipe, plan_model
+from dist_quant.recompute import RecomputeError, activation_checkpoint
 from dist_quant.state import RecipeState
 from dist_quant.tensor import Float8BlockwiseTensor, Float8Tensor, MXFP8Tensor, QuantizedTensor
 
@@ -47,6 +48,7 @@ __all__ = [
     "allreduce_sequence_parallel_grads",
     "load_full_state_dict_into_shards",
     "checkpoint",
+    "activation_checkpoint",
     "apply_recipe",
     "autocast",
     "convert_model",
@@ -83,5 +85,6 @@ __all__ = [
     "recipe_from_json",
     "RecipeState",
     "RecipeUpdateError",
+    "RecomputeError",
     "TransformerLayer",
 ]

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from dist_quant import context as _context
+from dist_quant import recompute
 from dist_quant.amax import name_groups
 from dist_quant.quantizers import IdentityQuantizer, Quantizer
 from dist_quant.roles import QuantizerRole
@@ -49,6 +50,7 @@ class QuantizedModule(nn.Module):
         self._dq_grad_input_role: QuantizerRole | None = None
         self._dq_role_revision = 0
         self._dq_runtime: ModuleRuntime | None = None
+        self._dq_forward_runtime: ModuleRuntime | None = None  # of the last forward, for recompute
         self._dq_seen = (-1, -1)
         self._dq_pinned_recipe: Recipe | None = None
         self._dq_warned_override = False
@@ -153,7 +155,14 @@ class QuantizedModule(nn.Module):
         self._dq_seen = (-1, -1)
 
     def active_runtime(self) -> ModuleRuntime | None:
-        """The runtime for this forward, or None when autocast is off (exact high precision)."""
+        """The runtime for this forward, or None when autocast is off (exact high precision).
+        In an activation-checkpoint recompute: the forward's (`dist_quant.recompute`)."""
+        if recompute.intercepts():
+            return recompute.runtime_for(self, self._current_runtime)
+        runtime = self._dq_forward_runtime = self._current_runtime()
+        return runtime
+
+    def _current_runtime(self) -> ModuleRuntime | None:
         ctx = _context.current_context()
         if ctx is None or not ctx.enabled:
             return None
@@ -211,13 +220,20 @@ class QuantizedModule(nn.Module):
         return self._dq_runtime
 
     def register_amax_groups(self, runtime: ModuleRuntime) -> None:
-        """Enrol this forward's delayed-scaling groups in the autocast region's reduction."""
+        """Enrol this forward's delayed-scaling groups in the autocast region's reduction (not in a
+        recompute: the forward enrolled them)."""
+        if recompute.replaying():
+            return
         groups = runtime.delayed_groups(fwd=True)
         # the name orders the packed amax buffers and names this module if ranks disagree
         name_groups(groups, self.role_name)
         name_groups(runtime.delayed_groups(fwd=False), self.role_name)
         if groups:
             _context.current_context().region.add(groups)
+
+    def _amax_reduction_group(self) -> Any:
+        """The group this forward's quantizers reduce over (the recorded one in a recompute)."""
+        return recompute.reduction_group(self)
 
     # ---- cached quantized weights ------------------------------------------------------------
     def quantize_weight(

@@ -211,11 +211,6 @@ class LinearBase(QuantizedModule):
             tp,
         )
 
-    def _amax_reduction_group(self):
-        from dist_quant.context import current_context
-
-        return current_context().region.reduction_group
-
 
 def init_linear_(weight: torch.Tensor, bias: torch.Tensor | None, fan_in: int) -> None:
     """nn.Linear's initialisation (torch's `kaiming_uniform_(a=sqrt(5))`, same arithmetic) with the
