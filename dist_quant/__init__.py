@@ -37,9 +37,9 @@ from dist_quant.recipes import (
     recipe_from_dict,
     recipe_from_json,
 )
+from dist_quant.recompute import RecomputeError, activation_checkpoint
 from dist_quant.roles import DelayedScalingRequest, QuantizerRequest, QuantizerRole
 from dist_quant.runtime import RecipeUpdateError, apply_recipe, current_recipe, plan_model
-from dist_quant.recompute import RecomputeError, activation_checkpoint
 from dist_quant.state import RecipeState
 from dist_quant.tensor import Float8BlockwiseTensor, Float8Tensor, MXFP8Tensor, QuantizedTensor
 

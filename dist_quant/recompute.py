@@ -196,7 +196,9 @@ def activation_checkpoint(
     if not callable(fn):
         raise ValueError(f"activation_checkpoint: fn must be callable, got {fn!r}")
     if not isinstance(use_reentrant, bool):
-        raise ValueError(f"activation_checkpoint: use_reentrant must be a bool, got {use_reentrant!r}")
+        raise ValueError(
+            f"activation_checkpoint: use_reentrant must be a bool, got {use_reentrant!r}"
+        )
     if _local.frame is not None:
         raise RecomputeError(
             "activation_checkpoint cannot nest: the block is already inside a checkpointed block "

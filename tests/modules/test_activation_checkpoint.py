@@ -93,7 +93,9 @@ class Stack(nn.Module):
         if wrapper:
             # torch's wrapper, told to checkpoint with dist-quant's function
             fn = functools.partial(dq.activation_checkpoint, use_reentrant=False)
-            self.layers = nn.ModuleList(checkpoint_wrapper(m, checkpoint_fn=fn) for m in self.layers)
+            self.layers = nn.ModuleList(
+                checkpoint_wrapper(m, checkpoint_fn=fn) for m in self.layers
+            )
         self.run = _checkpoint_fns()[wrap]
 
     def forward(self, x):
@@ -203,7 +205,9 @@ def test_plain_torch_checkpoint_refuses_recomputing_an_fp8_forward_inside_autoca
 
 @pytest.mark.parametrize("use_reentrant", [True, False])
 @pytest.mark.parametrize("enabled,recipe", [(False, "delayed"), (True, "identity")])
-def test_plain_torch_checkpoint_stays_exact_where_nothing_is_quantized(use_reentrant, enabled, recipe):
+def test_plain_torch_checkpoint_stays_exact_where_nothing_is_quantized(
+    use_reentrant, enabled, recipe
+):
     model = Stack("none")
     model.run = lambda layer, x: checkpoint(layer, x, use_reentrant=use_reentrant)
     got = _train(model, [recipe], autocast_enabled=enabled)
