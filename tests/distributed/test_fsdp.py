@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from fsdp_check import Stack, assert_equal_runs, rank_view, train_dp, train_one_process
 from harness import run_ranks
 from torch import nn
@@ -106,3 +107,20 @@ def shard_of(t: torch.Tensor, split, tp_rank: int, tp: int = 2) -> torch.Tensor:
 def test_fsdp2_x_tp_equals_ddp_x_tp_and_one_process():
     recipes = ["identity", "delayed", "current", "custom"]
     assert run_ranks(_fsdp_2d, 4, recipes, timeout_s=400.0) == [len(recipes)] * 4
+
+
+def _tp_checkpointed(rank: int, world: int, recipes: list[str]) -> int:
+    for recipe in recipes:
+        runs = []
+        for checkpointed in (False, True):
+            model = Stack(dist.group.WORLD)
+            model.checkpointed = checkpointed
+            runs.append(train_dp(model, list(model.named_parameters()), recipe, 0, 1))
+        assert_equal_runs(runs[1], runs[0], f"TP with activation_checkpoint, {recipe}, rank {rank}")
+    return len(recipes)
+
+
+def test_tp_layers_under_activation_checkpoint_equal_the_plain_tp_run():
+    """The recompute replays the TP layers' quantizers, amax reduction groups and collectives."""
+    recipes = ["delayed", "current", "custom"]
+    assert run_ranks(_tp_checkpointed, 2, recipes, timeout_s=240.0) == [3, 3]
