@@ -52,6 +52,8 @@ _EXPORTS: dict[str, str] = {
     "current_recipe": "dist_quant.runtime",
     "plan_model": "dist_quant.runtime",
     "RecipeState": "dist_quant.state",
+    "RecomputeError": "dist_quant.recompute",
+    "activation_checkpoint": "dist_quant.recompute",
     "Float8BlockwiseTensor": "dist_quant.tensor",
     "Float8Tensor": "dist_quant.tensor",
     "MXFP8Tensor": "dist_quant.tensor",
@@ -81,6 +83,7 @@ __all__ = [
     "allreduce_sequence_parallel_grads",
     "load_full_state_dict_into_shards",
     "checkpoint",
+    "activation_checkpoint",
     "apply_recipe",
     "autocast",
     "convert_model",
@@ -117,5 +120,6 @@ __all__ = [
     "recipe_from_json",
     "RecipeState",
     "RecipeUpdateError",
+    "RecomputeError",
     "TransformerLayer",
 ]

@@ -264,21 +264,27 @@ class _BackwardRegion:
         self.lock = threading.Lock()
         self.groups: dict[int, DelayedGroup] = {}
         self.reduction_group: Any = None
-        self.queued = False
+        self.queued_task: int | None = None  # the autograd pass whose callback is queued
 
     def enrol(self, groups: Sequence[DelayedGroup], reduction_group: Any) -> None:
+        task = torch._C._current_graph_task_id()
         with self.lock:
+            if self.queued_task is not None and self.queued_task != task:
+                # the pass that queued the callback raised before its end (the engine drops the
+                # callbacks of a failed pass); its amaxes already share row 0 with this pass's, so
+                # they count toward this pass's update, which is queued anew
+                self.queued_task = None
             for g in groups:
                 self.groups.setdefault(id(g.amax_history), g)
-            if not self.queued:
+            if self.queued_task is None:
                 self.reduction_group = reduction_group
-                self.queued = True
+                self.queued_task = task
                 torch.autograd.Variable._execution_engine.queue_callback(self.finish)
 
     def finish(self) -> None:
         with self.lock:
             groups, group = list(self.groups.values()), self.reduction_group
-            self.groups, self.reduction_group, self.queued = {}, None, False
+            self.groups, self.reduction_group, self.queued_task = {}, None, None
         reduce_and_update(groups, group, direction=BACKWARD)
 
 

@@ -218,6 +218,8 @@ def _reassemble(loaded: dict[str, Any], state: dict[str, Any], owners: dict) -> 
                 raise ValueError(f"dcp_load: {key!r}: a scaling buffer is missing")
             desc["buffers"] = {n: _local(r)[0] for n, r in rows.items()}
             out[key] = desc
+        elif isinstance(value, DTensor):
+            out[key] = got  # a parameter sharded by its owner (FSDP2): loaded as the same DTensor
         elif isinstance(got, Tensor):
             local = _local(got)
             # a split param's template was its (parts, rows) view: DCP checked that shape

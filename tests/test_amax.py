@@ -4,6 +4,7 @@ The multi-rank behaviour (one all-reduce per direction, the guard raising on eve
 with real process groups in tests/distributed/test_amax_reduction.py.
 """
 
+import pytest
 import torch
 
 import dist_quant as dq
@@ -66,3 +67,29 @@ def test_mismatch_description_names_missing_modules_slot_counts_and_passes():
     assert "'a'" not in msg
     msg = _describe(["forward\na\t3", "backward\na\t2"], "forward", 0)
     assert "not in the same pass: rank 0: forward, rank 1: backward" in msg
+
+
+def test_a_backward_that_raises_does_not_stop_later_backward_updates():
+    # A pass that fails after a module's backward never runs its end-of-pass callback; the next
+    # pass must still reduce and update. Both passes see the same grad_output (ones, from sum), so
+    # folding the failed pass's amax into the next update changes nothing: the clean run's state.
+    def step(model, x, fail):
+        with dq.autocast(recipe=dq.DelayedScaling(amax_history_len=4)):
+            y = model(x.requires_grad_(True))
+        if fail:
+            x.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("boom")))
+        y.sum().backward()
+
+    torch.manual_seed(0)
+    failing, clean = dq.Linear(16, 16), dq.Linear(16, 16)
+    clean.load_state_dict(failing.state_dict())
+    x = torch.randn(4, 16)
+    with pytest.raises(RuntimeError, match="boom"):
+        step(failing, x.clone(), fail=True)
+    step(failing, 2 * x, fail=False)
+    step(clean, 2 * x, fail=False)
+    got = failing.state_dict()["_extra_state"]["buffers"]
+    want = clean.state_dict()["_extra_state"]["buffers"]
+    assert not torch.equal(want["backward.scale"], torch.ones(2))
+    for key in ("backward.scale", "backward.amax_history"):
+        assert torch.equal(got[key], want[key]), key

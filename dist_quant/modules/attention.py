@@ -34,7 +34,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dist_quant import context as _context
 from dist_quant.amax import enrol_backward
 from dist_quant.modules.base import QuantizedModule
 from dist_quant.modules.functional import fake_quantize
@@ -242,7 +241,7 @@ class DotProductAttention(QuantizedModule):
         return _AttentionSlots(
             *applied,
             bwd_groups=tuple(runtime.delayed_groups(fwd=False)),
-            reduction_group=_context.current_context().region.reduction_group,
+            reduction_group=self._amax_reduction_group(),
         )
 
     # ---- forward ----------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from dist_quant import context as _context
+from dist_quant import recompute
 from dist_quant.modules.enrol import enrol_forward, module_key
 from dist_quant.quantizers import IdentityQuantizer, Quantizer
 from dist_quant.roles import QuantizerRole
@@ -52,6 +53,7 @@ class QuantizedModule(nn.Module):
         self._dq_grad_input_role: QuantizerRole | None = None
         self._dq_role_revision = 0
         self._dq_runtime: ModuleRuntime | None = None
+        self._dq_forward_runtime: ModuleRuntime | None = None  # of the last forward, for recompute
         self._dq_seen = (-1, -1)
         self._dq_pinned_recipe: Recipe | None = None
         self._dq_warned_override = False
@@ -179,7 +181,16 @@ class QuantizedModule(nn.Module):
         self._dq_planned_roles = self._dq_role_revision  # planned just now, from these roles
 
     def active_runtime(self) -> ModuleRuntime | None:
-        """The runtime for this forward, or None when autocast is off (exact high precision)."""
+        """The runtime for this forward, or None when autocast is off (exact high precision).
+        In an activation-checkpoint recompute: the forward's (`dist_quant.recompute`)."""
+        if torch.compiler.is_compiling():
+            return self._current_runtime()  # a recompute of a compiled region is eager
+        if recompute.intercepts():
+            return recompute.runtime_for(self, self._current_runtime)
+        runtime = self._dq_forward_runtime = self._current_runtime()
+        return runtime
+
+    def _current_runtime(self) -> ModuleRuntime | None:
         ctx = _context.current_context()
         if ctx is None or not ctx.enabled:
             return None
@@ -261,10 +272,17 @@ class QuantizedModule(nn.Module):
 
     def register_amax_groups(self, runtime: ModuleRuntime) -> None:
         """Enrol this forward's delayed-scaling groups in the autocast region's reduction (an op, so
-        that a compiled forward enrols on every call, not once while tracing)."""
+        that a compiled forward enrols on every call, not once while tracing); not in a recompute:
+        the forward enrolled them."""
+        if recompute.replaying():
+            return
         groups = runtime.delayed_groups(fwd=True) or runtime.delayed_groups(fwd=False)
         if groups:
             enrol_forward(groups[0].scale, self._dq_enrol_key)
+
+    def _amax_reduction_group(self) -> Any:
+        """The group this forward's quantizers reduce over (the recorded one in a recompute)."""
+        return recompute.reduction_group(self)
 
     # ---- cached quantized weights ------------------------------------------------------------
     def quantize_weight(

@@ -26,6 +26,7 @@ from torch import Tensor
 from torch.library import custom_op, register_fake
 
 from dist_quant import context as _context
+from dist_quant import recompute
 from dist_quant.amax import enrol_backward, name_groups
 
 _lock = threading.Lock()
@@ -97,6 +98,14 @@ def enrol_forward(anchor: Tensor, key: int) -> None:
     buffers) is only read by nothing: an op without tensor inputs confuses inductor's buffer
     lifetimes (torch 2.13 frees a graph input before its last use)."""
     module, entry = _entry(key)
+    if recompute.replaying() or torch._C._current_graph_task_id() != -1:
+        # an eager recompute never gets here (register_amax_groups skips it); a compiled forward
+        # does, and it would quantize with the scales of now, not those of its forward
+        raise recompute.RecomputeError(
+            f"module {module.role_name!r}: a torch.compile'd forward with delayed scaling is being "
+            "recomputed by activation checkpointing, which cannot replay its forward scales; "
+            "checkpoint the eager block (dist_quant.activation_checkpoint) or compile without it"
+        )
     runtime = module._dq_runtime
     if entry[2] is not runtime:  # name once per runtime: the name orders the packed amaxes
         name_groups(runtime.delayed_groups(fwd=True), module.role_name)

@@ -138,9 +138,10 @@ class LinearBase(QuantizedModule):
         grad_input))`, indices into the runtime's forward and backward quantizers. Built once per
         runtime and amax-reduction group, not on every forward (eager; a traced forward builds
         them in the graph's trace instead of mutating the module)."""
-        reduction_group = _context.current_context().region.reduction_group
         if torch.compiler.is_compiling():
+            reduction_group = _context.current_context().region.reduction_group
             return self._build_gemm_slots(runtime, layout, reduction_group)
+        reduction_group = self._amax_reduction_group()  # the recorded one in a recompute
         cached = self._dq_gemm_slots
         if (
             cached is not None

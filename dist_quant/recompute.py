@@ -1,0 +1,222 @@
+"""Exact activation checkpointing of dist-quant modules: record in the forward, replay in the recompute.
+
+A checkpointed block runs its forward twice: once in the forward pass, once during backward to
+rebuild the activations. Plain `torch.utils.checkpoint` cannot make the second run quantize like the
+first: delayed-scaling scales were updated at the autocast exit in between, the recompute would fold
+its amaxes into the history a second time, and a backward outside `autocast` would recompute in high
+precision. `activation_checkpoint` wraps the block in a frame that, during the forward, records for
+every dist-quant module call (in call order) the runtime it ran with, the autocast region's amax
+reduction group and a copy of its forward delayed-scaling scales; the recompute replays those calls:
+the same runtime whether or not autocast is active, the recorded scales swapped into the scale
+buffers, no amax enrolment, and every scale and amax-history row the recompute touched restored when
+it ends. The result is the forward's quantization, bit for bit, and the scaling state of the run
+without checkpointing.
+
+A dist-quant forward that runs during backward outside such a frame is a plain torch recompute. It is
+exact only when neither the recompute nor the module's last forward quantize anything (autocast off,
+or an all-identity recipe); otherwise it raises `RecomputeError` naming the module.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from torch.utils._python_dispatch import _disable_current_modes
+
+from dist_quant import context as _context
+from dist_quant.quantizers import IdentityQuantizer
+
+if TYPE_CHECKING:
+    from dist_quant.modules.base import QuantizedModule
+    from dist_quant.runtime import ModuleRuntime
+
+
+class RecomputeError(RuntimeError):
+    """A recompute that would not quantize as its forward did; nothing was changed."""
+
+
+@dataclass
+class _CallRecord:
+    module: QuantizedModule
+    runtime: ModuleRuntime | None
+    reduction_group: Any
+    scales: list[torch.Tensor]  # the forward delayed groups' scales when the call ran
+
+
+@dataclass
+class _Frame:
+    """The dist-quant module calls of one checkpointed block."""
+
+    records: list[_CallRecord] = field(default_factory=list)
+    recorded: bool = False
+    replaying: bool = False
+    cursor: int = 0
+    # id(group) -> (group, its live scale, its live amax row 0), saved before the first swap
+    live: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    groups: dict[int, Any] = field(default_factory=dict)  # id(module) -> its reduction group
+
+    def begin(self) -> None:
+        self.replaying, self.recorded = self.recorded, True
+        self.cursor = 0
+
+    def record(self, module: QuantizedModule, runtime: ModuleRuntime | None) -> None:
+        ctx = _context.current_context()
+        scales = []
+        if runtime is not None:
+            # bookkeeping stays invisible to selective checkpointing's op caches
+            with _disable_current_modes(), torch.no_grad():
+                scales = [g.scale.clone() for g in runtime.delayed_groups(fwd=True)]
+        group = ctx.region.reduction_group if ctx is not None else None
+        self.records.append(_CallRecord(module, runtime, group, scales))
+
+    def replay(self, module: QuantizedModule) -> ModuleRuntime | None:
+        if self.cursor >= len(self.records) or self.records[self.cursor].module is not module:
+            expected = (
+                _name(self.records[self.cursor].module)
+                if self.cursor < len(self.records)
+                else "no further dist-quant module"
+            )
+            raise RecomputeError(
+                f"activation_checkpoint: the recompute called module {_name(module)!r} where the "
+                f"forward called {expected} (call {self.cursor}): a checkpointed block must take "
+                "the same path through its dist-quant modules both times"
+            )
+        rec = self.records[self.cursor]
+        self.cursor += 1
+        self.groups[id(module)] = rec.reduction_group
+        if rec.runtime is not None and rec.scales:
+            with _disable_current_modes(), torch.no_grad():
+                for g, scale in zip(rec.runtime.delayed_groups(fwd=True), rec.scales):
+                    if id(g) not in self.live:
+                        self.live[id(g)] = (g, g.scale.clone(), g.amax_history[0].clone())
+                    g.scale.copy_(scale)
+        return rec.runtime
+
+    def check_complete(self) -> None:
+        if self.replaying and self.cursor != len(self.records):
+            raise RecomputeError(
+                f"activation_checkpoint: the recompute made {self.cursor} dist-quant module calls "
+                f"where the forward made {len(self.records)}: a checkpointed block must take the "
+                "same path through its dist-quant modules both times"
+            )
+
+    def end(self) -> None:
+        """After a replay (finished, stopped early by torch, or failed): the live state back."""
+        if self.replaying and self.live:
+            with _disable_current_modes(), torch.no_grad():
+                for g, scale, row in self.live.values():
+                    g.scale.copy_(scale)
+                    g.amax_history[0].copy_(row)
+        self.live.clear()
+        self.groups.clear()
+
+
+class _Local(threading.local):
+    def __init__(self) -> None:
+        self.frame: _Frame | None = None
+
+
+_local = _Local()
+
+
+def _name(module: QuantizedModule) -> str:
+    return module.role_name or type(module).__name__
+
+
+def intercepts() -> bool:
+    """Whether a dist-quant forward must go through `runtime_for`: inside a checkpoint frame, or
+    during backward (a recompute)."""
+    return _local.frame is not None or torch._C._current_graph_task_id() != -1
+
+
+def replaying() -> bool:
+    frame = _local.frame
+    return frame is not None and frame.replaying
+
+
+def reduction_group(module: QuantizedModule) -> Any:
+    """The amax reduction group of this forward: the recorded one in a replay, else the region's."""
+    frame = _local.frame
+    if frame is not None and frame.replaying:
+        return frame.groups.get(id(module))
+    ctx = _context.current_context()
+    return ctx.region.reduction_group if ctx is not None else None
+
+
+def quantizes(runtime: ModuleRuntime | None) -> bool:
+    """Whether `runtime` changes any operand (forward or backward) from high precision."""
+    if runtime is None:
+        return False
+    slots = (*runtime.fwd_quantizers, *runtime.bwd_quantizers)
+    return any(q is not None and not isinstance(q, IdentityQuantizer) for q in slots)
+
+
+def runtime_for(
+    module: QuantizedModule, resolve: Callable[[], ModuleRuntime | None]
+) -> ModuleRuntime | None:
+    """The runtime of a forward inside a frame (recorded or replayed) or during backward."""
+    frame = _local.frame
+    if frame is not None and frame.replaying:
+        return frame.replay(module)
+    runtime = resolve()
+    if frame is not None:
+        frame.record(module, runtime)
+    elif quantizes(runtime) or quantizes(module._dq_forward_runtime):
+        raise RecomputeError(
+            f"module {_name(module)!r} ({type(module).__name__}) runs its forward during backward, "
+            "as torch.utils.checkpoint's recompute does, with FP8 quantization in the forward or "
+            "the recompute: it would not quantize as the forward did (delayed scales move at the "
+            "autocast exit and the amaxes would enter the history twice; outside autocast it runs "
+            "in high precision). Checkpoint the block with dist_quant.activation_checkpoint(fn, "
+            "*args), or checkpoint_wrapper(block, checkpoint_fn=dist_quant.activation_checkpoint)."
+        )
+    return runtime
+
+
+def activation_checkpoint(
+    fn: Callable[..., Any],
+    *args: Any,
+    use_reentrant: bool = False,
+    context_fn: Callable[[], tuple[Any, Any]] | None = None,
+    **kwargs: Any,
+) -> Any:
+    """`torch.utils.checkpoint.checkpoint(fn, *args, ...)` whose recompute quantizes every dist-quant
+    module exactly as the forward did, with the scaling state left as without checkpointing.
+
+    Takes torch's arguments (`use_reentrant`, `preserve_rng_state`, `determinism_check`, ...);
+    `context_fn` (non-reentrant only, as in torch) composes with selective activation checkpointing
+    (`torch.utils.checkpoint.create_selective_checkpoint_contexts`). Also usable as
+    `checkpoint_wrapper(block, checkpoint_fn=activation_checkpoint, use_reentrant=False)`.
+    """
+    if not callable(fn):
+        raise ValueError(f"activation_checkpoint: fn must be callable, got {fn!r}")
+    if not isinstance(use_reentrant, bool):
+        raise ValueError(
+            f"activation_checkpoint: use_reentrant must be a bool, got {use_reentrant!r}"
+        )
+    if _local.frame is not None:
+        raise RecomputeError(
+            "activation_checkpoint cannot nest: the block is already inside a checkpointed block "
+            "(checkpoint the outer block or the inner ones, not both)"
+        )
+    frame = _Frame()
+
+    def run(*a: Any, **kw: Any) -> Any:
+        outer, _local.frame = _local.frame, frame
+        frame.begin()
+        try:
+            out = fn(*a, **kw)
+            frame.check_complete()  # torch's early stop raises inside fn, before this
+            return out
+        finally:
+            _local.frame = outer
+            frame.end()
+
+    if context_fn is not None:
+        kwargs["context_fn"] = context_fn
+    return torch_checkpoint.checkpoint(run, *args, use_reentrant=use_reentrant, **kwargs)
