@@ -60,7 +60,7 @@ def test_every_rank_before_the_step_cancels_logs_it_and_frees_the_next_switch(jo
         d == CancelDecision(1, True, 50, {}, "cancelled before step 50") for d in job.prepares()
     )
     assert job.coord.phase is Phase.CANCELLED
-    events = [(r["event"], r["switch_id"]) for r in job.log.records()]
+    events = [(r["event"], r["switch_id"]) for r in job.log.records() if "switch_id" in r]
     assert events == [("open", 1), ("decision", 1), ("cancel", 1)]
     assert job.log.records()[-1]["cancelled"] is True
     assert job.request("r2").status == "accepted"  # the lock-out is over
