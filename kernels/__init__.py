@@ -1,7 +1,7 @@
 """FP8 kernels: Triton implementations and the PyTorch reference they match bit for bit.
 
 The functions here are dispatchers with the reference's names and signatures. Each calls one
-``torch.library`` custom op of ``kernels/ops.py`` (``torch.ops.dist_quant.*``): CUDA tensors run
+``torch.library`` custom op of ``kernels/ops.py`` / ``ops_block.py`` (``torch.ops.dist_quant.*``): CUDA tensors run
 the Triton launcher in ``kernels/<op>.py``, everything else ``reference`` (CPU keeps the plain
 PyTorch path; the Triton kernels run on CPU only in the tests, under ``TRITON_INTERPRET=1``).
 Going through the ops is what lets ``torch.compile`` trace a quantized step (fake implementations,
@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from dist_quant.kernels import ops, reference
+from dist_quant.kernels import ops, ops_block, reference
 from dist_quant.kernels.block_gemm import block_scaled_gemm_triton
 from dist_quant.kernels.cast import cast_to_fp8_triton, cast_transpose_triton
 from dist_quant.kernels.current import CurrentScalingCast
@@ -173,32 +173,32 @@ def delayed_scaling_update_groups(groups: Sequence[Sequence]) -> None:
 def mxfp8_cast(
     x: Tensor, fp8_dtype: torch.dtype, *, columnwise: bool = False
 ) -> tuple[Tensor, Tensor]:
-    return ops.mxfp8_cast(x.detach(), fp8_dtype, bool(columnwise))
+    return ops_block.mxfp8_cast(x.detach(), fp8_dtype, bool(columnwise))
 
 
 def mxfp8_dequantize(
     q: Tensor, e8m0: Tensor, *, columnwise: bool = False, dtype: torch.dtype = torch.float32
 ) -> Tensor:
-    return ops.mxfp8_dequantize(q, e8m0, bool(columnwise), dtype)
+    return ops_block.mxfp8_dequantize(q, e8m0, bool(columnwise), dtype)
 
 
 def block_cast(
     x: Tensor, fp8_dtype: torch.dtype, *, block_dim: int, use_power_2_scales: bool = True
 ) -> tuple[Tensor, Tensor]:
-    return ops.block_cast(x.detach(), fp8_dtype, block_dim, bool(use_power_2_scales))
+    return ops_block.block_cast(x.detach(), fp8_dtype, block_dim, bool(use_power_2_scales))
 
 
 def block_dequantize(
     q: Tensor, scale_inv: Tensor, *, block_dim: int, dtype: torch.dtype = torch.float32
 ) -> Tensor:
-    return ops.block_dequantize(q, scale_inv, block_dim, dtype)
+    return ops_block.block_dequantize(q, scale_inv, block_dim, dtype)
 
 
 def dequantize(q: Tensor, scale_inv: Tensor | float, dtype: torch.dtype = torch.float32) -> Tensor:
     if not isinstance(scale_inv, Tensor):
         fn = dequantize_triton if q.is_cuda else reference.dequantize
         return fn(q, scale_inv, dtype)
-    return ops.dequantize(q, scale_inv, dtype)
+    return ops_block.dequantize(q, scale_inv, dtype)
 
 
 def block_scaled_gemm(
@@ -213,7 +213,7 @@ def block_scaled_gemm(
     bias: Tensor | None = None,
 ) -> Tensor:
     """The Triton block-scaled GEMM (CUDA only) as the ``dist_quant::block_scaled_gemm`` op."""
-    return ops.block_scaled_gemm(
+    return ops_block.block_scaled_gemm(
         a_data, a_scale_inv, a_block_dim, b_data, b_scale_inv, b_block_dim, out_dtype,
         None if bias is None else bias.detach(),
     )  # fmt: skip

@@ -1,4 +1,6 @@
-"""Every kernel entry point as a ``torch.library`` custom op (namespace ``dist_quant``).
+"""Kernel entry points as ``torch.library`` custom ops (namespace ``dist_quant``): the op helper,
+the per-tensor casts, current scaling and the delayed update (``ops_block.py`` holds MXFP8, block
+scaling, dequantize and the block-scaled GEMM).
 
 The default implementation of each op is ``kernels/reference.py`` (CPU, and any device without a
 registered kernel); CUDA tensors run the Triton launcher. Each op has a fake (meta) implementation
@@ -24,8 +26,6 @@ from typing import Any
 
 import torch
 from dist_quant.kernels import reference
-from dist_quant.kernels.block import block_cast_triton
-from dist_quant.kernels.block_gemm import block_scaled_gemm_triton
 from dist_quant.kernels.cast import cast_to_fp8_triton, cast_transpose_triton
 from dist_quant.kernels.current import (
     amax_triton,
@@ -33,12 +33,6 @@ from dist_quant.kernels.current import (
     current_scaling_cast_triton,
 )
 from dist_quant.kernels.delayed_update import delayed_scaling_update_groups_triton
-from dist_quant.kernels.dequantize import (
-    block_dequantize_triton,
-    dequantize_triton,
-    mxfp8_dequantize_triton,
-)
-from dist_quant.kernels.mxfp8 import mxfp8_cast_triton
 from torch import Tensor
 from torch.library import custom_op
 
@@ -61,7 +55,7 @@ class Op:
         return fn(*args)
 
 
-def _register(
+def register_op(
     name: str,
     mutates_args: tuple[str, ...],
     default: Callable | None,
@@ -85,7 +79,7 @@ ALGO_CODES = {"max": 0, "most_recent": 1}
 _ALGO_NAMES = {code: name for name, code in ALGO_CODES.items()}
 
 
-def _rows_cols(x: Tensor) -> tuple[int, int]:
+def rows_cols(x: Tensor) -> tuple[int, int]:
     return math.prod(x.shape[:-1]), x.shape[-1]
 
 
@@ -137,7 +131,7 @@ def _cast_transpose_cuda(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> tu
 
 
 def _cast_transpose_fake(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    rows, cols = _rows_cols(x)
+    rows, cols = rows_cols(x)
     return torch.empty_like(x, dtype=fp8_dtype), x.new_empty((cols, rows), dtype=fp8_dtype)
 
 
@@ -181,7 +175,7 @@ def _cast_transpose_with_amax_cuda(
 def _cast_transpose_with_amax_fake(
     x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, amax_out: Tensor
 ) -> tuple[Tensor, Tensor]:
-    rows, cols = _rows_cols(x)
+    rows, cols = rows_cols(x)
     return torch.empty_like(x, dtype=fp8_dtype), x.new_empty((cols, rows), dtype=fp8_dtype)
 
 
@@ -278,7 +272,7 @@ def _current_scaling_cast_transpose_cuda(
 def _current_scaling_cast_transpose_fake(
     x: Tensor, fp8_dtype: torch.dtype, amax_epsilon: float, use_power_2_scales: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    rows, cols = _rows_cols(x)
+    rows, cols = rows_cols(x)
     one = (1,)
     return (
         torch.empty_like(x, dtype=fp8_dtype),
@@ -329,180 +323,47 @@ def _delayed_scaling_update_groups_fake(
     return None
 
 
-# ---- MXFP8 and float8 block scaling ------------------------------------------------------------
-def _mxfp8_cast_ref(x: Tensor, fp8_dtype: torch.dtype, columnwise: bool) -> tuple[Tensor, Tensor]:
-    q, e8m0 = reference.mxfp8_cast(x, fp8_dtype, columnwise=columnwise)
-    return q.contiguous(), e8m0.contiguous()
-
-
-def _mxfp8_cast_cuda(x: Tensor, fp8_dtype: torch.dtype, columnwise: bool) -> tuple[Tensor, Tensor]:
-    q, e8m0 = mxfp8_cast_triton(x, fp8_dtype, columnwise=columnwise)
-    return q.contiguous(), e8m0.contiguous()
-
-
-def _mxfp8_cast_fake(x: Tensor, fp8_dtype: torch.dtype, columnwise: bool) -> tuple[Tensor, Tensor]:
-    rows, cols = _rows_cols(x)
-    if columnwise:
-        q_shape, s_shape = (cols, rows), (cols, -(-rows // reference.MXFP8_BLOCK))
-    else:
-        q_shape, s_shape = tuple(x.shape), (rows, -(-cols // reference.MXFP8_BLOCK))
-    return x.new_empty(q_shape, dtype=fp8_dtype), x.new_empty(s_shape, dtype=torch.uint8)
-
-
-def _block_cast_ref(
-    x: Tensor, fp8_dtype: torch.dtype, block_dim: int, use_power_2_scales: bool
-) -> tuple[Tensor, Tensor]:
-    q, s_inv = reference.block_cast(
-        x, fp8_dtype, block_dim=block_dim, use_power_2_scales=use_power_2_scales
-    )
-    return q.contiguous(), s_inv.contiguous()
-
-
-def _block_cast_cuda(
-    x: Tensor, fp8_dtype: torch.dtype, block_dim: int, use_power_2_scales: bool
-) -> tuple[Tensor, Tensor]:
-    q, s_inv = block_cast_triton(
-        x, fp8_dtype, block_dim=block_dim, use_power_2_scales=use_power_2_scales
-    )
-    return q.contiguous(), s_inv.contiguous()
-
-
-def _block_cast_fake(
-    x: Tensor, fp8_dtype: torch.dtype, block_dim: int, use_power_2_scales: bool
-) -> tuple[Tensor, Tensor]:
-    rows, cols = _rows_cols(x)
-    s_shape = reference._block_scale_shape(rows, cols, block_dim)
-    return x.new_empty(x.shape, dtype=fp8_dtype), x.new_empty(s_shape, dtype=torch.float32)
-
-
-# ---- dequantize ----------------------------------------------------------------------------------
-def _dequantize_ref(q: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
-    return reference.dequantize(q, scale_inv, dtype)
-
-
-def _dequantize_cuda(q: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
-    return dequantize_triton(q, scale_inv, dtype)
-
-
-def _dequantize_fake(q: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
-    return torch.empty_like(q, dtype=dtype)
-
-
-def _mxfp8_dequantize_ref(q: Tensor, e8m0: Tensor, columnwise: bool, dtype: torch.dtype) -> Tensor:
-    return reference.mxfp8_dequantize(q, e8m0, columnwise=columnwise, dtype=dtype)
-
-
-def _mxfp8_dequantize_cuda(q: Tensor, e8m0: Tensor, columnwise: bool, dtype: torch.dtype) -> Tensor:
-    return mxfp8_dequantize_triton(q, e8m0, columnwise=columnwise, dtype=dtype)
-
-
-def _mxfp8_dequantize_fake(q: Tensor, e8m0: Tensor, columnwise: bool, dtype: torch.dtype) -> Tensor:
-    # columnwise: the (rows, cols) matrix is the transpose of q's (cols, rows) layout
-    out = q.new_empty(tuple(q.shape), dtype=dtype)
-    return out.t() if columnwise else out
-
-
-def _block_dequantize_ref(
-    q: Tensor, scale_inv: Tensor, block_dim: int, dtype: torch.dtype
-) -> Tensor:
-    return reference.block_dequantize(q, scale_inv, block_dim=block_dim, dtype=dtype).contiguous()
-
-
-def _block_dequantize_cuda(
-    q: Tensor, scale_inv: Tensor, block_dim: int, dtype: torch.dtype
-) -> Tensor:
-    return block_dequantize_triton(q, scale_inv, block_dim=block_dim, dtype=dtype).contiguous()
-
-
-def _block_dequantize_fake(
-    q: Tensor, scale_inv: Tensor, block_dim: int, dtype: torch.dtype
-) -> Tensor:
-    return q.new_empty(q.shape, dtype=dtype)
-
-
-# ---- block-scaled GEMM (Triton only: the CPU path is gemm.py's emulation) ----------------------
-def _block_scaled_gemm_cuda(
-    a_data: Tensor,
-    a_scale_inv: Tensor,
-    a_block_dim: int,
-    b_data: Tensor,
-    b_scale_inv: Tensor,
-    b_block_dim: int,
-    out_dtype: torch.dtype,
-    bias: Tensor | None,
-) -> Tensor:
-    return block_scaled_gemm_triton(
-        a_data, a_scale_inv, a_block_dim, b_data, b_scale_inv, b_block_dim,
-        out_dtype=out_dtype, bias=bias,
-    )  # fmt: skip
-
-
-def _block_scaled_gemm_fake(
-    a_data: Tensor,
-    a_scale_inv: Tensor,
-    a_block_dim: int,
-    b_data: Tensor,
-    b_scale_inv: Tensor,
-    b_block_dim: int,
-    out_dtype: torch.dtype,
-    bias: Tensor | None,
-) -> Tensor:
-    return a_data.new_empty((a_data.shape[0], b_data.shape[0]), dtype=out_dtype)
-
-
 # ---- registration ------------------------------------------------------------------------------
-amax = _register("amax", (), _amax_ref, _amax_cuda, _amax_fake)
-cast_to_fp8 = _register("cast_to_fp8", (), _cast_to_fp8_ref, _cast_to_fp8_cuda, _cast_to_fp8_fake)
-cast_transpose = _register(
+amax = register_op("amax", (), _amax_ref, _amax_cuda, _amax_fake)
+cast_to_fp8 = register_op("cast_to_fp8", (), _cast_to_fp8_ref, _cast_to_fp8_cuda, _cast_to_fp8_fake)
+cast_transpose = register_op(
     "cast_transpose", (), _cast_transpose_ref, _cast_transpose_cuda, _cast_transpose_fake
 )
-cast_to_fp8_with_amax = _register(
+cast_to_fp8_with_amax = register_op(
     "cast_to_fp8_with_amax",
     ("amax_out",),
     _cast_to_fp8_with_amax_ref,
     _cast_to_fp8_with_amax_cuda,
     _cast_to_fp8_with_amax_fake,
 )
-cast_transpose_with_amax = _register(
+cast_transpose_with_amax = register_op(
     "cast_transpose_with_amax",
     ("amax_out",),
     _cast_transpose_with_amax_ref,
     _cast_transpose_with_amax_cuda,
     _cast_transpose_with_amax_fake,
 )
-current_scale = _register(
+current_scale = register_op(
     "current_scale", (), _current_scale_ref, _current_scale_cuda, _current_scale_fake
 )
-current_scaling_cast = _register(
+current_scaling_cast = register_op(
     "current_scaling_cast",
     (),
     _current_scaling_cast_ref,
     _current_scaling_cast_cuda,
     _current_scaling_cast_fake,
 )
-current_scaling_cast_transpose = _register(
+current_scaling_cast_transpose = register_op(
     "current_scaling_cast_transpose",
     (),
     _current_scaling_cast_transpose_ref,
     _current_scaling_cast_transpose_cuda,
     _current_scaling_cast_transpose_fake,
 )
-delayed_scaling_update_groups = _register(
+delayed_scaling_update_groups = register_op(
     "delayed_scaling_update_groups",
     ("histories", "scales"),
     _delayed_scaling_update_groups_ref,
     _delayed_scaling_update_groups_cuda,
     _delayed_scaling_update_groups_fake,
-)
-mxfp8_cast = _register("mxfp8_cast", (), _mxfp8_cast_ref, _mxfp8_cast_cuda, _mxfp8_cast_fake)
-block_cast = _register("block_cast", (), _block_cast_ref, _block_cast_cuda, _block_cast_fake)
-dequantize = _register("dequantize", (), _dequantize_ref, _dequantize_cuda, _dequantize_fake)
-mxfp8_dequantize = _register(
-    "mxfp8_dequantize", (), _mxfp8_dequantize_ref, _mxfp8_dequantize_cuda, _mxfp8_dequantize_fake
-)
-block_dequantize = _register(
-    "block_dequantize", (), _block_dequantize_ref, _block_dequantize_cuda, _block_dequantize_fake
-)
-block_scaled_gemm = _register(
-    "block_scaled_gemm", (), None, _block_scaled_gemm_cuda, _block_scaled_gemm_fake
 )
