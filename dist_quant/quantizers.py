@@ -76,6 +76,8 @@ class Quantizer(abc.ABC):
             raise ValueError(
                 f"{type(self).__name__}.set_usage: at least one of rowwise/columnwise must be True"
             )
+        if (rowwise, columnwise) == (self.rowwise_usage, self.columnwise_usage):
+            return  # no store: torch.compile refuses a mutation inside an autograd.Function's backward
         self.rowwise_usage = rowwise
         self.columnwise_usage = columnwise
 

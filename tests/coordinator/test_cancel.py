@@ -90,7 +90,9 @@ def test_cancel_is_refused_without_a_committed_switch(job, when):
     refused = cancel(job)
     assert refused.status == "refused"
     assert ("nothing to cancel" if when == "idle" else "only a committed switch") in refused.error
-    assert [r["event"] for r in job.log.records()] == ([] if when == "idle" else ["open"])
+    assert [r["event"] for r in job.log.records() if r["event"] != "attempt"] == (
+        [] if when == "idle" else ["open"]
+    )
     with pytest.raises(CancelRefusedError):
         cancel_switch(transport=MemoryTransport(job.hub), token=TOKEN)
 

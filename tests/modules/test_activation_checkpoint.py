@@ -36,6 +36,8 @@ def identity_factory(role):
 @dq.quantizer_factory(key="test-ckpt-mixed")
 def mixed_factory(role):
     # delayed scaling for weights, current scaling for activations and gradients
+    if role is None:  # a role-less slot (a grad-input): current scaling, as for activations
+        return dq.Float8CurrentScalingQuantizer(torch.float8_e4m3fn)
     if role.tensor_type == "weight":
         return dq.DelayedScalingRequest(fp8_format=Format.E4M3, amax_history_len=4)
     dtype = torch.float8_e5m2 if role.tensor_type.startswith("grad") else torch.float8_e4m3fn
