@@ -118,9 +118,8 @@ def bench_shape(m: int, k: int, n: int, modes: list[str], cold: dict[str, float]
     return rows
 
 
-def print_rows(shape: tuple[int, int, int], rows: list[tuple]) -> None:
+def print_rows(shape: tuple[int, int, int], rows: list[tuple], eager_bf16: float | None) -> None:
     base = {mode: us for mode, label, us, _ in rows if label == "bf16"}
-    eager_bf16 = base.get("eager")
     name = "x".join(map(str, shape))
     for mode, label, us, host in rows:
         if us is None:
@@ -170,8 +169,15 @@ def main() -> None:
     print(f"{'shape MxKxN':>16} | {'mode':>8} | {'variant':>18} | {'median us':>9} | "
           f"{'host us':>9} | {'vs bf16':>8} | {'vs eager':>8}")  # fmt: skip
     cold: dict[str, float] = {}
-    for shape in shapes:
-        print_rows(shape, bench_shape(*shape, modes, cold))
+    eager_bf16: dict[tuple, float] = {}
+    # mode by mode over every shape, each row printed as soon as it is measured: the slow
+    # compiled variants come last, and a run cut short keeps what it measured
+    for mode in modes:
+        for shape in shapes:
+            rows = bench_shape(*shape, [mode], cold)
+            if mode == "eager":
+                eager_bf16[shape] = next(us for _, label, us, _ in rows if label == "bf16")
+            print_rows(shape, rows, eager_bf16.get(shape))
     print("\nfirst step in this process (s; includes Triton compilation of kernels not yet used):")
     for key, s in cold.items():
         print(f"  {key:>24}: {s:7.3f}")
