@@ -99,6 +99,7 @@ def bench_shape(m: int, k: int, n: int, modes: list[str], cold: dict[str, float]
     from triton.testing import do_bench
 
     rows = []
+    torch._dynamo.reset()  # every variant is a new module: dynamo's per-code recompile limit is 8
     for mode in modes:
         for label in ("bf16", *RECIPES, "torchao tensorwise"):
             torch.manual_seed(0)
