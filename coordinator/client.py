@@ -12,13 +12,15 @@ import json
 import math
 import os
 import secrets
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 from dist_quant.coordinator.endpoint import read_endpoint, resolve_run_dir
 from dist_quant.coordinator.errors import CancelRefusedError, SwitchBusyError, SwitchRequestError
 from dist_quant.coordinator.protocol import (
     CancelRequest,
     CancelResult,
+    Message,
     ProtocolError,
     Reply,
     StatusQuery,
@@ -59,24 +61,19 @@ def request_switch(
         raise SwitchRequestError(f"at_step must be a non-negative int or None, got {at_step!r}")
     if not isinstance(timeout_s, (int, float)) or not (0 < timeout_s < math.inf):
         raise SwitchRequestError(f"timeout_s must be a positive number, got {timeout_s!r}")
-    tx, key, where = _connect(run_dir, address, token, transport)
-    try:
-        request_id = secrets.token_hex(8)
-        tx.push(INBOX, seal(SwitchRequest(request_id, payload, at_step, float(timeout_s)), key))
-        accepted = _await(tx, request_id, key, ACCEPT_TIMEOUT_S, where)
-        if accepted.status == "refused":
-            if accepted.switch_id is not None:
-                raise SwitchBusyError(accepted.error, accepted.switch_id)
-            raise SwitchRequestError(accepted.error)
-        result = _await(tx, request_id, key, timeout_s + RESULT_SLACK_S, where, accepted.switch_id)
-        return SwitchResult.from_dict(result.body)
-    except TransportError as e:
-        raise SwitchRequestError(f"lost the coordinator at {where}: {e}") from e
-    except ProtocolError as e:
-        raise SwitchRequestError(f"unreadable result from the coordinator at {where}: {e}") from e
-    finally:
-        if transport is None:
-            tx.close()
+
+    def refused(reply: Reply) -> NoReturn:
+        if reply.switch_id is not None:
+            raise SwitchBusyError(reply.error, reply.switch_id)
+        raise SwitchRequestError(reply.error)
+
+    body = _ask(
+        lambda request_id: SwitchRequest(request_id, payload, at_step, float(timeout_s)),
+        refused,
+        timeout_s,
+        (run_dir, address, token, transport),
+    )
+    return SwitchResult.from_dict(body)
 
 
 def status(
@@ -126,15 +123,38 @@ def cancel_switch(
         raise SwitchRequestError(f"switch_id must be a positive int or None, got {switch_id!r}")
     if not isinstance(timeout_s, (int, float)) or not (0 < timeout_s < math.inf):
         raise SwitchRequestError(f"timeout_s must be a positive number, got {timeout_s!r}")
-    tx, key, where = _connect(run_dir, address, token, transport)
+
+    def refused(reply: Reply) -> NoReturn:
+        raise CancelRefusedError(reply.error)
+
+    body = _ask(
+        lambda request_id: CancelRequest(request_id, switch_id, float(timeout_s)),
+        refused,
+        timeout_s,
+        (run_dir, address, token, transport),
+    )
+    return CancelResult.from_dict(body)
+
+
+def _ask(
+    make_request: Callable[[str], Message],
+    refused: Callable[[Reply], NoReturn],
+    timeout_s: float,
+    where_to: tuple[Any, Any, Any, Transport | None],
+) -> dict[str, Any]:
+    """One request to the coordinator: sent, accepted (else `refused(reply)` raises), answered
+    within `timeout_s` (plus slack); the result's body. Connection and protocol failures are
+    `SwitchRequestError`s naming the coordinator's address."""
+    transport = where_to[3]
+    tx, key, where = _connect(*where_to)
     try:
         request_id = secrets.token_hex(8)
-        tx.push(INBOX, seal(CancelRequest(request_id, switch_id, float(timeout_s)), key))
+        tx.push(INBOX, seal(make_request(request_id), key))
         accepted = _await(tx, request_id, key, ACCEPT_TIMEOUT_S, where)
         if accepted.status == "refused":
-            raise CancelRefusedError(accepted.error)
+            refused(accepted)
         result = _await(tx, request_id, key, timeout_s + RESULT_SLACK_S, where, accepted.switch_id)
-        return CancelResult.from_dict(result.body)
+        return result.body
     except TransportError as e:
         raise SwitchRequestError(f"lost the coordinator at {where}: {e}") from e
     except ProtocolError as e:
