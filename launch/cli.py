@@ -28,15 +28,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from dist_quant.launch.errors import CliError
 from dist_quant.launch.stats import add_stats_parser, run_stats
-
-
-class CliError(Exception):
-    """A one-line error for the user, with the exit code to return."""
-
-    def __init__(self, message: str, code: int = 2) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 class _Parser(argparse.ArgumentParser):

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dist_quant.launch.errors import CliError
 from dist_quant.launch.stats import describe_guard, last_guard_decision
 
 _BUSY_RETRY_S = 0.2  # how often a waiting `switch` asks again while another switch is open
@@ -37,7 +38,6 @@ def switch(
     switch closes or `timeout_s` passes (a switch booked for a far step: `dist-quant cancel`)."""
     from dist_quant.coordinator.client import request_switch
     from dist_quant.coordinator.errors import SwitchBusyError, SwitchRequestError
-    from dist_quant.launch.cli import CliError
 
     give_up_at = time.monotonic() + timeout_s
     told = False
@@ -91,7 +91,6 @@ def cancel(
     """Cancel a committed switch before its step; exit code 0 (cancelled on every rank) or 1."""
     from dist_quant.coordinator.client import cancel_switch
     from dist_quant.coordinator.errors import CancelRefusedError, SwitchRequestError
-    from dist_quant.launch.cli import CliError
 
     try:
         result = cancel_switch(
@@ -125,7 +124,6 @@ def status(
     """Print the coordinator's view of the job; exit code 0, or CliError(2) if unreachable."""
     from dist_quant.coordinator.client import status as query
     from dist_quant.coordinator.errors import SwitchRequestError
-    from dist_quant.launch.cli import CliError
 
     try:
         info = query(run_dir=run_dir, address=address, token=token)

@@ -31,12 +31,12 @@ from typing import Any
 # Imported here, not inside SwitchDriver's thread: a package imported for the first time from two
 # threads at once can be seen half-initialised (an ImportError seen once on a GPU host).
 from dist_quant.coordinator.endpoint import remove_endpoint
-from dist_quant.launch.cli import CliError
 from dist_quant.launch.demo_guard import HEATMAP_FILE, plot_stats_heatmap
 from dist_quant.launch.demo_report import rank_log_path
 from dist_quant.launch.demo_runners import RayRunner, TorchrunRunner
 from dist_quant.launch.demo_schedule import Schedule, load_schedule_file, resolve_schedule
 from dist_quant.launch.demo_switches import StepWatch, SwitchDriver
+from dist_quant.launch.errors import CliError
 from dist_quant.launch.ray import RAY_INSTALL_HINT
 
 # What a previous run left in the run directory that this run replaces once its ranks are up.

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from dist_quant.launch.cli import CliError
+from dist_quant.launch.errors import CliError
 
 # torchrun prefixes each line a rank prints with "[rank<r>]: ".
 _ERROR_LINE = re.compile(r"^\s*(?:\[rank(\d+)\]:\s*)?(?:[\w.]+\.)?(\w*(?:Error|Exception)): (.+)$")

@@ -31,6 +31,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from dist_quant.launch.demo_runners import adopt_run_dir
+from dist_quant.launch.errors import CliError
 from torch import nn
 from torch.optim import Optimizer
 
@@ -148,12 +150,9 @@ class DemoRunner:
         threading.Thread(target=fit, name="dist_quant.ray_train.fit", daemon=True).start()
 
     def started(self) -> None:
-        from dist_quant.launch.demo_runners import adopt_run_dir
-
         adopt_run_dir(self.out, self.cfg)
 
     def finished(self) -> bool:
-        from dist_quant.launch.cli import CliError
 
         if not self._done.is_set():
             return False

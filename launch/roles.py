@@ -12,12 +12,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from dist_quant.launch.errors import CliError
 from torch import nn
 
 
 def build_model(spec: str) -> nn.Module:
     """A model from a spec: `gpt[:key=value,...]` (see `demo_model`) or `pkg.module:function`."""
-    from dist_quant.launch.cli import CliError
     from dist_quant.launch.demo_model import TinyGPT, parse_gpt_spec
 
     head, sep, tail = spec.strip().partition(":")
@@ -77,7 +77,6 @@ def role_rows(model: nn.Module, recipe: Any) -> list[tuple[str, str, str, str, s
 
 def print_role_table(spec: str, recipe_payload: str | dict | None) -> int:
     """Print the table; exit code 0, or raise CliError (2: bad spec/recipe, 1: recipe refused)."""
-    from dist_quant.launch.cli import CliError
     from dist_quant.launch.demo_report import short_key
     from rich.console import Console
     from rich.table import Table
