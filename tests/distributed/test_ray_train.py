@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ray = pytest.importorskip("ray")
-pytest.importorskip("ray.train.torch")
+pytest.importorskip("ray.train.torch", exc_type=ImportError)  # ray[train] is an extra
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
