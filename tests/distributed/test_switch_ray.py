@@ -71,7 +71,7 @@ def test_ray_actors_switch_together_and_survive_a_killed_coordinator(ray_cluster
         cli = [sys.executable, "-m", "dist_quant.launch.cli", "status", "--run-dir", cfg["run_dir"]]
         shown = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=120)
         assert shown.returncode == 0, shown.stdout + shown.stderr
-        assert "phase: published" in shown.stdout
+        assert "switch 1: published at step" in shown.stdout, shown.stdout
 
         errors = []
 

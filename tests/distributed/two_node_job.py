@@ -31,6 +31,13 @@ import dist_quant as dq
 from dist_quant.runtime import recipe_key_of
 
 
+def _publish(path: Path, text: str) -> None:
+    """Write then rename: the test polls for the file and must never read it half-written."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def main() -> None:
     cfg = json.loads(Path(sys.argv[1]).read_text())
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))
@@ -50,7 +57,7 @@ def main() -> None:
     except TransportError as e:
         (run_dir / f"attach_error.rank{rank}").write_text(f"{type(e).__name__}: {e}")
         raise
-    (run_dir / f"pid.rank{rank}").write_text(str(os.getpid()))
+    _publish(run_dir / f"pid.rank{rank}", str(os.getpid()))
     ddp, opt = DDP(model), torch.optim.AdamW(model.parameters(), lr=1e-3)
     keys: list[str] = []
     peer_lost_at = None
@@ -78,7 +85,7 @@ def main() -> None:
             break
         time.sleep(cfg["step_s"])
     result = {"keys": keys, "state": participant.state, "peer_lost_at": peer_lost_at}
-    (run_dir / f"rank{rank}.json").write_text(json.dumps(result))
+    _publish(run_dir / f"rank{rank}.json", json.dumps(result))
     participant.close()
     if peer_lost_at is None:
         dist.destroy_process_group()
