@@ -313,7 +313,8 @@ class Float8BlockwiseTensor(_TwoCopyTensor):
 class SavedLayout:
     """The tensor-free half of a value flattened by ``to_saved``: which container to rebuild and
     the metadata its tensors do not carry. ``kind`` is ``"plain"`` (a tensor or None, saved as
-    is), ``"tensor"`` (``Float8Tensor``), ``"mxfp8"`` or ``"block"`` (``Float8BlockwiseTensor``).
+    is), ``"operand"`` (``GemmOperand``), ``"tensor"`` (``Float8Tensor``), ``"mxfp8"`` or
+    ``"block"`` (``Float8BlockwiseTensor``).
     """
 
     kind: str
@@ -321,15 +322,16 @@ class SavedLayout:
     dtype: torch.dtype | None = None
     fp8_dtype: torch.dtype | None = None
     block_dim: int = 0
+    scaling: str = ""
 
     @property
     def num_tensors(self) -> int:
         """How many entries (tensors or None) ``to_saved`` gave for this layout."""
-        return {"plain": 1, "tensor": 3}.get(self.kind, 4)
+        return {"plain": 1, "operand": 2, "tensor": 3}.get(self.kind, 4)
 
 
 def to_saved(
-    value: QuantizedTensor | Tensor | None,
+    value: QuantizedTensor | GemmOperand | Tensor | None,
 ) -> tuple[tuple[Tensor | None, ...], SavedLayout]:
     """Flatten ``value`` for ``ctx.save_for_backward``: its tensors (None where a copy is absent)
     and the layout ``from_saved`` rebuilds it from. A per-tensor transpose present now is kept (the
@@ -337,6 +339,9 @@ def to_saved(
     the rowwise copy on use), so what is saved never depends on what ran since the quantize."""
     if value is None or isinstance(value, Tensor):
         return (value,), SavedLayout("plain")
+    if isinstance(value, GemmOperand):
+        layout = SavedLayout("operand", fp8_dtype=value.fp8_dtype, scaling=value.scaling)
+        return (value.data, value.scale_inv), layout
     if isinstance(value, Float8Tensor):
         layout = SavedLayout("tensor", dtype=value.dtype)
         return (value._data, value._scale_inv, value._data_t), layout
@@ -352,7 +357,7 @@ def to_saved(
 
 def from_saved(
     tensors: tuple[Tensor | None, ...], layout: SavedLayout
-) -> QuantizedTensor | Tensor | None:
+) -> QuantizedTensor | GemmOperand | Tensor | None:
     """The value ``to_saved`` flattened into ``tensors`` and ``layout``."""
     if len(tensors) != layout.num_tensors:
         raise ValueError(
@@ -361,6 +366,9 @@ def from_saved(
         )
     if layout.kind == "plain":
         return tensors[0]
+    if layout.kind == "operand":
+        data, scale_inv = tensors
+        return GemmOperand(data, scale_inv, layout.scaling, layout.fp8_dtype)
     if layout.kind == "tensor":
         data, scale_inv, data_t = tensors
         return Float8Tensor(data, scale_inv, dtype=layout.dtype, data_t=data_t)

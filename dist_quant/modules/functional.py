@@ -118,8 +118,10 @@ class _QuantizedLinear(torch.autograd.Function):
         if fp8_output:
             y = fake_quantize(slots.output, y)
         ctx.slots, ctx.tp = slots, tp
-        x_saved, x_layout = to_saved(x_q if weight.requires_grad else None)
-        w_saved, w_layout = to_saved(weight_q)
+        # the backward reads x only as the wgrad operand x^T and W only for dgrad: x keeps its
+        # columnwise copy alone (its rowwise bytes are freed with the forward), W only if needed
+        x_saved, x_layout = to_saved(columnwise(x_q) if weight.requires_grad else None)
+        w_saved, w_layout = to_saved(weight_q if x.requires_grad else None)
         ctx.save_for_backward(*x_saved, *w_saved)
         ctx.layouts = (x_layout, w_layout)
         ctx.shapes = (x.shape, x.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -134,7 +136,7 @@ class _QuantizedLinear(torch.autograd.Function):
         tp: TPLayout | None = ctx.tp
         x_layout, w_layout = ctx.layouts
         saved = ctx.saved_tensors
-        x_q = from_saved(saved[: x_layout.num_tensors], x_layout)
+        x_t = from_saved(saved[: x_layout.num_tensors], x_layout)  # (in, tokens) operand
         weight_q = from_saved(saved[x_layout.num_tensors :], w_layout)
         x_shape, x_dtype, w_dtype, b_dtype = ctx.shapes
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
@@ -169,7 +171,7 @@ class _QuantizedLinear(torch.autograd.Function):
                 dx = fake_quantize(slots.grad_input, dx)
             dx = dx.reshape(x_shape)
         if need_dw:
-            dw = gemm(columnwise(dy_q), columnwise(x_q), out_dtype=w_dtype)
+            dw = gemm(columnwise(dy_q), x_t, out_dtype=w_dtype)
         if need_db and b_dtype is not None:
             # a row-parallel bias under SP sees only this rank's rows: a partial sum, completed by
             # allreduce_sequence_parallel_grads (the bias is marked sequence_parallel)

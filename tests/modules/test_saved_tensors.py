@@ -45,21 +45,31 @@ RECIPES = {
 }
 
 
-def _operand(recipe: str, rows: int, cols: int, *, weight: bool) -> list:
-    """The (shape, dtype) saves of one GEMM operand quantized with both usages (rows, cols)."""
-    if recipe == "identity":  # all high precision: torch's F.linear saves x and the view W^T
-        return [((cols, rows) if weight else (rows, cols), F32)]
-    if recipe == "identity_input":
-        return _operand("current", rows, cols, weight=True) if weight else [((rows, cols), F32)]
+def _input_saves(recipe: str, rows: int, cols: int) -> list:
+    """The (shape, dtype) saves of a GEMM input (rows, cols): the wgrad operand x^T alone."""
+    if recipe == "identity":  # all high precision: torch's F.linear saves x itself
+        return [((rows, cols), F32)]
+    if recipe == "identity_input":  # a dq GEMM with a high-precision input: the view x^T
+        return [((cols, rows), F32)]
+    if recipe in ("delayed", "current"):  # the transposed bytes and one fp32 scale inverse
+        return [((cols, rows), E4M3), ((1,), F32)]
+    if recipe == "mxfp8":  # one E8M0 byte per 32 elements along the copy's last dim
+        return [((cols, rows), E4M3), ((cols, math.ceil(rows / 32)), U8)]
+    # 1x128 tiles: one fp32 scale per 128 elements along the copy's last dim
+    return [((cols, rows), E4M3), ((cols, math.ceil(rows / 128)), F32)]
+
+
+def _weight_saves(recipe: str, rows: int, cols: int) -> list:
+    """The (shape, dtype) saves of a weight (rows, cols) quantized with both usages."""
+    if recipe == "identity":  # all high precision: torch's F.linear saves the view W^T
+        return [((cols, rows), F32)]
     data, data_t = ((rows, cols), E4M3), ((cols, rows), E4M3)
-    if recipe in ("delayed", "current"):  # one fp32 scale inverse, the transpose from the cast
+    if recipe in ("delayed", "current", "identity_input"):  # the transpose comes from the cast
         return [data, ((1,), F32), data_t]
-    if recipe == "mxfp8":  # one E8M0 byte per 32 elements, along each copy's last dim
+    if recipe == "mxfp8":
         return [data, ((rows, math.ceil(cols / 32)), U8), data_t, ((cols, math.ceil(rows / 32)), U8)]
-    if weight:  # 128x128 blocks: the rowwise copy and its tile grid; the transpose is rebuilt
-        return [data, ((math.ceil(rows / 128), math.ceil(cols / 128)), F32)]
-    # 1x128 tiles: each copy with one fp32 scale per 128 elements of its last dim
-    return [data, ((rows, math.ceil(cols / 128)), F32), data_t, ((cols, math.ceil(rows / 128)), F32)]
+    # 128x128 blocks: the rowwise copy and its tile grid; the transpose is rebuilt on use
+    return [data, ((math.ceil(rows / 128), math.ceil(cols / 128)), F32)]
 
 
 def _saved(fn) -> tuple[torch.Tensor, list]:
@@ -91,7 +101,7 @@ def test_linear_saves_its_quantized_input_and_weight(recipe):
     dq.apply_recipe(layer, RECIPES[recipe])
     with dq.autocast():
         _, seen = _saved(lambda: layer(_input()))
-    expected = _operand(recipe, M, H, weight=False) + _operand(recipe, FFN, H, weight=True)
+    expected = _input_saves(recipe, M, H) + _weight_saves(recipe, FFN, H)
     assert seen == _sorted(expected)
 
 
@@ -105,8 +115,8 @@ def test_layernorm_mlp_saves_fp8_gemm_inputs_and_high_precision_norm_and_activat
     # F.layer_norm: input, weight, bias, mean, rstd; tanh GELU: its fp32 input
     torch_saves = [((M, H), F32), ((H,), F32), ((H,), F32), ((M, 1), F32), ((M, 1), F32)]
     torch_saves.append(((M, FFN), F32))
-    gemms = _operand(recipe, M, H, weight=False) + _operand(recipe, FFN, H, weight=True)
-    gemms += _operand(recipe, M, FFN, weight=False) + _operand(recipe, H, FFN, weight=True)
+    gemms = _input_saves(recipe, M, H) + _weight_saves(recipe, FFN, H)
+    gemms += _input_saves(recipe, M, FFN) + _weight_saves(recipe, H, FFN)
     assert seen == _sorted(torch_saves + gemms)
 
 
@@ -161,3 +171,17 @@ def test_backward_reads_the_saved_operands_through_the_unpack_hook(recipe):
 
     for got, want in zip(grads(True), grads(False), strict=True):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "mxfp8", "block"])
+def test_linear_keeps_only_the_operands_its_gradients_need(recipe):
+    torch.manual_seed(1)
+    layer = dq.Linear(H, FFN, bias=False, device=DEVICE)
+    dq.apply_recipe(layer, RECIPES[recipe])
+    with dq.autocast():
+        layer.weight.requires_grad_(False)  # no wgrad: the input is not kept
+        _, frozen = _saved(lambda: layer(_input()))
+        layer.weight.requires_grad_(True)
+        _, no_dx = _saved(lambda: layer(_input().detach()))  # no dgrad: the weight is not kept
+    assert frozen == _sorted(_weight_saves(recipe, FFN, H))
+    assert no_dx == _sorted(_input_saves(recipe, M, H))
