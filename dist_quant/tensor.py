@@ -12,6 +12,11 @@ cached unless the quantizer already produced it. MXFP8 and 1x128 blocks have sca
 direction only, so their columnwise copy is quantized from the original high-precision tensor at
 quantize time. A 128x128 block grid is symmetric: its transpose is an exact transpose of the bytes
 and of the scale grid.
+
+``to_saved`` / ``from_saved`` flatten a container into its tensors plus a tensor-free
+``SavedLayout`` and rebuild it: autograd Functions save containers through
+``ctx.save_for_backward`` this way, so saved-tensor hooks (non-reentrant checkpointing, offload)
+see every byte.
 """
 
 from __future__ import annotations

@@ -67,7 +67,12 @@ def _weight_saves(recipe: str, rows: int, cols: int) -> list:
     if recipe in ("delayed", "current", "identity_input"):  # the transpose comes from the cast
         return [data, ((1,), F32), data_t]
     if recipe == "mxfp8":
-        return [data, ((rows, math.ceil(cols / 32)), U8), data_t, ((cols, math.ceil(rows / 32)), U8)]
+        return [
+            data,
+            ((rows, math.ceil(cols / 32)), U8),
+            data_t,
+            ((cols, math.ceil(rows / 32)), U8),
+        ]
     # 128x128 blocks: the rowwise copy and its tile grid; the transpose is rebuilt on use
     return [data, ((math.ceil(rows / 128), math.ceil(cols / 128)), F32)]
 
