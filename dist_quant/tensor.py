@@ -12,6 +12,11 @@ cached unless the quantizer already produced it. MXFP8 and 1x128 blocks have sca
 direction only, so their columnwise copy is quantized from the original high-precision tensor at
 quantize time. A 128x128 block grid is symmetric: its transpose is an exact transpose of the bytes
 and of the scale grid.
+
+``to_saved`` / ``from_saved`` flatten a container into its tensors plus a tensor-free
+``SavedLayout`` and rebuild it: autograd Functions save containers through
+``ctx.save_for_backward`` this way, so saved-tensor hooks (non-reentrant checkpointing, offload)
+see every byte.
 """
 
 from __future__ import annotations
@@ -307,3 +312,77 @@ class Float8BlockwiseTensor(_TwoCopyTensor):
         data_t, scale_t = self._columnwise  # only 1x128 tensors can lack the rowwise copy
         out = fp8_kernels.block_dequantize(data_t, scale_t, block_dim=1, dtype=dtype)
         return out.t().reshape(self.shape)
+
+
+@dataclass(frozen=True)
+class SavedLayout:
+    """The tensor-free half of a value flattened by ``to_saved``: which container to rebuild and
+    the metadata its tensors do not carry. ``kind`` is ``"plain"`` (a tensor or None, saved as
+    is), ``"operand"`` (``GemmOperand``), ``"tensor"`` (``Float8Tensor``), ``"mxfp8"`` or
+    ``"block"`` (``Float8BlockwiseTensor``).
+    """
+
+    kind: str
+    shape: torch.Size | None = None
+    dtype: torch.dtype | None = None
+    fp8_dtype: torch.dtype | None = None
+    block_dim: int = 0
+    scaling: str = ""
+
+    @property
+    def num_tensors(self) -> int:
+        """How many entries (tensors or None) ``to_saved`` gave for this layout."""
+        return {"plain": 1, "operand": 2, "tensor": 3}.get(self.kind, 4)
+
+
+def to_saved(
+    value: QuantizedTensor | GemmOperand | Tensor | None,
+) -> tuple[tuple[Tensor | None, ...], SavedLayout]:
+    """Flatten ``value`` for ``ctx.save_for_backward``: its tensors (None where a copy is absent)
+    and the layout ``from_saved`` rebuilds it from. A per-tensor transpose present now is kept (the
+    quantizer fused it into the cast); a 128x128 grid's cached transpose is not (it is rebuilt from
+    the rowwise copy on use), so what is saved never depends on what ran since the quantize."""
+    if value is None or isinstance(value, Tensor):
+        return (value,), SavedLayout("plain")
+    if isinstance(value, GemmOperand):
+        layout = SavedLayout("operand", fp8_dtype=value.fp8_dtype, scaling=value.scaling)
+        return (value.data, value.scale_inv), layout
+    if isinstance(value, Float8Tensor):
+        layout = SavedLayout("tensor", dtype=value.dtype)
+        return (value._data, value._scale_inv, value._data_t), layout
+    if isinstance(value, (MXFP8Tensor, Float8BlockwiseTensor)):
+        is_mx = isinstance(value, MXFP8Tensor)
+        kind, block_dim = ("mxfp8", 0) if is_mx else ("block", value.block_dim)
+        rowwise = value._rowwise or (None, None)
+        columnwise = (value._columnwise if block_dim != 2 else None) or (None, None)
+        layout = SavedLayout(kind, value.shape, value.dtype, value.fp8_dtype, block_dim)
+        return (*rowwise, *columnwise), layout
+    raise TypeError(f"to_saved: cannot flatten a {type(value).__name__} for save_for_backward")
+
+
+def from_saved(
+    tensors: tuple[Tensor | None, ...], layout: SavedLayout
+) -> QuantizedTensor | GemmOperand | Tensor | None:
+    """The value ``to_saved`` flattened into ``tensors`` and ``layout``."""
+    if len(tensors) != layout.num_tensors:
+        raise ValueError(
+            f"from_saved: a {layout.kind!r} layout takes {layout.num_tensors} tensors, "
+            f"got {len(tensors)}"
+        )
+    if layout.kind == "plain":
+        return tensors[0]
+    if layout.kind == "operand":
+        data, scale_inv = tensors
+        return GemmOperand(data, scale_inv, layout.scaling, layout.fp8_dtype)
+    if layout.kind == "tensor":
+        data, scale_inv, data_t = tensors
+        return Float8Tensor(data, scale_inv, dtype=layout.dtype, data_t=data_t)
+    row_data, row_scale, col_data, col_scale = tensors
+    rowwise = None if row_data is None else (row_data, row_scale)
+    columnwise = None if col_data is None else (col_data, col_scale)
+    common = dict(shape=layout.shape, dtype=layout.dtype, fp8_dtype=layout.fp8_dtype)
+    if layout.kind == "mxfp8":
+        return MXFP8Tensor(**common, rowwise=rowwise, columnwise=columnwise)
+    return Float8BlockwiseTensor(
+        **common, block_dim=layout.block_dim, rowwise=rowwise, columnwise=columnwise
+    )

@@ -5,7 +5,8 @@
     wgrad: dW = dy^T @ x      dy^T (N, M) = dy columnwise, x^T (K, M) = x columnwise
 
 Each operand is quantized once by its slot's quantizer; the saved activations are the quantized
-ones. Identity quantizers leave an operand in high precision.
+ones, flattened into tensors for `ctx.save_for_backward` (so saved-tensor hooks, hence non-reentrant
+checkpointing and CPU offload, see them). Identity quantizers leave an operand in high precision.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from dist_quant.parallel import (
     reduce_scatter_to_sequence_parallel_region,
 )
 from dist_quant.quantizers import IdentityQuantizer, Quantizer
-from dist_quant.tensor import QuantizedTensor
+from dist_quant.tensor import QuantizedTensor, from_saved, to_saved
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,12 @@ class _QuantizedLinear(torch.autograd.Function):
         if fp8_output:
             y = fake_quantize(slots.output, y)
         ctx.slots, ctx.tp = slots, tp
-        ctx.saved = (x_q if weight.requires_grad else None, weight_q)
+        # the backward reads x only as the wgrad operand x^T and W only for dgrad: x keeps its
+        # columnwise copy alone (its rowwise bytes are freed with the forward), W only if needed
+        x_saved, x_layout = to_saved(columnwise(x_q) if weight.requires_grad else None)
+        w_saved, w_layout = to_saved(weight_q if x.requires_grad else None)
+        ctx.save_for_backward(*x_saved, *w_saved)
+        ctx.layouts = (x_layout, w_layout)
         ctx.shapes = (x.shape, x.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.fp8_grad_input = fp8_grad_input
         if tp is not None and tp.sequence_parallel:
@@ -128,7 +134,10 @@ class _QuantizedLinear(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor) -> tuple:
         slots: LinearSlots = ctx.slots
         tp: TPLayout | None = ctx.tp
-        x_q, weight_q = ctx.saved
+        x_layout, w_layout = ctx.layouts
+        saved = ctx.saved_tensors
+        x_t = from_saved(saved[: x_layout.num_tensors], x_layout)  # (in, tokens) operand
+        weight_q = from_saved(saved[x_layout.num_tensors :], w_layout)
         x_shape, x_dtype, w_dtype, b_dtype = ctx.shapes
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         dy2d = dy.reshape(-1, dy.shape[-1]).contiguous()  # (tokens, out_features)
@@ -162,12 +171,11 @@ class _QuantizedLinear(torch.autograd.Function):
                 dx = fake_quantize(slots.grad_input, dx)
             dx = dx.reshape(x_shape)
         if need_dw:
-            dw = gemm(columnwise(dy_q), columnwise(x_q), out_dtype=w_dtype)
+            dw = gemm(columnwise(dy_q), x_t, out_dtype=w_dtype)
         if need_db and b_dtype is not None:
             # a row-parallel bias under SP sees only this rank's rows: a partial sum, completed by
             # allreduce_sequence_parallel_grads (the bias is marked sequence_parallel)
             db = dy2d.float().sum(0).to(b_dtype)
-        ctx.saved = None
         return dx, dw, db, None, None, None, None, None
 
 
