@@ -1,0 +1,159 @@
+"""FP8 weight all-gather for FSDP2 (`dist_quant.fsdp`), gloo, 2 ranks.
+
+With FP8 all-gather every rank casts its weight shard to FP8 with the scale of the full weight, so
+the gathered bytes are the bytes of casting the full weight, and the forward uses them as its
+quantized weight: outputs, gradients (reduce-scattered in high precision) and the whole state dict
+(weights, delayed-scaling scales and history) equal FSDP2 without FP8 all-gather, and DDP, bit for
+bit, over several steps.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from fsdp_check import RECIPES, Stack, assert_equal_runs, batch, local, train_dp
+from harness import run_ranks
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+
+import dist_quant as dq
+from dist_quant.fsdp import (
+    FP8AllGatherWeight,
+    enable_fp8_all_gather,
+    precompute_fp8_weight_scales,
+)
+
+pytestmark = pytest.mark.distributed
+
+STEPS = range(3)
+
+
+def _sharded(fp8_all_gather: bool) -> Stack:
+    model = Stack()
+    if fp8_all_gather:
+        assert enable_fp8_all_gather(model) == 2 * 4  # per layer: qkv, proj, fc1, fc2
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def _equal_to_hp_gather(rank: int, world: int, runs: list[tuple[str, bool]]) -> int:
+    for recipe, precompute in runs:
+        fp8 = _sharded(True)
+        after = precompute_fp8_weight_scales if precompute else None
+        got = train_dp(fp8, list(fp8.named_parameters()), recipe, rank, world, STEPS, after)
+        hp = _sharded(False)
+        want = train_dp(hp, list(hp.named_parameters()), recipe, rank, world, STEPS)
+        assert_equal_runs(got, want, f"FP8 vs high-precision all-gather, {recipe}, rank {rank}")
+        ddp = nn.parallel.DistributedDataParallel(Stack())
+        plain = train_dp(ddp, list(ddp.module.named_parameters()), recipe, rank, world, STEPS)
+        assert_equal_runs(got, plain, f"FP8 all-gather vs DDP, {recipe}, rank {rank}")
+    return len(runs)
+
+
+def test_fp8_all_gather_equals_high_precision_all_gather_and_ddp_bit_for_bit():
+    runs = [("delayed", False), ("current", True), ("current", False), ("custom", True)]
+    assert run_ranks(_equal_to_hp_gather, 2, runs, timeout_s=300.0) == [len(runs)] * 2
+
+
+def _switch_follows(rank: int, world: int) -> int:
+    """delayed -> current between steps: the all-gather follows the module's new recipe."""
+    runs = []
+    for fp8_all_gather in (True, False):
+        model = _sharded(fp8_all_gather)
+        params = list(model.named_parameters())
+        out = train_dp(model, params, "delayed", rank, world, range(2))
+        after = precompute_fp8_weight_scales if fp8_all_gather else None
+        runs.append(out + train_dp(model, params, "current", rank, world, range(2, 4), after))
+    assert_equal_runs(runs[0], runs[1], f"delayed -> current switch, rank {rank}")
+    return 1
+
+
+def test_fp8_all_gather_follows_a_switch_between_per_tensor_recipes():
+    assert run_ranks(_switch_follows, 2, timeout_s=240.0) == [1, 1]
+
+
+def _wrapped(model: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    return [
+        (m, n, p)
+        for m in model.modules()
+        for n, p in m.named_parameters(recurse=False)
+        if isinstance(p.to_local(), FP8AllGatherWeight)
+    ]
+
+
+class _CountGathers:
+    """Bytes of the output of every all-gather FSDP2 starts (the outermost call only)."""
+
+    def __init__(self) -> None:
+        self.nbytes: list[int] = []
+        self._depth = 0
+
+    def __enter__(self):
+        self._saved = {}
+        for name in ("all_gather_single", "all_gather_into_tensor"):
+            if hasattr(dist, name):
+                self._saved[name] = fn = getattr(dist, name)
+                setattr(dist, name, self._wrap(fn))
+        return self
+
+    def _wrap(self, fn):
+        def counted(output, *args, **kwargs):
+            if self._depth == 0:
+                self.nbytes.append(output.numel() * output.element_size())
+            self._depth += 1
+            try:
+                return fn(output, *args, **kwargs)
+            finally:
+                self._depth -= 1
+
+        return counted
+
+    def __exit__(self, *exc):
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+
+
+def _gathered_bytes(rank: int, world: int, recipe: str) -> int:
+    moved = {}
+    for fp8_all_gather in (False, True):
+        model = _sharded(fp8_all_gather)
+        dq.apply_recipe(model, RECIPES[recipe]())
+        wrapped = {id(p) for _, _, p in _wrapped(model)}
+        expected = [
+            sum(p.numel() * (1 if id(p) in wrapped else p.element_size()) for p in layer.parameters())
+            for layer in model.layers
+        ]
+        full_weights = {(id(m), n): p.full_tensor() for m, n, p in _wrapped(model)}
+        seen = {}
+        for m, n, _ in _wrapped(model):
+            def capture(module, args, n=n):
+                fp8 = getattr(module, n).float8_tensor()
+                seen[(id(module), n)] = (fp8.data.view(torch.uint8).clone(), fp8.scale_inv)
+
+            m.register_forward_pre_hook(capture)
+        x = local(batch(0, world)[0], rank)
+        with _CountGathers() as count, dq.autocast(amax_reduction_group=dist.group.WORLD):
+            model(x)
+        assert count.nbytes == expected, f"{recipe} fp8={fp8_all_gather}: {count.nbytes}"
+        moved[fp8_all_gather] = sum(count.nbytes)
+        assert seen.keys() == full_weights.keys()
+        for key, (got, scale_inv) in seen.items():
+            w = full_weights[key].float()
+            if recipe == "delayed":  # the first step casts with the initial scale 1
+                scale = torch.tensor(1.0)
+            else:
+                scale = torch.tensor(448.0) / w.abs().max()
+            assert torch.equal(scale_inv, torch.ones(1) / scale)
+            want = (w * scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
+            assert torch.equal(got, want), f"{recipe}: gathered bytes of {key} differ"
+    weights = sum(p.numel() for _, _, p in _wrapped(model))
+    assert moved[False] - moved[True] == 3 * weights  # 4 bytes -> 1 byte per weight element
+    return len(seen)
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_all_gather_moves_one_byte_per_weight_element_equal_to_casting_the_full_weight(recipe):
+    assert run_ranks(_gathered_bytes, 2, recipe, timeout_s=120.0) == [8, 8]
