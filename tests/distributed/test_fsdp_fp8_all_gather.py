@@ -29,8 +29,9 @@ pytestmark = pytest.mark.distributed
 STEPS = range(3)
 
 
-def _sharded(fp8_all_gather: bool) -> Stack:
+def _sharded(fp8_all_gather: bool, checkpointed: bool = False) -> Stack:
     model = Stack()
+    model.checkpointed = checkpointed
     if fp8_all_gather:
         assert enable_fp8_all_gather(model) == 2 * 4  # per layer: qkv, proj, fc1, fc2
     for layer in model.layers:
@@ -39,12 +40,12 @@ def _sharded(fp8_all_gather: bool) -> Stack:
     return model
 
 
-def _equal_to_hp_gather(rank: int, world: int, runs: list[tuple[str, bool]]) -> int:
-    for recipe, precompute in runs:
-        fp8 = _sharded(True)
+def _equal_to_hp_gather(rank: int, world: int, runs: list[tuple[str, bool, bool]]) -> int:
+    for recipe, precompute, checkpointed in runs:
+        fp8 = _sharded(True, checkpointed)
         after = precompute_fp8_weight_scales if precompute else None
         got = train_dp(fp8, list(fp8.named_parameters()), recipe, rank, world, STEPS, after)
-        hp = _sharded(False)
+        hp = _sharded(False, checkpointed)
         want = train_dp(hp, list(hp.named_parameters()), recipe, rank, world, STEPS)
         assert_equal_runs(got, want, f"FP8 vs high-precision all-gather, {recipe}, rank {rank}")
         ddp = nn.parallel.DistributedDataParallel(Stack())
@@ -54,7 +55,19 @@ def _equal_to_hp_gather(rank: int, world: int, runs: list[tuple[str, bool]]) -> 
 
 
 def test_fp8_all_gather_equals_high_precision_all_gather_and_ddp_bit_for_bit():
-    runs = [("delayed", False), ("current", True), ("current", False), ("custom", True)]
+    runs = [
+        ("delayed", False, False),
+        ("current", True, False),
+        ("current", False, False),
+        ("custom", True, False),
+    ]
+    assert run_ranks(_equal_to_hp_gather, 2, runs, timeout_s=300.0) == [len(runs)] * 2
+
+
+def test_fp8_all_gather_under_activation_checkpoint_equals_high_precision_all_gather():
+    """The recompute in the backward uses the re-gathered bytes of the forward's scale and adds
+    no amax to the history."""
+    runs = [("delayed", False, True), ("current", True, True)]
     assert run_ranks(_equal_to_hp_gather, 2, runs, timeout_s=300.0) == [len(runs)] * 2
 
 
@@ -157,3 +170,74 @@ def _gathered_bytes(rank: int, world: int, recipe: str) -> int:
 @pytest.mark.parametrize("recipe", ["delayed", "current"])
 def test_all_gather_moves_one_byte_per_weight_element_equal_to_casting_the_full_weight(recipe):
     assert run_ranks(_gathered_bytes, 2, recipe, timeout_s=120.0) == [8, 8]
+
+
+class _CountAllReduces:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __enter__(self):
+        self._saved = dist.all_reduce
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return self._saved(*args, **kwargs)
+
+        dist.all_reduce = counted
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_reduce = self._saved
+
+
+def _precompute_batches(rank: int, world: int) -> tuple[int, int, int]:
+    model = _sharded(True)
+    dq.apply_recipe(model, RECIPES["current"]())
+    x = local(batch(0, world)[0], rank)
+    with _CountAllReduces() as unbatched, dq.autocast():
+        model(x)
+    with _CountAllReduces() as precompute:
+        assert precompute_fp8_weight_scales(model) == 8
+    with _CountAllReduces() as batched, dq.autocast():
+        model(x)
+    return unbatched.calls, precompute.calls, batched.calls
+
+
+def test_precomputed_scales_take_one_all_reduce_for_every_weight():
+    """Without precompute each weight's all-gather reduces its own amax; with it the scales of all
+    eight weights come from one all-reduce and the forward reduces none."""
+    assert run_ranks(_precompute_batches, 2, timeout_s=120.0) == [(8, 1, 0)] * 2
+
+
+def _refusals(rank: int, world: int) -> list[str]:
+    messages = []
+    x = local(batch(0, world)[0], rank)
+    for recipe in ("mxfp8", "block", "identity"):
+        model = _sharded(True)
+        dq.apply_recipe(model, RECIPES[recipe]())
+        with pytest.raises(RuntimeError, match="per-tensor") as err, dq.autocast():
+            model(x)
+        messages.append(str(err.value))
+    # a switch away from per-tensor scaling after FP8-gathered steps
+    model = _sharded(True)
+    train_dp(model, list(model.named_parameters()), "delayed", rank, world, range(1))
+    dq.apply_recipe(model, RECIPES["mxfp8"]())
+    with pytest.raises(RuntimeError, match="MXFP8BlockScaling") as err, dq.autocast():
+        model(x)
+    messages.append(str(err.value))
+    model = _sharded(True)
+    dq.apply_recipe(model, RECIPES["delayed"]())
+    with pytest.raises(RuntimeError, match="amax_reduction_group"), dq.autocast():
+        model(x)  # each rank's history would hold its shard's amax only
+    with pytest.raises(RuntimeError, match="autocast"):
+        _sharded(True)(x)
+    with pytest.raises(ValueError, match="tensor-parallel"):
+        enable_fp8_all_gather(Stack(dist.group.WORLD))
+    return messages
+
+
+def test_fp8_all_gather_refuses_recipes_and_settings_it_cannot_make_exact():
+    for messages in run_ranks(_refusals, 2, timeout_s=120.0):
+        assert all("layers.0" in m for m in messages), messages
+        assert "MXFP8BlockScaling" in messages[0] and "Float8BlockScaling" in messages[1]
+        assert "CustomRecipe" in messages[2] and "MXFP8BlockScaling" in messages[3]
