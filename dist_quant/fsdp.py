@@ -67,7 +67,8 @@ class _WeightInfo:
         self.owner, self.slot, self.name = owner, slot, name
         self.precomputed: tuple | None = None  # (scale, scale_inv, quantizer, version, dtype)
         self.last_cast: tuple | None = None  # the forward's (scale, scale_inv, quantizer)
-        self.gather_dtype: torch.dtype | None = None  # the shard's dtype as gathered (mixed precision)
+        # the shard's dtype as gathered (FSDP2 mixed precision casts it first)
+        self.gather_dtype: torch.dtype | None = None
 
 
 class FP8AllGatherWeight(Tensor):

@@ -78,8 +78,8 @@ def _group_covers(reduction_group: Any, shard_group: Any) -> bool:
     key = (id(reduction_group), id(shard_group))
     if key not in _covers:
         shard = set(dist.get_process_group_ranks(shard_group))
-        reduced = set() if reduction_group is None else set(
-            dist.get_process_group_ranks(reduction_group)
+        reduced = (
+            set() if reduction_group is None else set(dist.get_process_group_ranks(reduction_group))
         )
         _covers[key] = len(shard) == 1 or shard <= reduced
     return _covers[key]

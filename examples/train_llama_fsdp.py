@@ -22,12 +22,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from dist_quant.coordinator import SwitchBusyError, attach, request_switch
-from dist_quant.fsdp import enable_fp8_all_gather, precompute_fp8_weight_scales
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dist_quant as dq
+from dist_quant.fsdp import enable_fp8_all_gather, precompute_fp8_weight_scales
 
 
 class Llama(nn.Module):

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from fsdp_check import RECIPES, Stack, assert_equal_runs, batch, local, train_dp
 from harness import run_ranks
 from torch import nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import dist_quant as dq
 from dist_quant.fsdp import (
@@ -29,15 +29,35 @@ pytestmark = pytest.mark.distributed
 STEPS = range(3)
 
 
-def _sharded(fp8_all_gather: bool, checkpointed: bool = False) -> Stack:
+def _sharded(fp8_all_gather: bool, checkpointed: bool = False, bf16: bool = False) -> Stack:
     model = Stack()
     model.checkpointed = checkpointed
     if fp8_all_gather:
         assert enable_fp8_all_gather(model) == 2 * 4  # per layer: qkv, proj, fc1, fc2
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else MixedPrecisionPolicy()
     for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
     return model
+
+
+def _bf16_params(rank: int, world: int, recipes: list[str]) -> int:
+    for recipe in recipes:
+        runs = []
+        for fp8_all_gather in (True, False):
+            model = _sharded(fp8_all_gather, bf16=True)
+            after = precompute_fp8_weight_scales if fp8_all_gather else None
+            runs.append(
+                train_dp(model, list(model.named_parameters()), recipe, rank, world, STEPS, after)
+            )
+        assert_equal_runs(runs[0], runs[1], f"BF16 parameters, {recipe}, rank {rank}")
+    return len(recipes)
+
+
+def test_fp8_all_gather_with_bf16_parameters_casts_the_bf16_shard():
+    """Under FSDP2 mixed precision the high-precision path gathers BF16 weights and casts those;
+    the FP8 path casts the BF16 shard, the same bytes."""
+    assert run_ranks(_bf16_params, 2, ["delayed", "current"], timeout_s=240.0) == [2, 2]
 
 
 def _equal_to_hp_gather(rank: int, world: int, runs: list[tuple[str, bool, bool]]) -> int:
@@ -136,13 +156,17 @@ def _gathered_bytes(rank: int, world: int, recipe: str) -> int:
         dq.apply_recipe(model, RECIPES[recipe]())
         wrapped = {id(p) for _, _, p in _wrapped(model)}
         expected = [
-            sum(p.numel() * (1 if id(p) in wrapped else p.element_size()) for p in layer.parameters())
+            sum(
+                p.numel() * (1 if id(p) in wrapped else p.element_size())
+                for p in layer.parameters()
+            )
             for layer in model.layers
         ]
         full_weights = {(id(m), n): p.full_tensor() for m, n, p in _wrapped(model)}
         seen = {}
         for m, n, _ in _wrapped(model):
-            def capture(module, args, n=n):
+
+            def capture(module, args, n=n, seen=seen):
                 fp8 = getattr(module, n).float8_tensor()
                 seen[(id(module), n)] = (fp8.data.view(torch.uint8).clone(), fp8.scale_inv)
 
