@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from fsdp_check import RECIPES, Stack, assert_equal_runs, batch, local, train_dp
-from harness import run_ranks
+from harness import rank_device, run_ranks
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -265,3 +265,42 @@ def test_fp8_all_gather_refuses_recipes_and_settings_it_cannot_make_exact():
         assert all("layers.0" in m for m in messages), messages
         assert "MXFP8BlockScaling" in messages[0] and "Float8BlockScaling" in messages[1]
         assert "CustomRecipe" in messages[2] and "MXFP8BlockScaling" in messages[3]
+
+
+def _cuda_equal(rank: int, world: int, recipes: list[str]) -> int:
+    """One CUDA rank (NCCL): the Triton cast of the shard against the high-precision path."""
+    device = rank_device()
+    for recipe in recipes:
+        runs = []
+        for fp8_all_gather in (True, False):
+            model = Stack().to(device)
+            if fp8_all_gather:
+                enable_fp8_all_gather(model)
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+            for layer in model.layers:
+                fully_shard(layer, mp_policy=policy)
+            fully_shard(model, mp_policy=policy)
+            dq.apply_recipe(model, RECIPES[recipe]())
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            out = []
+            for step in STEPS:
+                x, dy = (t.to(device) for t in batch(step, 1))
+                with dq.autocast(amax_reduction_group=dist.group.WORLD):
+                    y = model(x)
+                y.backward(dy.to(y.dtype))
+                grads = [p.grad.full_tensor().clone() for p in model.parameters()]
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                if fp8_all_gather:
+                    precompute_fp8_weight_scales(model)
+                out.append((y.detach(), grads))
+            runs.append(out)
+        for step, (a, b) in enumerate(zip(*runs)):
+            assert torch.equal(a[0], b[0]), f"{recipe} step {step}: y differs"
+            assert all(torch.equal(u, v) for u, v in zip(a[1], b[1])), f"{recipe} {step}: grads"
+    return len(recipes)
+
+
+@pytest.mark.gpu
+def test_fp8_all_gather_on_cuda_equals_the_high_precision_path():
+    assert run_ranks(_cuda_equal, 1, ["delayed", "current"], timeout_s=240.0) == [2]
