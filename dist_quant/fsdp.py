@@ -1,6 +1,8 @@
 """FP8 weight all-gather for FSDP2 (`fully_shard`), through its tensor-subclass extension.
 
-`enable_fp8_all_gather(model)`, called before `fully_shard`, wraps the GEMM weights of the dq
+`fully_shard_model(model, blocks)` shards every block and then the model, with FP8 all-gather on by
+default when the model's recipe scales every GEMM weight per tensor. `enable_fp8_all_gather(model)`,
+called before `fully_shard`, is the switch itself: it wraps the GEMM weights of the dq
 Linear-family modules in `FP8AllGatherWeight`. Before each all-gather FSDP2 asks the wrapper for
 what to send (`fsdp_pre_all_gather`): this rank's shard cast to FP8 with the scale the weight slot
 of the module's current recipe would use for the full weight, as uint8 (gloo cannot move float8;
@@ -27,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
+from torch.distributed.fsdp import fully_shard
 
 from dist_quant import kernels as fp8_kernels
 from dist_quant.amax import allreduce_current_amax
@@ -272,3 +275,47 @@ def precompute_fp8_weight_scales(model: nn.Module) -> int:
             scale, scale_inv = _scale_of(amaxes[i : i + 1], q)
             w._info.precomputed = (scale, scale_inv, q, w._hp._version, dtype)
     return sum(len(w) for w in by_group.values())
+
+
+def _per_tensor_weights(model: nn.Module) -> bool:
+    """Whether every GEMM weight slot of `model` runs per-tensor scaling under its applied recipe
+    (a module without one, or a tensor-parallel one, says no)."""
+    found = False
+    for module in model.modules():
+        slots = _WEIGHT_SLOTS.get(type(module))
+        if slots is None:
+            continue
+        runtime = module._dq_runtime
+        if runtime is None or getattr(module, "tp_size", 1) > 1:
+            return False
+        for slot in slots.values():
+            q = runtime.fwd_quantizers[slot]
+            per_tensor = isinstance(q, Float8Quantizer) or (
+                isinstance(q, Float8CurrentScalingQuantizer) and q.amax_reduction_group is None
+            )
+            if not per_tensor:
+                return False
+            found = True
+    return found
+
+
+def fully_shard_model(
+    model: nn.Module,
+    blocks: Any,
+    *,
+    fp8_all_gather: bool | None = None,
+    **fully_shard_kwargs: Any,
+) -> bool:
+    """`fully_shard` each of `blocks` and then `model` (keyword arguments go to every call).
+    `fp8_all_gather=None` turns FP8 weight all-gather on when every GEMM weight of `model` runs
+    delayed or current scaling under the recipe applied to it (`dq.apply_recipe` first); True
+    forces it (raising where it cannot be exact), False keeps the high-precision all-gather.
+    Returns whether it is on."""
+    if fp8_all_gather is None:
+        fp8_all_gather = _per_tensor_weights(model)
+    if fp8_all_gather:
+        enable_fp8_all_gather(model)
+    for block in blocks:
+        fully_shard(block, **fully_shard_kwargs)
+    fully_shard(model, **fully_shard_kwargs)
+    return fp8_all_gather

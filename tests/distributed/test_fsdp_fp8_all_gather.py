@@ -21,6 +21,7 @@ import dist_quant as dq
 from dist_quant.fsdp import (
     FP8AllGatherWeight,
     enable_fp8_all_gather,
+    fully_shard_model,
     precompute_fp8_weight_scales,
 )
 
@@ -265,6 +266,23 @@ def test_fp8_all_gather_refuses_recipes_and_settings_it_cannot_make_exact():
         assert all("layers.0" in m for m in messages), messages
         assert "MXFP8BlockScaling" in messages[0] and "Float8BlockScaling" in messages[1]
         assert "CustomRecipe" in messages[2] and "MXFP8BlockScaling" in messages[3]
+
+
+def _default_on(rank: int, world: int) -> dict[str, bool]:
+    chosen = {}
+    for recipe in ("delayed", "current", "custom", "mxfp8", "identity"):
+        model = Stack()
+        dq.apply_recipe(model, RECIPES[recipe]())
+        chosen[recipe] = fully_shard_model(model, model.layers)
+        assert bool(_wrapped(model)) == chosen[recipe]
+        after = precompute_fp8_weight_scales if chosen[recipe] else None
+        train_dp(model, list(model.named_parameters()), None, rank, world, range(1), after)
+    return chosen
+
+
+def test_fully_shard_model_turns_fp8_all_gather_on_for_per_tensor_recipes_only():
+    on = {"delayed": True, "current": True, "custom": True, "mxfp8": False, "identity": False}
+    assert run_ranks(_default_on, 2, timeout_s=120.0) == [on, on]
 
 
 def _cuda_equal(rank: int, world: int, recipes: list[str]) -> int:
