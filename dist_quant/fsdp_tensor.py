@@ -70,19 +70,14 @@ class GatheredFloat8Weight(Tensor):
         )
 
 
-_covers: dict[tuple[int, int], bool] = {}
-
-
 def _group_covers(reduction_group: Any, shard_group: Any) -> bool:
     """Whether the amax reduction group holds every rank of the FSDP shard group."""
-    key = (id(reduction_group), id(shard_group))
-    if key not in _covers:
-        shard = set(dist.get_process_group_ranks(shard_group))
-        reduced = (
-            set() if reduction_group is None else set(dist.get_process_group_ranks(reduction_group))
-        )
-        _covers[key] = len(shard) == 1 or shard <= reduced
-    return _covers[key]
+    shard = set(dist.get_process_group_ranks(shard_group))
+    if len(shard) == 1:
+        return True
+    return reduction_group is not None and shard <= set(
+        dist.get_process_group_ranks(reduction_group)
+    )
 
 
 def gathered_weight_operand(
