@@ -110,6 +110,11 @@ class FP8AllGatherWeight(Tensor):
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # saved (torch.save, DCP) as the plain high-precision tensor: a checkpoint holds weights,
+        # not this wrapper, and loads into a model with or without FP8 all-gather
+        return self._hp.__reduce_ex__(protocol)
+
     def __repr__(self) -> str:
         return f"FP8AllGatherWeight({self._info.name}, {self._hp!r})"
 

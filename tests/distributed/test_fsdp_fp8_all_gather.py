@@ -322,3 +322,21 @@ def _cuda_equal(rank: int, world: int, recipes: list[str]) -> int:
 @pytest.mark.gpu
 def test_fp8_all_gather_on_cuda_equals_the_high_precision_path():
     assert run_ranks(_cuda_equal, 1, ["delayed", "current"], timeout_s=240.0) == [2]
+
+
+def _dcp_resume(rank: int, world: int, path: str) -> int:
+    model = _sharded(True)
+    after = precompute_fp8_weight_scales
+    train_dp(model, list(model.named_parameters()), "delayed", rank, world, range(2), after)
+    dq.checkpoint.dcp_save(model, path)
+    want = train_dp(model, list(model.named_parameters()), None, rank, world, range(2, 4), after)
+    resumed = _sharded(True)
+    dq.apply_recipe(resumed, RECIPES["delayed"]())  # plans the roles the checkpoint holds
+    dq.checkpoint.dcp_load(resumed, path)
+    got = train_dp(resumed, list(resumed.named_parameters()), None, rank, world, range(2, 4), after)
+    assert_equal_runs(got, want, f"resumed FSDP2 with FP8 all-gather, rank {rank}")
+    return 1
+
+
+def test_fp8_all_gather_model_resumes_from_a_dcp_checkpoint_bit_for_bit(tmp_path):
+    assert run_ranks(_dcp_resume, 2, str(tmp_path / "ckpt"), timeout_s=240.0) == [1, 1]
