@@ -8,7 +8,8 @@ Layout: `nproc < 4` shards every block over all ranks (FSDP2, 1D); `nproc >= 4` 
 DeviceMesh with tp=2, splits each block's heads and FFN over the TP pair (`tp_group=`) and shards
 over dp. Each block is checkpointed with `dq.activation_checkpoint`, whose recompute quantizes as
 the forward did. `--switch-at STEP --switch-to RECIPE` makes rank 0 request a switch itself, as
-`dist-quant switch RECIPE --at-step STEP` would.
+`dist-quant switch RECIPE --at-step STEP` would. `--fp8-all-gather` (1D, per-tensor recipes: delayed
+or current scaling, switches between those) makes FSDP2 all-gather the GEMM weights in FP8.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dist_quant as dq
+from dist_quant.fsdp import enable_fp8_all_gather, precompute_fp8_weight_scales
 
 
 class Llama(nn.Module):
@@ -93,6 +95,11 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4, help="sequences per data-parallel rank")
     p.add_argument("--seq", type=int, default=16)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument(
+        "--fp8-all-gather",
+        action="store_true",
+        help="all-gather the GEMM weights in FP8 (FSDP2 without TP; delayed or current scaling)",
+    )
     p.add_argument("--run-dir", default=os.environ.get("DIST_QUANT_RUN_DIR", "dist_quant_run"))
     args = p.parse_args()
 
@@ -112,6 +119,8 @@ def main() -> None:
     model = Llama(args.vocab, args.hidden, args.ffn, args.heads, args.layers, tp_group).to(device)
     dq.apply_recipe(model, dq.recipe_from_dict(args.recipe))
     participant = attach(model, tp_group=tp_group, run_dir=args.run_dir)
+    if args.fp8_all_gather:
+        enable_fp8_all_gather(model)  # before fully_shard; refuses tensor-parallel blocks
     for layer in model.layers:
         fully_shard(layer, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
@@ -135,6 +144,8 @@ def main() -> None:
             opt.zero_grad(set_to_none=True)
             loss.backward()  # outside autocast; the blocks' recompute replays their forward
             opt.step()
+            if args.fp8_all_gather:
+                precompute_fp8_weight_scales(model)  # current scaling: one all-reduce for all
             reported = loss.detach().clone()
             dist.all_reduce(reported)
             if rank == 0 and step % args.log_every == 0:

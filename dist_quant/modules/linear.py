@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dist_quant import context as _context
+from dist_quant import recompute
+from dist_quant.fsdp_tensor import GatheredFloat8Weight, gathered_weight_operand
 from dist_quant.modules.base import QuantizedModule, check_sizes
 from dist_quant.modules.functional import LinearSlots, parallel_linear_hp, quantized_linear
 from dist_quant.parallel import (
@@ -188,16 +190,32 @@ class LinearBase(QuantizedModule):
     ) -> torch.Tensor:
         """One GEMM triple: exact PyTorch when autocast is off or every operand is high precision,
         else quantized (the weight cached under `cache_slot`); `tp` splits it over ranks."""
+        gathered_fp8 = isinstance(weight, GatheredFloat8Weight)
         if runtime is None or (slots.high_precision and not (fp8_output or fp8_grad_input)):
+            if gathered_fp8:
+                raise RuntimeError(
+                    f"{type(self).__name__} {self.role_name!r}: its weight was all-gathered in "
+                    "FP8 (dist_quant.fsdp.enable_fp8_all_gather), so it runs only under "
+                    "dq.autocast with per-tensor scaling of the weight, not in high precision"
+                )
             if tp is not None:
                 return parallel_linear_hp(x, weight, bias, tp)
             return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
         if tp is not None:
             slots = self._tp_slots(runtime, slots, tp)
         slots.weight.set_usage(rowwise=True, columnwise=x.requires_grad)
-        weight_q = self.quantize_weight(
-            cache_slot, weight, slots.weight, runtime, is_first_microbatch
-        )
+        if gathered_fp8:  # FSDP2 gathered the bytes `slots.weight` would cast: no re-cast
+            weight_q = gathered_weight_operand(
+                weight,
+                slots.weight,
+                slots.reduction_group,
+                f"module {self.role_name!r}",
+                fold_amax=not recompute.replaying(),  # the forward folded it
+            )
+        else:
+            weight_q = self.quantize_weight(
+                cache_slot, weight, slots.weight, runtime, is_first_microbatch
+            )
         return quantized_linear(
             x,
             weight,

@@ -82,10 +82,17 @@ def flat_state(obj, prefix=""):
 
 
 def train_dp(
-    model, params, recipe: str | None, dp_rank: int, dp: int, steps: range = range(STEPS)
+    model,
+    params,
+    recipe: str | None,
+    dp_rank: int,
+    dp: int,
+    steps: range = range(STEPS),
+    after_step=None,
 ) -> list:
     """Data-parallel steps on this rank's slice; per step (y, dx, grads by name, state).
-    `recipe=None` keeps the model's (a resumed one)."""
+    `recipe=None` keeps the model's (a resumed one); `after_step(model)` runs after each
+    optimizer step."""
     if recipe is not None:
         dq.apply_recipe(model, RECIPES[recipe]())
     opt = torch.optim.SGD([p for _, p in params], lr=0.05)
@@ -99,6 +106,8 @@ def train_dp(
         y.backward(local(dy, dp_rank))
         grads = {n: full(p.grad).clone() for n, p in params}
         opt.step()
+        if after_step is not None:
+            after_step(model)
         state = {k.removeprefix("module."): v for k, v in flat_state(model.state_dict()).items()}
         out.append((y.detach(), x.grad, grads, state))
     return out

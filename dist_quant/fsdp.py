@@ -1,0 +1,326 @@
+"""FP8 weight all-gather for FSDP2 (`fully_shard`), through its tensor-subclass extension.
+
+`fully_shard_model(model, blocks)` shards every block and then the model, with FP8 all-gather on by
+default when the model's recipe scales every GEMM weight per tensor. `enable_fp8_all_gather(model)`,
+called before `fully_shard`, is the switch itself: it wraps the GEMM weights of the dq
+Linear-family modules in `FP8AllGatherWeight`. Before each all-gather FSDP2 asks the wrapper for
+what to send (`fsdp_pre_all_gather`): this rank's shard cast to FP8 with the scale the weight slot
+of the module's current recipe would use for the full weight, as uint8 (gloo cannot move float8;
+1 byte per element). After it (`fsdp_post_all_gather`) the bytes become a `GatheredFloat8Weight`,
+which the module's forward uses as its quantized weight without casting again. Gradients are
+plain high-precision tensors, so FSDP2's reduce-scatter of them is unchanged.
+
+Why the bytes equal casting the full weight: the cast is elementwise and every rank uses one scale.
+  delayed scaling: the slot's scale, identical on every rank when autocast's amax_reduction_group
+      covers the FSDP ranks (checked at the forward); the shard's amax enters the history and that
+      reduction turns it into the full weight's amax.
+  current scaling: fp8_max / amax(full weight), from one all-reduce(MAX) of the shards' amaxes:
+      batched over every weight by `precompute_fp8_weight_scales(model)` after the optimizer step
+      (a weight changed since falls back to its own all-reduce in its all-gather).
+Other recipes (MXFP8, block scaling, identity) have no per-tensor scale to share: their all-gather
+raises, naming the module and the recipe.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch import Tensor, nn
+from torch.distributed.fsdp import fully_shard
+
+from dist_quant import kernels as fp8_kernels
+from dist_quant.amax import allreduce_current_amax
+from dist_quant.fsdp_tensor import GatheredFloat8Weight
+from dist_quant.modules import LayerNormLinear, LayerNormMLP, Linear
+from dist_quant.modules.base import QuantizedModule
+from dist_quant.quantizers import Float8CurrentScalingQuantizer, Float8Quantizer
+from dist_quant.tensor import Float8Tensor
+
+# parameter name -> index of its forward weight slot (the modules' `get_quantizer_roles` order)
+_WEIGHT_SLOTS: dict[type, dict[str, int]] = {
+    Linear: {"weight": 1},
+    LayerNormLinear: {"weight": 1},
+    LayerNormMLP: {"fc1_weight": 1, "fc2_weight": 4},
+}
+
+_aten = torch.ops.aten
+# FSDP2 chunks, pads, views and copies the parameter while sharding it: those results stay wrapped
+_KEEP_WRAPPED = {
+    _aten.empty_like.default,
+    _aten.new_zeros.default,
+    _aten.slice.Tensor,
+    _aten.split.Tensor,
+    _aten.copy_.default,
+    _aten.view.default,
+    _aten.as_strided.default,
+    _aten._to_copy.default,
+    _aten.clone.default,
+    _aten.detach.default,
+    _aten.alias.default,
+}
+
+
+class _WeightInfo:
+    """Shared by every wrapper derived from one parameter (FSDP2's views and copies of it)."""
+
+    def __init__(self, owner: QuantizedModule, slot: int, name: str) -> None:
+        self.owner, self.slot, self.name = owner, slot, name
+        self.precomputed: tuple | None = None  # (scale, scale_inv, quantizer, version, dtype)
+        self.last_cast: tuple | None = None  # the forward's (scale, scale_inv, quantizer)
+        # the shard's dtype as gathered (FSDP2 mixed precision casts it first)
+        self.gather_dtype: torch.dtype | None = None
+
+
+class FP8AllGatherWeight(Tensor):
+    """A high-precision weight (or FSDP2's shard of it) whose FSDP2 all-gather moves FP8 bytes."""
+
+    @staticmethod
+    def __new__(cls, hp: Tensor, info: _WeightInfo) -> FP8AllGatherWeight:
+        return Tensor._make_wrapper_subclass(
+            cls,
+            hp.size(),
+            strides=hp.stride(),
+            storage_offset=hp.storage_offset(),
+            dtype=hp.dtype,
+            layout=hp.layout,
+            device=hp.device,
+            requires_grad=hp.requires_grad,
+        )
+
+    def __init__(self, hp: Tensor, info: _WeightInfo) -> None:
+        self._hp = hp
+        self._info = info
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
+        infos = []
+
+        def unwrap(t: FP8AllGatherWeight) -> Tensor:
+            infos.append(t._info)
+            return t._hp
+
+        args, kwargs = pytree.tree_map_only(cls, unwrap, (args, kwargs or {}))
+        out = func(*args, **kwargs)
+        if func not in _KEEP_WRAPPED:
+            return out
+        return pytree.tree_map_only(Tensor, lambda t: cls(t, infos[0]), out)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # saved (torch.save, DCP) as the plain high-precision tensor: a checkpoint holds weights,
+        # not this wrapper, and loads into a model with or without FP8 all-gather
+        return self._hp.__reduce_ex__(protocol)
+
+    def __repr__(self) -> str:
+        return f"FP8AllGatherWeight({self._info.name}, {self._hp!r})"
+
+    # ---- FSDP2's all-gather extension --------------------------------------------------------
+    def fsdp_pre_all_gather(
+        self, mesh: Any, outer_size: torch.Size, outer_stride: tuple, module: nn.Module, mp_policy
+    ) -> tuple[tuple[Tensor, ...], Any]:
+        info = self._info
+        if outer_size[0] % mesh.size():
+            raise ValueError(
+                f"{info.name}: FP8 all-gather needs dim 0 ({outer_size[0]}) divisible by the "
+                f"FSDP size {mesh.size()} (FSDP2 would pad the shards)"
+            )
+        group = mesh.get_group()
+        shard = self._hp if mp_policy.param_dtype is None else self._hp.to(mp_policy.param_dtype)
+        info.gather_dtype = shard.dtype
+        shard_amax = None
+        if torch._C._current_graph_task_id() != -1 and info.last_cast is not None:
+            # a re-gather for the backward: the forward kept its own copy of the bytes; cast
+            # with the forward's scale, and record no amax (the step's history is closed)
+            scale, scale_inv, quantizer = info.last_cast
+        else:
+            quantizer = _weight_quantizer(info)
+            if isinstance(quantizer, Float8Quantizer):
+                scale = quantizer.scale.clone()  # the update after this step must not move it
+                scale_inv = torch.reciprocal(scale)
+                shard_amax = fp8_kernels.amax(shard).reshape(1)
+            else:
+                scale, scale_inv = _current_scale(self, shard, quantizer, group)
+            info.last_cast = (scale, scale_inv, quantizer)
+        data = fp8_kernels.cast_to_fp8(shard, scale, quantizer.fp8_dtype)
+        meta = {
+            "name": info.name,
+            "quantizer": quantizer,
+            "shard_amax": shard_amax,
+            "group": group,
+            "scale_inv": scale_inv,
+        }
+        return (data.view(torch.uint8),), meta
+
+    def fsdp_post_all_gather(
+        self,
+        all_gather_outputs: tuple[Tensor, ...],
+        metadata: Any,
+        param_dtype: torch.dtype,
+        *,
+        out: Tensor | None = None,
+    ) -> tuple[Tensor, tuple[Tensor, ...]] | None:
+        (data_u8,) = all_gather_outputs  # (out_features, in_features) bytes of every rank
+        fp8 = Float8Tensor(
+            data_u8.view(metadata["quantizer"].fp8_dtype), metadata["scale_inv"], dtype=param_dtype
+        )
+        if out is not None:  # FSDP2 reuses the unsharded parameter from the first all-gather
+            out.update(fp8, metadata)
+            return None
+        return GatheredFloat8Weight(fp8, metadata), (data_u8,)
+
+
+def _weight_quantizer(info: _WeightInfo) -> Float8Quantizer | Float8CurrentScalingQuantizer:
+    """The weight slot's quantizer under the recipe the coming forward runs (resolved as the
+    forward resolves it), or RuntimeError where FP8 all-gather cannot be exact."""
+    owner = info.owner
+    runtime = owner._current_runtime()
+    if runtime is None:
+        raise RuntimeError(
+            f"{info.name}: FP8 all-gather (dist_quant.fsdp) needs the forward under dq.autocast; "
+            "this all-gather ran with autocast off"
+        )
+    quantizer = runtime.fwd_quantizers[info.slot]
+    if isinstance(quantizer, Float8Quantizer) or (
+        isinstance(quantizer, Float8CurrentScalingQuantizer)
+        and quantizer.amax_reduction_group is None
+    ):
+        return quantizer
+    raise RuntimeError(
+        f"{info.name}: FP8 all-gather needs per-tensor (delayed or current) scaling of the "
+        f"weight, but module {owner.role_name!r} runs {type(runtime.recipe).__name__} "
+        f"({quantizer!r}): its blocks or high precision cannot be cast before the all-gather. "
+        "Build the model without enable_fp8_all_gather for this recipe."
+    )
+
+
+def _current_scale(
+    weight: FP8AllGatherWeight, shard: Tensor, quantizer: Float8CurrentScalingQuantizer, group: Any
+) -> tuple[Tensor, Tensor]:
+    pre = weight._info.precomputed
+    if (
+        pre is not None
+        and pre[2] is quantizer
+        and pre[3] == weight._hp._version
+        and pre[4] == shard.dtype
+    ):
+        return pre[0], pre[1]
+    amax = fp8_kernels.amax(shard).reshape(1)
+    allreduce_current_amax(amax, group)  # shard amax -> the full weight's amax
+    return _scale_of(amax, quantizer)
+
+
+def _scale_of(amax: Tensor, q: Float8CurrentScalingQuantizer) -> tuple[Tensor, Tensor]:
+    return fp8_kernels.current_scale(
+        amax, q.fp8_dtype, amax_epsilon=q.amax_epsilon, use_power_2_scales=q.use_power_2_scales
+    )
+
+
+def enable_fp8_all_gather(model: nn.Module) -> int:
+    """Wrap the GEMM weights of `model`'s dq Linear, LayerNormLinear and LayerNormMLP modules so
+    that FSDP2 all-gathers them in FP8; call it before `fully_shard`. Returns how many weights it
+    wrapped. Raises ValueError (wrapping nothing) for a tensor-parallel module (its FP8 weight
+    would need a TP-reduced scale) or an already sharded model."""
+    found = []
+    for module in model.modules():
+        slots = _WEIGHT_SLOTS.get(type(module))
+        if slots is None:
+            continue
+        name = module.role_name or type(module).__name__
+        if getattr(module, "tp_size", 1) > 1:
+            raise ValueError(
+                f"enable_fp8_all_gather: module {name!r} is tensor-parallel; FP8 all-gather "
+                "supports FSDP2 without TP"
+            )
+        for param_name in slots:
+            param = getattr(module, param_name)
+            if isinstance(param, FP8AllGatherWeight):
+                continue
+            if type(param) is not nn.Parameter:
+                raise ValueError(
+                    f"enable_fp8_all_gather: {name}.{param_name} is a {type(param).__name__}, "
+                    "not a plain Parameter (call it before fully_shard)"
+                )
+            found.append((module, param_name, slots[param_name], f"{name}.{param_name}", param))
+    for module, param_name, slot, qualified, param in found:
+        wrapped = FP8AllGatherWeight(param.data, _WeightInfo(module, slot, qualified))
+        setattr(module, param_name, nn.Parameter(wrapped, requires_grad=param.requires_grad))
+    return len(found)
+
+
+@torch.no_grad()
+def precompute_fp8_weight_scales(model: nn.Module) -> int:
+    """After the optimizer step: the current-scaling scales of every FP8-gathered weight of
+    `model`, from one all-reduce(MAX) of their shards' amaxes per FSDP group (torchao's
+    `precompute_float8_dynamic_scale_for_fsdp` idea). Weights under delayed scaling need none (their
+    scale comes from the history). Every rank must call it. Returns how many scales it set."""
+    by_group: dict[Any, list] = {}
+    for module in model.modules():
+        for param_name in _WEIGHT_SLOTS.get(type(module), {}):
+            param = getattr(module, param_name)
+            local = param.to_local() if hasattr(param, "to_local") else param
+            if not isinstance(local, FP8AllGatherWeight) or module._dq_runtime is None:
+                continue
+            quantizer = module._dq_runtime.fwd_quantizers[local._info.slot]
+            if not isinstance(quantizer, Float8CurrentScalingQuantizer):
+                continue
+            group = param.device_mesh.get_group() if hasattr(param, "device_mesh") else None
+            by_group.setdefault(group, []).append((local, quantizer))
+    for group, weights in by_group.items():
+        dtypes = [w._info.gather_dtype or w._hp.dtype for w, _ in weights]
+        amaxes = torch.stack(
+            [fp8_kernels.amax(w._hp.to(d)).reshape(()) for (w, _), d in zip(weights, dtypes)]
+        )
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)  # shards -> full weights
+        for i, ((w, q), dtype) in enumerate(zip(weights, dtypes)):
+            scale, scale_inv = _scale_of(amaxes[i : i + 1], q)
+            w._info.precomputed = (scale, scale_inv, q, w._hp._version, dtype)
+    return sum(len(w) for w in by_group.values())
+
+
+def _per_tensor_weights(model: nn.Module) -> bool:
+    """Whether every GEMM weight slot of `model` runs per-tensor scaling under its applied recipe
+    (a module without one, or a tensor-parallel one, says no)."""
+    found = False
+    for module in model.modules():
+        slots = _WEIGHT_SLOTS.get(type(module))
+        if slots is None:
+            continue
+        runtime = module._dq_runtime
+        if runtime is None or getattr(module, "tp_size", 1) > 1:
+            return False
+        for slot in slots.values():
+            q = runtime.fwd_quantizers[slot]
+            per_tensor = isinstance(q, Float8Quantizer) or (
+                isinstance(q, Float8CurrentScalingQuantizer) and q.amax_reduction_group is None
+            )
+            if not per_tensor:
+                return False
+            found = True
+    return found
+
+
+def fully_shard_model(
+    model: nn.Module,
+    blocks: Any,
+    *,
+    fp8_all_gather: bool | None = None,
+    **fully_shard_kwargs: Any,
+) -> bool:
+    """`fully_shard` each of `blocks` and then `model` (keyword arguments go to every call).
+    `fp8_all_gather=None` turns FP8 weight all-gather on when every GEMM weight of `model` runs
+    delayed or current scaling under the recipe applied to it (`dq.apply_recipe` first); True
+    forces it (raising where it cannot be exact), False keeps the high-precision all-gather.
+    Returns whether it is on."""
+    if fp8_all_gather is None:
+        fp8_all_gather = _per_tensor_weights(model)
+    if fp8_all_gather:
+        enable_fp8_all_gather(model)
+    for block in blocks:
+        fully_shard(block, **fully_shard_kwargs)
+    fully_shard(model, **fully_shard_kwargs)
+    return fp8_all_gather
