@@ -143,6 +143,9 @@ def test_non_reentrant_checkpoint_keeps_only_the_block_input(module, recipe):
     with dq.autocast():
         y, seen = _saved(lambda: dq.activation_checkpoint(block, x, use_reentrant=False))
         _, plain_seen = _saved(lambda: block(x))
+    # torch 2.11's non-reentrant checkpoint saves a 0-element dummy of its own (2.13 does not):
+    # nothing of the block's GEMMs, which is what this pins, holds a byte
+    seen = [(shape, dtype) for shape, dtype in seen if math.prod(shape) > 0]
     assert seen == [((M // 4, 4, H), F32)]
     fp8_bytes = sum(math.prod(s) for s, dt in plain_seen if dt == E4M3)
     assert (fp8_bytes > 0) == (recipe != "identity")  # the plain run does keep the FP8 operands
