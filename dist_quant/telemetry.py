@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dist_quant import quantizers as _quantizers
+from dist_quant.jsonl import read_jsonl
 from dist_quant.kernels.fp8_stats import cast_stats
 from dist_quant.runtime import dist_quant_modules, stats_slot
 
@@ -101,15 +102,7 @@ def read_stats(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     path = Path(run_dir) / STATS_FILE
     if not path.is_file():
         return []
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict):
-            out.append(rec)
-    return out
+    return read_jsonl(path)
 
 
 class Telemetry:

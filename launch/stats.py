@@ -18,6 +18,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from dist_quant.jsonl import read_jsonl
+
 # The file names of dist_quant.telemetry.STATS_FILE and coordinator.endpoint.LOG_FILE, repeated
 # here because importing those modules imports torch (tests/launch/test_stats_cli.py pins them).
 STATS_FILE = "fp8_stats.jsonl"
@@ -57,19 +59,6 @@ def _positive_int(text: str) -> int:
 def run_dir_of(arg: str | None) -> Path:
     """The same rule as the coordinator's: the argument, $DIST_QUANT_RUN_DIR, ./dist_quant_run."""
     return Path(arg or os.environ.get("DIST_QUANT_RUN_DIR") or "dist_quant_run").absolute()
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Complete JSON-object lines of `path` (a torn last line of a running job is skipped)."""
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict):
-            out.append(rec)
-    return out
 
 
 def worst_slots(records: list[dict[str, Any]], top: int, every_step: bool) -> list[dict[str, Any]]:
