@@ -130,19 +130,12 @@ class Float8Quantizer(Quantizer):
         x = self._check_input(x)
         # One pass reads x, writes the FP8 bytes (and their transpose) and folds max(|x|) into
         # the history slot; on CUDA a single Triton launch, no host sync.
-        if self.columnwise_usage and x.dim() >= 1:
-            data, data_t = fp8_kernels.cast_transpose_with_amax(
-                x, self.scale, self.fp8_dtype, amax_out=self.amax
-            )
-        else:
-            data = fp8_kernels.cast_to_fp8_with_amax(
-                x, self.scale, self.fp8_dtype, amax_out=self.amax
-            )
-            data_t = None
+        transpose = self.columnwise_usage and x.dim() >= 1
+        # scale_inv is 1/scale as of this cast: the update changes scale later
+        out = fp8_kernels.delayed_cast(x, self.scale, self.fp8_dtype, self.amax, transpose=transpose)
         if _cast_observers:
             _observe(self, x, self.scale)
-        scale_inv = torch.reciprocal(self.scale)  # IEEE 1/scale; a snapshot: scale changes later
-        return Float8Tensor(data, scale_inv, dtype=x.dtype, data_t=data_t)
+        return Float8Tensor(out.data, out.scale_inv, dtype=x.dtype, data_t=out.data_t)
 
 
 class Float8CurrentScalingQuantizer(Quantizer):

@@ -13,6 +13,8 @@ Fused operations with no single reference function:
 - ``cast_to_fp8_with_amax`` / ``cast_transpose_with_amax`` (delayed scaling): the cast, plus
   ``amax_out = max(amax_out, amax(x))`` in place in the same pass (``amax_out`` a 1-element fp32
   view holding a value >= 0, such as ``amax_history[0]``'s slot);
+- ``delayed_cast``: the delayed-scaling quantizer's whole cast, the fused cast above plus
+  ``scale_inv = 1 / scale``, one launch on CUDA, returning a ``DelayedCast``;
 - ``current_scaling_cast``: ``amax`` -> ``current_scale`` -> cast (and transpose), two launches and
   no host sync on CUDA, returning a ``CurrentScalingCast``;
 - ``delayed_scaling_update_groups``: ``delayed_scaling_update`` for a list of
@@ -26,7 +28,7 @@ from collections.abc import Sequence
 import torch
 from dist_quant.kernels import ops, ops_block, reference
 from dist_quant.kernels.block_gemm import block_scaled_gemm_triton
-from dist_quant.kernels.cast import cast_to_fp8_triton, cast_transpose_triton
+from dist_quant.kernels.cast import DelayedCast, cast_to_fp8_triton, cast_transpose_triton
 from dist_quant.kernels.current import CurrentScalingCast
 from dist_quant.kernels.dequantize import dequantize_triton
 from torch import Tensor
@@ -40,6 +42,7 @@ __all__ = [
     "FLT_MAX",
     "FP8_DTYPES",
     "CurrentScalingCast",
+    "DelayedCast",
     "amax",
     "block_cast",
     "block_dequantize",
@@ -51,6 +54,7 @@ __all__ = [
     "cast_transpose_with_amax",
     "current_scale",
     "current_scaling_cast",
+    "delayed_cast",
     "delayed_scaling_update",
     "delayed_scaling_update_groups",
     "dequantize",
@@ -99,6 +103,18 @@ def cast_transpose_with_amax(
 ) -> tuple[Tensor, Tensor]:
     scale = scale if isinstance(scale, Tensor) else _scale_tensor(scale, x.device)
     return ops.cast_transpose_with_amax(x.detach(), scale, fp8_dtype, amax_out)
+
+
+def delayed_cast(
+    x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, amax_out: Tensor, *, transpose: bool
+) -> DelayedCast:
+    """A delayed-scaling quantizer's cast: ``cast_to_fp8_with_amax`` (``cast_transpose_with_amax``
+    when ``transpose``) plus ``scale_inv = 1 / scale`` taken at this point of the stream (the
+    update changes ``scale`` later); one launch on CUDA."""
+    if transpose:
+        return DelayedCast(*ops.delayed_cast_transpose(x.detach(), scale, fp8_dtype, amax_out))
+    q, scale_inv = ops.delayed_cast(x.detach(), scale, fp8_dtype, amax_out)
+    return DelayedCast(q, None, scale_inv)
 
 
 def _scale_tensor(scale: float, device: torch.device) -> Tensor:

@@ -196,6 +196,13 @@ def to_bf16_bits(f):
 
 def scalar_fp32(value: torch.Tensor | float, device: torch.device, what: str) -> torch.Tensor:
     """A 1-element fp32 tensor on ``device`` (no copy when it already is one)."""
+    if (
+        isinstance(value, torch.Tensor)
+        and value.dtype == torch.float32
+        and value.shape == (1,)
+        and value.device == device
+    ):
+        return value  # a recipe state's scale: every delayed cast passes one
     t = torch.as_tensor(value, dtype=torch.float32, device=device)
     if t.numel() != 1:
         raise ValueError(f"{what} must hold exactly one value, got shape {tuple(t.shape)}")
@@ -227,7 +234,7 @@ def flat_pair(
 
 def dense_flat(x: torch.Tensor) -> torch.Tensor:
     """All of ``x``'s elements as a 1D tensor, in storage order (no copy for a dense layout)."""
-    if x.stride() == torch.empty_like(x, device="meta").stride():
+    if x.is_contiguous() or x.stride() == torch.empty_like(x, device="meta").stride():
         return x.as_strided((x.numel(),), (1,))
     return x.reshape(-1)
 

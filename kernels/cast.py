@@ -17,6 +17,7 @@ value >= +0 or a positive NaN, as an amax history row does.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -33,6 +34,7 @@ from dist_quant.kernels._fp8_round import (
     rows_cols,
     scalar_fp32,
 )
+from dist_quant.kernels._launch import FastLaunch
 
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -44,6 +46,14 @@ GPU_TILE = {"BM": 64, "BN": 64, "num_warps": 4}
 # Current scaling: walk the cast grid backwards, so the first tiles read are the ones the amax
 # pass read last and may still find in L2. Not measured yet: `bench_cast.py --sweep` times both.
 GPU_REVERSE_AFTER_AMAX = True
+
+
+class DelayedCast(NamedTuple):
+    """What a delayed-scaling quantizer gets from one cast."""
+
+    data: torch.Tensor  # FP8, x's shape
+    data_t: torch.Tensor | None  # FP8 (cols, rows) when transposed
+    scale_inv: torch.Tensor  # (1,) fp32: 1 / scale at the time of the cast
 
 
 @dataclass(frozen=True)
@@ -71,10 +81,14 @@ def _program_scale(
     FP8_MAX: tl.constexpr,
     POW2: tl.constexpr,
     P_BLOCK: tl.constexpr,
+    WRITE_INV: tl.constexpr,
 ):
-    """The scale every program uses: loaded (P_BLOCK == 0) or computed from the amax partials."""
+    """The scale every program uses: loaded (P_BLOCK == 0; with WRITE_INV program 0 also stores
+    its reciprocal) or computed from the amax partials."""
     if P_BLOCK == 0:
         scale = tl.load(scale_ptr)
+        if WRITE_INV:
+            tl.store(scale_inv_out_ptr, reciprocal(scale), mask=pid == 0)
     else:
         offs = tl.arange(0, P_BLOCK)
         bits = tl.load(partials_ptr + offs, mask=offs < n_partials, other=0)
@@ -109,6 +123,7 @@ def _cast_kernel(
     POW2: tl.constexpr,
     P_BLOCK: tl.constexpr,
     REVERSE: tl.constexpr,
+    WRITE_INV: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if REVERSE:  # read the tail first: it is what the amax pass left in L2
@@ -125,6 +140,7 @@ def _cast_kernel(
         FP8_MAX,
         POW2,
         P_BLOCK,
+        WRITE_INV,
     )
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -164,6 +180,7 @@ def _cast_transpose_kernel(
     POW2: tl.constexpr,
     P_BLOCK: tl.constexpr,
     REVERSE: tl.constexpr,
+    WRITE_INV: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if REVERSE:
@@ -180,6 +197,7 @@ def _cast_transpose_kernel(
         FP8_MAX,
         POW2,
         P_BLOCK,
+        WRITE_INV,
     )
     n_col_tiles = tl.cdiv(cols, BN)
     r = ((pid // n_col_tiles) * BM + tl.arange(0, BM)).to(tl.int64)
@@ -219,6 +237,30 @@ def cast_transpose_triton(
     return q, q_t
 
 
+def delayed_cast_triton(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    amax_out: torch.Tensor,
+    *,
+    transpose: bool,
+) -> DelayedCast:
+    """Delayed scaling's whole cast in one launch: ``(q, q_t or None, 1 / scale)``, folding
+    ``amax(x)`` into ``amax_out``; the reciprocal is the scale's value at this point of the
+    stream (the update changes ``scale`` later)."""
+    scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
+    q, q_t = launch_cast(
+        x, fp8_dtype, transpose=transpose, scale=scale, amax_out=amax_out, scale_inv_out=scale_inv
+    )
+    if x.numel() == 0:  # no program ran to write it
+        scale_inv.copy_(torch.reciprocal(scale.reshape(1)))
+    return DelayedCast(q, q_t, scale_inv)
+
+
+_launch_flat = FastLaunch(_cast_kernel)
+_launch_tiled = FastLaunch(_cast_transpose_kernel)
+
+
 def launch_cast(
     x: torch.Tensor,
     fp8_dtype: torch.dtype,
@@ -227,8 +269,10 @@ def launch_cast(
     scale: torch.Tensor | float | None = None,
     amax_out: torch.Tensor | None = None,
     partials: AmaxPartials | None = None,
+    scale_inv_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Shared launcher: exactly one of ``scale`` (delayed) and ``partials`` (current) is given."""
+    """Shared launcher: exactly one of ``scale`` (delayed) and ``partials`` (current) is given;
+    with ``scale``, ``scale_inv_out`` (1-element fp32) receives ``1 / scale``."""
     what = "cast_transpose" if transpose else "cast_to_fp8"
     spec = fp8_spec(fp8_dtype, f"kernels.cast.{what}")
     if x.dtype not in _INPUT_DTYPES:
@@ -237,10 +281,12 @@ def launch_cast(
         raise ValueError(f"kernels.cast.{what}: pass exactly one of scale and partials")
     x = x.detach()
     dev = x.device
+    gpu = is_gpu(x)
     if partials is None:
         scale_t = scalar_fp32(scale, dev, f"kernels.cast.{what}: scale")
         p, n_partials, eps, pow2, p_block = scale_t, 0, 0.0, False, 0
-        outs = (scale_t, scale_t, scale_t)
+        inv = scale_t if scale_inv_out is None else scale_inv_out
+        outs = (scale_t, scale_t, inv)
     else:
         scale_t = partials.scale_out
         p, n_partials = partials.partials, partials.partials.numel()
@@ -264,40 +310,48 @@ def launch_cast(
         WITH_AMAX=amax_out is not None,
         POW2=pow2,
         P_BLOCK=p_block,
-        REVERSE=partials is not None and is_gpu(x) and GPU_REVERSE_AFTER_AMAX,
+        REVERSE=partials is not None and gpu and GPU_REVERSE_AFTER_AMAX,
+        WRITE_INV=partials is None and scale_inv_out is not None,
     )
     if not transpose:
         x_flat, q, q_flat = flat_pair(x, fp8_dtype)
         n = x_flat.numel()
         if n == 0:  # current.py handles an empty x itself (scale 1)
             return q, None
-        cfg = GPU_FLAT if is_gpu(x) else {"BLOCK": 1 << 15, "num_warps": 1}
-        _cast_kernel[(triton.cdiv(n, cfg["BLOCK"]),)](
-            x_flat, q_flat.view(torch.uint8), scale_t, acc, p, n_partials, eps, *outs, n,
-            **cfg, **common,
-        )  # fmt: skip
+        block, warps = (GPU_FLAT["BLOCK"], GPU_FLAT["num_warps"]) if gpu else (1 << 15, 1)
+        _launch_flat(
+            (triton.cdiv(n, block),),
+            (x_flat, q_flat.view(torch.uint8), scale_t, acc, p, n_partials, eps, *outs, n),
+            {"BLOCK": block, **common},
+            {"num_warps": warps},
+            interpreted=not gpu,
+        )
         return q, None
     rows, cols = rows_cols(x, f"kernels.cast.{what}")
     q = torch.empty_like(x, dtype=fp8_dtype)
     q_t = torch.empty((cols, rows), dtype=fp8_dtype, device=dev)
     if rows * cols == 0:
         return q, q_t
-    x2d = x.reshape(rows, cols)
+    x2d = x if x.dim() == 2 else x.reshape(rows, cols)
     try:
-        q2d, copy_back = q.view(rows, cols), False
+        q2d, copy_back = (q if q.dim() == 2 else q.view(rows, cols)), False
     except RuntimeError:  # a permuted N-D layout: write 2D, then copy into torch's layout
         q2d, copy_back = torch.empty((rows, cols), dtype=fp8_dtype, device=dev), True
-    if is_gpu(x):
-        cfg = GPU_TILE
+    if gpu:
+        bm, bn, warps = GPU_TILE["BM"], GPU_TILE["BN"], GPU_TILE["num_warps"]
     else:  # interpreter: ~16K-element tiles shaped to the matrix (a (1, n) input is one row)
         bm = min(128, triton.next_power_of_2(rows))
         bn = min(triton.next_power_of_2(cols), max(128, (1 << 14) // bm))
-        cfg = {"BM": bm, "BN": bn, "num_warps": 1}
-    grid = (triton.cdiv(rows, cfg["BM"]) * triton.cdiv(cols, cfg["BN"]),)
-    _cast_transpose_kernel[grid](
-        x2d, q2d.view(torch.uint8), q_t.view(torch.uint8), scale_t, acc, p, n_partials, eps,
-        *outs, rows, cols, x2d.stride(0), x2d.stride(1), q2d.stride(0), q2d.stride(1),
-        **cfg, **common,
+        warps = 1
+    _launch_tiled(
+        (triton.cdiv(rows, bm) * triton.cdiv(cols, bn),),
+        (
+            x2d, q2d.view(torch.uint8), q_t.view(torch.uint8), scale_t, acc, p, n_partials, eps,
+            *outs, rows, cols, x2d.stride(0), x2d.stride(1), q2d.stride(0), q2d.stride(1),
+        ),
+        {"BM": bm, "BN": bn, **common},
+        {"num_warps": warps},
+        interpreted=not gpu,
     )  # fmt: skip
     if copy_back:
         q.copy_(q2d.view(q.shape))

@@ -13,6 +13,7 @@ few hundred int32 read from L2) and compute the scale, so the whole path is two 
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -28,6 +29,7 @@ from dist_quant.kernels._fp8_round import (
     is_gpu,
     reciprocal,
 )
+from dist_quant.kernels._launch import FastLaunch
 from dist_quant.kernels.cast import AmaxPartials, launch_cast
 
 # GPU amax pass: BLOCK elements per loop step, PROGRAMS_PER_SM persistent programs per SM
@@ -87,17 +89,31 @@ def _amax_partials(x: torch.Tensor) -> torch.Tensor:
     """int32 ``(P,)``: bits of each persistent program's ``max|x|`` (x non-empty)."""
     x_flat = dense_flat(x)
     n = x_flat.numel()
-    if is_gpu(x):
+    gpu = is_gpu(x)
+    if gpu:
         block, warps = GPU_AMAX["BLOCK"], GPU_AMAX["num_warps"]
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        programs = min(triton.cdiv(n, block), sms * GPU_AMAX["PROGRAMS_PER_SM"])
+        programs = min(triton.cdiv(n, block), _sm_count(x.device) * GPU_AMAX["PROGRAMS_PER_SM"])
     else:
         block, warps = 1 << 15, 1
         programs = min(triton.cdiv(n, block), 4)
     partials = torch.empty(programs, dtype=torch.int32, device=x.device)
     iters = triton.cdiv(triton.cdiv(n, block), programs)
-    _amax_partials_kernel[(programs,)](x_flat, partials, n, iters, BLOCK=block, num_warps=warps)
+    _launch_partials(
+        (programs,),
+        (x_flat, partials, n, iters),
+        {"BLOCK": block},
+        {"num_warps": warps},
+        interpreted=not gpu,
+    )
     return partials
+
+
+_launch_partials = FastLaunch(_amax_partials_kernel)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _check_float(x: torch.Tensor, what: str) -> None:
@@ -158,14 +174,15 @@ def current_scaling_cast_triton(
         raise ValueError(f"kernels.current.{what}: amax_epsilon must be >= 0, got {amax_epsilon!r}")
     x = x.detach()
     dev = x.device
-    amax = torch.zeros((), dtype=torch.float32, device=dev)
     if x.numel() == 0:
+        amax = torch.zeros((), dtype=torch.float32, device=dev)
         scale, scale_inv = current_scale_triton(
             amax.reshape(1), fp8_dtype, amax_epsilon=amax_epsilon,
             use_power_2_scales=use_power_2_scales,
         )  # fmt: skip
         q, q_t = launch_cast(x, fp8_dtype, transpose=transpose, scale=scale)
         return CurrentScalingCast(q, q_t, scale, scale_inv, amax)
+    amax = torch.empty((), dtype=torch.float32, device=dev)  # program 0 of the cast writes it
     scale = torch.empty(1, dtype=torch.float32, device=dev)
     scale_inv = torch.empty(1, dtype=torch.float32, device=dev)
     partials = AmaxPartials(

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 from dist_quant.kernels._fp8_round import f32_bits, is_finite, is_inf
+from dist_quant.kernels._launch import FastLaunch
 
 _ALGOS = {"max": 0, "most_recent": 1}
 _FIELDS = 14  # int64 table columns, in the order the kernel reads them
@@ -190,7 +191,16 @@ def delayed_scaling_update_groups_triton(groups: Sequence[Sequence]) -> None:
     # history of a few slots is then one or two chunks.
     r = max(1, min(triton.next_power_of_2(max(max_l - 1, 1)), 4096 // bn))
     table = _table(checked, base, bn)
-    _delayed_update_kernel[(table.shape[0],)](base, table, FIELDS=_FIELDS, BN=bn, R=r)
+    _launch_update(
+        (table.shape[0],),
+        (base, table),
+        {"FIELDS": _FIELDS, "BN": bn, "R": r},
+        {},
+        interpreted=not base.is_cuda,
+    )
+
+
+_launch_update = FastLaunch(_delayed_update_kernel)
 
 
 def delayed_scaling_update_triton(

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 from dist_quant.kernels import reference
-from dist_quant.kernels.cast import cast_to_fp8_triton, cast_transpose_triton
+from dist_quant.kernels.cast import cast_to_fp8_triton, cast_transpose_triton, delayed_cast_triton
 from dist_quant.kernels.current import (
     amax_triton,
     current_scale_triton,
@@ -177,6 +177,57 @@ def _cast_transpose_with_amax_fake(
 ) -> tuple[Tensor, Tensor]:
     rows, cols = rows_cols(x)
     return torch.empty_like(x, dtype=fp8_dtype), x.new_empty((cols, rows), dtype=fp8_dtype)
+
+
+# The whole delayed-scaling cast of a quantizer: the cast (and transpose), the amax folded into
+# ``amax_out``, and ``scale_inv = 1 / scale`` as of this point of the stream, in one launch on CUDA.
+def _delayed_scale_inv_ref(scale: Tensor) -> Tensor:
+    return torch.reciprocal(scale.reshape(1))
+
+
+def _delayed_cast_ref(
+    x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, amax_out: Tensor
+) -> tuple[Tensor, Tensor]:
+    q = _cast_to_fp8_with_amax_ref(x, scale, fp8_dtype, amax_out)
+    return q, _delayed_scale_inv_ref(scale)
+
+
+def _delayed_cast_cuda(
+    x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, amax_out: Tensor
+) -> tuple[Tensor, Tensor]:
+    q, _, scale_inv = delayed_cast_triton(x, scale, fp8_dtype, amax_out, transpose=False)
+    return q, scale_inv
+
+
+def _delayed_cast_fake(
+    x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, amax_out: Tensor
+) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(x, dtype=fp8_dtype), x.new_empty((1,), dtype=torch.float32)
+
+
+def _delayed_cast_transpose_ref(
+    x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, amax_out: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    q, q_t = _cast_transpose_with_amax_ref(x, scale, fp8_dtype, amax_out)
+    return q, q_t, _delayed_scale_inv_ref(scale)
+
+
+def _delayed_cast_transpose_cuda(
+    x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, amax_out: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    q, q_t, scale_inv = delayed_cast_triton(x, scale, fp8_dtype, amax_out, transpose=True)
+    return (*_pair(q, q_t), scale_inv)
+
+
+def _delayed_cast_transpose_fake(
+    x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, amax_out: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    rows, cols = rows_cols(x)
+    return (
+        torch.empty_like(x, dtype=fp8_dtype),
+        x.new_empty((cols, rows), dtype=fp8_dtype),
+        x.new_empty((1,), dtype=torch.float32),
+    )
 
 
 # ---- current scaling ---------------------------------------------------------------------------
@@ -342,6 +393,16 @@ cast_transpose_with_amax = register_op(
     _cast_transpose_with_amax_ref,
     _cast_transpose_with_amax_cuda,
     _cast_transpose_with_amax_fake,
+)
+delayed_cast = register_op(
+    "delayed_cast", ("amax_out",), _delayed_cast_ref, _delayed_cast_cuda, _delayed_cast_fake
+)
+delayed_cast_transpose = register_op(
+    "delayed_cast_transpose",
+    ("amax_out",),
+    _delayed_cast_transpose_ref,
+    _delayed_cast_transpose_cuda,
+    _delayed_cast_transpose_fake,
 )
 current_scale = register_op(
     "current_scale", (), _current_scale_ref, _current_scale_cuda, _current_scale_fake

@@ -6,9 +6,9 @@ on a GPU compiled; the reference runs on the CPU either way.
 
 import pytest
 import torch
-from dist_quant.kernels import cast_to_fp8_with_amax, cast_transpose_with_amax
+from dist_quant.kernels import cast_to_fp8_with_amax, cast_transpose_with_amax, delayed_cast
 from dist_quant.kernels import reference as ref
-from dist_quant.kernels.cast import cast_to_fp8_triton, cast_transpose_triton
+from dist_quant.kernels.cast import cast_to_fp8_triton, cast_transpose_triton, delayed_cast_triton
 from triton_cases import (
     DEVICE,
     FP8_DTYPES,
@@ -123,6 +123,32 @@ def test_fused_amax_dispatchers_on_cpu_follow_the_same_rule():
     q, q_t = cast_transpose_with_amax(x, 1.0, torch.float8_e5m2, slot2)
     assert slot2.isnan().item()
     assert_bitwise_equal(q_t, ref.cast_transpose(x, 1.0, torch.float8_e5m2)[1], "q_t")
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("shape", [(37, 70), (3, 5, 8), (0, 16)])
+def test_delayed_cast_gives_the_cast_the_folded_amax_and_the_scales_ieee_reciprocal(
+    shape, transpose
+):
+    # 1/3 is not a power of two: its fp32 reciprocal is a rounded quotient, compared with
+    # float64 1/scale rounded once to fp32 (IEEE division)
+    x = random_values(shape, torch.bfloat16, seed=11)
+    scale = torch.tensor([3.0])
+    expected_inv = torch.tensor([1.0 / 3.0], dtype=torch.float64).float()
+    expected_amax = max(0.5, x.double().abs().max().item()) if x.numel() else 0.5
+    (x_dev,) = on_device(x)
+    for fn in (delayed_cast_triton, delayed_cast):
+        slot = torch.tensor([0.5], device=x_dev.device)
+        out = fn(x_dev, scale.to(x_dev.device), torch.float8_e4m3fn, slot, transpose=transpose)
+        assert_bitwise_equal(out.scale_inv, expected_inv, f"{fn.__name__} scale_inv")
+        assert slot.item() == expected_amax
+        if transpose and len(shape) >= 1:
+            exp_q, exp_t = ref.cast_transpose(x, scale, torch.float8_e4m3fn)
+            assert_bitwise_equal(out.data_t, exp_t, f"{fn.__name__} q_t")
+        else:
+            exp_q = ref.cast_to_fp8(x, scale, torch.float8_e4m3fn)
+            assert out.data_t is None
+        assert_bitwise_equal(out.data, exp_q, f"{fn.__name__} q")
 
 
 def test_bad_arguments_raise_value_errors_naming_the_op():

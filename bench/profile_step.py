@@ -1,0 +1,88 @@
+"""Where the host time of one eager dq Linear step goes (GPU): kernels per step, host us per step,
+cProfile's top entries. Diagnostic, prints only.
+
+    python bench/profile_step.py [--shape 4096x4096x4096] [--top 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+from bench_linear import make_step
+
+import dist_quant as dq
+
+
+def host_us(step, n=30):
+    step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return sorted(times)[n // 2] * 1e6
+
+
+def kernels_per_step(step):
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+    return names
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="4096x4096x4096")
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--recipes", default="off,bf16,delayed,current")
+    a = p.parse_args()
+    m, k, n = (int(v) for v in a.shape.split("x"))
+    torch.manual_seed(0)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    recipes = {
+        "off": None,
+        "bf16": dq.recipe_from_dict("bf16"),
+        "delayed": dq.DelayedScaling(),
+        "current": dq.Float8CurrentScaling(),
+    }
+    summary = []
+    for label in a.recipes.split(","):
+        recipe = recipes[label]
+        lin = dq.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda")
+        if recipe is not None:
+            dq.apply_recipe(lin, recipe)
+        step = make_step(lin, x, dy, recipe)
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        h = host_us(step)
+        ks = kernels_per_step(step)
+        summary.append(f"{a.shape} {label}: host {h:.0f} us/step, {len(ks)} kernels")
+        print("==", summary[-1])
+        for name in ks:
+            print("   ", name[:110])
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(20):
+            step()
+        pr.disable()
+        torch.cuda.synchronize()
+        st = pstats.Stats(pr)
+        st.sort_stats("tottime").print_stats(a.top)
+    print("\n".join(summary))
+
+
+if __name__ == "__main__":
+    main()
