@@ -46,6 +46,8 @@ def main():
     p.add_argument("--shape", default="4096x4096x4096")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--recipes", default="off,bf16,delayed,current")
+    p.add_argument("--graphed", action="store_true", help="dq.make_graphed_callables the Linear")
+    p.add_argument("--sort", default="tottime", help="cProfile sort key (tottime, cumulative)")
     a = p.parse_args()
     m, k, n = (int(v) for v in a.shape.split("x"))
     torch.manual_seed(0)
@@ -63,6 +65,8 @@ def main():
         lin = dq.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda")
         if recipe is not None:
             dq.apply_recipe(lin, recipe)
+            if a.graphed:
+                lin = dq.make_graphed_callables(lin, (x,))
         step = make_step(lin, x, dy, recipe)
         for _ in range(3):
             step()
@@ -80,7 +84,7 @@ def main():
         pr.disable()
         torch.cuda.synchronize()
         st = pstats.Stats(pr)
-        st.sort_stats("tottime").print_stats(a.top)
+        st.sort_stats(a.sort).print_stats(a.top)
     print("\n".join(summary))
 
 
