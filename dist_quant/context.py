@@ -198,3 +198,19 @@ def autocast(
                 from dist_quant.amax import discard_step
 
                 discard_step(list(region.fwd_groups.values()))
+
+
+@contextmanager
+def reenter(ctx: AutocastContext | None) -> Iterator[None]:
+    """Run the block inside the already-exited autocast context `ctx` again, as one of its nested
+    regions (no reduction at exit; the original region did it): an activation-checkpoint recompute
+    sees the forward's context, so a compiled block runs the graph it ran in the forward. `None`
+    (the forward ran outside autocast) enters nothing."""
+    if ctx is None:
+        yield
+        return
+    _local.stack.append(ctx)
+    try:
+        yield
+    finally:
+        _local.stack.pop()

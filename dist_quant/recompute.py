@@ -59,6 +59,8 @@ class _Frame:
     # id(group) -> (group, its live scale, its live amax row 0), saved before the first swap
     live: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     groups: dict[int, Any] = field(default_factory=dict)  # id(module) -> its reduction group
+    # delayed-scaling modules whose forward ran compiled (their calls left no record to replay)
+    compiled_delayed: list[str] = field(default_factory=list)
 
     def begin(self) -> None:
         self.replaying, self.recorded = self.recorded, True
@@ -126,6 +128,16 @@ _local = _Local()
 
 def _name(module: QuantizedModule) -> str:
     return module.role_name or type(module).__name__
+
+
+def note_delayed_enrolment(module: QuantizedModule) -> None:
+    """A forward enrolled delayed-scaling groups (`dist_quant::enrol_forward` runs, compiled or
+    not): inside a recording frame, a module that left no call record ran compiled, and its
+    recompute could not replay the forward's scales; the frame refuses the recompute."""
+    frame = _local.frame
+    if frame is None or frame.replaying or any(r.module is module for r in frame.records):
+        return
+    frame.compiled_delayed.append(_name(module))
 
 
 def intercepts() -> bool:
@@ -205,12 +217,26 @@ def activation_checkpoint(
             "(checkpoint the outer block or the inner ones, not both)"
         )
     frame = _Frame()
+    forward_context: list[_context.AutocastContext | None] = []
 
     def run(*a: Any, **kw: Any) -> Any:
         outer, _local.frame = _local.frame, frame
         frame.begin()
+        if not frame.replaying:
+            forward_context.append(_context.current_context())
         try:
-            out = fn(*a, **kw)
+            if frame.replaying and frame.compiled_delayed:
+                raise RecomputeError(
+                    f"activation_checkpoint: modules {sorted(set(frame.compiled_delayed))} ran "
+                    "torch.compile'd with delayed scaling: a compiled recompute cannot replay "
+                    "the forward's scales (they moved at the autocast exit) and would fold its "
+                    "amaxes into the history again; checkpoint the eager block, or use a recipe "
+                    "without history (current, mxfp8, block) for compiled checkpointed blocks"
+                )
+            # the recompute runs in the forward's autocast context, usually exited by now: a
+            # torch.compile'd block then replays the graph it ran (same guards, same saved tensors)
+            with _context.reenter(forward_context[0] if frame.replaying else None):
+                out = fn(*a, **kw)
             frame.check_complete()  # torch's early stop raises inside fn, before this
             return out
         finally:

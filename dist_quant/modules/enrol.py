@@ -106,6 +106,7 @@ def enrol_forward(anchor: Tensor, key: int) -> None:
             "recomputed by activation checkpointing, which cannot replay its forward scales; "
             "checkpoint the eager block (dist_quant.activation_checkpoint) or compile without it"
         )
+    recompute.note_delayed_enrolment(module)
     runtime = module._dq_runtime
     if entry[2] is not runtime:  # name once per runtime: the name orders the packed amaxes
         name_groups(runtime.delayed_groups(fwd=True), module.role_name)
