@@ -41,6 +41,18 @@ def kernels_per_step(step):
     return names
 
 
+def print_compact(stats: pstats.Stats, sort: str, top: int, steps: int) -> None:
+    """One line per function: us per step (own, cumulative), calls per step, short name."""
+    rows = []
+    for (path, line, func), (_, ncalls, tottime, cumtime, _) in stats.stats.items():
+        short = f"{path.rsplit('/', 2)[-2]}/{path.rsplit('/', 1)[-1]}:{line}({func})"
+        rows.append((tottime, cumtime, ncalls, short[-70:]))
+    key = 0 if sort == "tottime" else 1
+    print(f"{'own us':>8} {'cum us':>8} {'calls':>6}  (per step)")
+    for tottime, cumtime, ncalls, name in sorted(rows, key=lambda r: -r[key])[:top]:
+        print(f"{tottime / steps * 1e6:8.1f} {cumtime / steps * 1e6:8.1f} {ncalls / steps:6.1f}  {name}")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="4096x4096x4096")
@@ -75,16 +87,13 @@ def main():
         ks = kernels_per_step(step)
         summary.append(f"{a.shape} {label}: host {h:.0f} us/step, {len(ks)} kernels")
         print("==", summary[-1])
-        for name in ks:
-            print("   ", name[:110])
         pr = cProfile.Profile()
         pr.enable()
         for _ in range(20):
             step()
         pr.disable()
         torch.cuda.synchronize()
-        st = pstats.Stats(pr)
-        st.sort_stats(a.sort).print_stats(a.top)
+        print_compact(pstats.Stats(pr), a.sort, a.top, steps=20)
     print("\n".join(summary))
 
 
