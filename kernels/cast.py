@@ -16,6 +16,7 @@ value >= +0 or a positive NaN, as an amax history row does.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -23,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 from dist_quant.kernels._fp8_round import (
+    Fp8Spec,
     abs_bits,
     amax_from_bits,
     current_scale_from_amax,
@@ -34,7 +36,7 @@ from dist_quant.kernels._fp8_round import (
     rows_cols,
     scalar_fp32,
 )
-from dist_quant.kernels._launch import FastLaunch
+from dist_quant.kernels._launch import FastLaunch, LaunchConfig, launch_config
 
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -257,6 +259,34 @@ def delayed_cast_triton(
     return DelayedCast(q, q_t, scale_inv)
 
 
+@functools.cache
+def _config(
+    spec: Fp8Spec,
+    with_amax: bool,
+    pow2: bool,
+    p_block: int,
+    reverse: bool,
+    write_inv: bool,
+    tile: tuple[tuple[str, int], ...],
+    warps: int,
+) -> LaunchConfig:
+    return launch_config(
+        (
+            *tile,
+            ("MAX_BITS", spec.max_bits),
+            ("MANT_BITS", spec.mant_bits),
+            ("MIN_EXP", spec.min_exp),
+            ("FP8_MAX", spec.max),
+            ("WITH_AMAX", with_amax),
+            ("POW2", pow2),
+            ("P_BLOCK", p_block),
+            ("REVERSE", reverse),
+            ("WRITE_INV", write_inv),
+        ),
+        (("num_warps", warps),),
+    )
+
+
 _launch_flat = FastLaunch(_cast_kernel)
 _launch_tiled = FastLaunch(_cast_transpose_kernel)
 
@@ -302,28 +332,19 @@ def launch_cast(
         acc = amax_out.view(torch.int32)
     else:
         acc = scale_t  # unused: WITH_AMAX is off
-    common = dict(
-        MAX_BITS=spec.max_bits,
-        MANT_BITS=spec.mant_bits,
-        MIN_EXP=spec.min_exp,
-        FP8_MAX=spec.max,
-        WITH_AMAX=amax_out is not None,
-        POW2=pow2,
-        P_BLOCK=p_block,
-        REVERSE=partials is not None and gpu and GPU_REVERSE_AFTER_AMAX,
-        WRITE_INV=partials is None and scale_inv_out is not None,
-    )
+    with_amax, reverse = amax_out is not None, partials is not None and gpu and GPU_REVERSE_AFTER_AMAX
+    write_inv = partials is None and scale_inv_out is not None
     if not transpose:
         x_flat, q, q_flat = flat_pair(x, fp8_dtype)
         n = x_flat.numel()
         if n == 0:  # current.py handles an empty x itself (scale 1)
             return q, None
         block, warps = (GPU_FLAT["BLOCK"], GPU_FLAT["num_warps"]) if gpu else (1 << 15, 1)
+        cfg = _config(spec, with_amax, pow2, p_block, reverse, write_inv, (("BLOCK", block),), warps)
         _launch_flat(
             (triton.cdiv(n, block),),
             (x_flat, q_flat.view(torch.uint8), scale_t, acc, p, n_partials, eps, *outs, n),
-            {"BLOCK": block, **common},
-            {"num_warps": warps},
+            cfg,
             interpreted=not gpu,
         )
         return q, None
@@ -343,14 +364,14 @@ def launch_cast(
         bm = min(128, triton.next_power_of_2(rows))
         bn = min(triton.next_power_of_2(cols), max(128, (1 << 14) // bm))
         warps = 1
+    cfg = _config(spec, with_amax, pow2, p_block, reverse, write_inv, (("BM", bm), ("BN", bn)), warps)
     _launch_tiled(
         (triton.cdiv(rows, bm) * triton.cdiv(cols, bn),),
         (
             x2d, q2d.view(torch.uint8), q_t.view(torch.uint8), scale_t, acc, p, n_partials, eps,
             *outs, rows, cols, x2d.stride(0), x2d.stride(1), q2d.stride(0), q2d.stride(1),
         ),
-        {"BM": bm, "BN": bn, **common},
-        {"num_warps": warps},
+        cfg,
         interpreted=not gpu,
     )  # fmt: skip
     if copy_back:

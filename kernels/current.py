@@ -29,7 +29,7 @@ from dist_quant.kernels._fp8_round import (
     is_gpu,
     reciprocal,
 )
-from dist_quant.kernels._launch import FastLaunch
+from dist_quant.kernels._launch import FastLaunch, launch_config
 from dist_quant.kernels.cast import AmaxPartials, launch_cast
 
 # GPU amax pass: BLOCK elements per loop step, PROGRAMS_PER_SM persistent programs per SM
@@ -101,8 +101,7 @@ def _amax_partials(x: torch.Tensor) -> torch.Tensor:
     _launch_partials(
         (programs,),
         (x_flat, partials, n, iters),
-        {"BLOCK": block},
-        {"num_warps": warps},
+        launch_config((("BLOCK", block),), (("num_warps", warps),)),
         interpreted=not gpu,
     )
     return partials

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 from dist_quant.kernels._fp8_round import f32_bits, is_finite, is_inf
-from dist_quant.kernels._launch import FastLaunch
+from dist_quant.kernels._launch import FastLaunch, launch_config
 
 _ALGOS = {"max": 0, "most_recent": 1}
 _FIELDS = 14  # int64 table columns, in the order the kernel reads them
@@ -173,10 +173,46 @@ def _table(groups: list[tuple], base: torch.Tensor, bn: int) -> torch.Tensor:
 
 def delayed_scaling_update_groups_triton(groups: Sequence[Sequence]) -> None:
     """Update every group in place with one launch (groups with ``n == 0`` are skipped)."""
+    key = _plan_key(groups)
+    plan = _PLAN_CACHE.get(key) if key is not None else None
+    if plan is None:
+        plan = _plan(groups)
+        if key is not None:
+            _PLAN_CACHE[key] = plan
+            if len(_PLAN_CACHE) > _TABLE_CACHE_SIZE:
+                _PLAN_CACHE.popitem(last=False)
+    if plan is _NOTHING:
+        return
+    base, table, cfg = plan
+    _launch_update((table.shape[0],), (base, table), cfg, interpreted=not base.is_cuda)
+
+
+_NOTHING = ()  # the plan of a list whose groups are all empty
+
+
+def _plan_key(groups: Sequence[Sequence]) -> tuple | None:
+    """What a plan depends on: every tensor's identity, pointer, dtype, shape and stride, and the
+    scalars; None when a group is malformed (the plan then validates it and raises)."""
+    parts: list = []
+    try:
+        for history, scale, limit, margin, algo in groups:
+            for t in (history, scale, limit):
+                if isinstance(t, torch.Tensor):
+                    parts.append((t.data_ptr(), t.dtype, t.shape, t.stride(), t.device))
+                else:
+                    parts.append(t)
+            parts.append((margin, algo))
+    except (TypeError, ValueError):
+        return None
+    return tuple(parts)
+
+
+def _plan(groups: Sequence[Sequence]) -> tuple:
+    """Validate the groups and build their program table and launch configuration."""
     checked = [_check_group(i, g) for i, g in enumerate(groups)]
     checked = [g for g in checked if g[0].shape[1] > 0]
     if not checked:
-        return
+        return _NOTHING
     base = checked[0][0]
     for i, (history, _, _, _, _) in enumerate(checked):
         if history.device != base.device:
@@ -191,13 +227,10 @@ def delayed_scaling_update_groups_triton(groups: Sequence[Sequence]) -> None:
     # history of a few slots is then one or two chunks.
     r = max(1, min(triton.next_power_of_2(max(max_l - 1, 1)), 4096 // bn))
     table = _table(checked, base, bn)
-    _launch_update(
-        (table.shape[0],),
-        (base, table),
-        {"FIELDS": _FIELDS, "BN": bn, "R": r},
-        {},
-        interpreted=not base.is_cuda,
-    )
+    return base, table, launch_config((("FIELDS", _FIELDS), ("BN", bn), ("R", r)))
+
+
+_PLAN_CACHE: OrderedDict[tuple, tuple] = OrderedDict()
 
 
 _launch_update = FastLaunch(_delayed_update_kernel)
