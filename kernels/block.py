@@ -17,9 +17,11 @@ import triton.language as tl
 from dist_quant.kernels._fp8_round import (
     abs_bits,
     amax_from_bits,
+    cdiv,
     fp8_encode,
     fp8_spec,
     is_gpu,
+    next_pow2,
     reciprocal,
     rows_cols,
     scale_from_amax,
@@ -88,8 +90,8 @@ def block_cast_triton(
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"{what}: x must be fp32/bf16/fp16, got {x.dtype}")
     rows, cols = rows_cols(x, what)
-    n_tiles = triton.cdiv(cols, FLOAT8_BLOCK)
-    scale_rows = rows if block_dim == 1 else triton.cdiv(rows, FLOAT8_BLOCK)
+    n_tiles = cdiv(cols, FLOAT8_BLOCK)
+    scale_rows = rows if block_dim == 1 else cdiv(rows, FLOAT8_BLOCK)
     dev = x.device
     q = torch.empty(x.shape, dtype=fp8_dtype, device=dev)
     scale_inv = torch.empty((scale_rows, n_tiles), dtype=torch.float32, device=dev)
@@ -98,15 +100,15 @@ def block_cast_triton(
     x2d = x.detach().reshape(rows, cols)
     gpu = is_gpu(x)
     if block_dim == 2:
-        nb = min(triton.next_power_of_2(n_tiles), 2)
+        nb = min(next_pow2(n_tiles), 2)
         cfg = {"BM": 128, **GPU_128X128} if gpu else {"BM": 128, "NB": nb, "num_warps": 1}
     elif gpu:
         cfg = GPU_1X128
     else:  # interpreter: ~16K-element tiles
-        nb = min(triton.next_power_of_2(n_tiles), 8)
-        bm = min(triton.next_power_of_2(rows), max(1, 128 // nb))
+        nb = min(next_pow2(n_tiles), 8)
+        bm = min(next_pow2(rows), max(1, 128 // nb))
         cfg = {"BM": bm, "NB": nb, "num_warps": 1}
-    grid = (triton.cdiv(rows, cfg["BM"]) * triton.cdiv(n_tiles, cfg["NB"]),)
+    grid = (cdiv(rows, cfg["BM"]) * cdiv(n_tiles, cfg["NB"]),)
     _block_cast_kernel[grid](
         x2d, q.view(torch.uint8), scale_inv, rows, cols, n_tiles, x2d.stride(0), x2d.stride(1),
         SQUARE=block_dim == 2, MAX_BITS=spec.max_bits, MANT_BITS=spec.mant_bits,

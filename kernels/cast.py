@@ -27,11 +27,13 @@ from dist_quant.kernels._fp8_round import (
     Fp8Spec,
     abs_bits,
     amax_from_bits,
+    cdiv,
     current_scale_from_amax,
     flat_pair,
     fp8_encode,
     fp8_spec,
     is_gpu,
+    next_pow2,
     reciprocal,
     rows_cols,
     scalar_fp32,
@@ -321,7 +323,7 @@ def launch_cast(
         scale_t = partials.scale_out
         p, n_partials = partials.partials, partials.partials.numel()
         eps, pow2 = float(partials.amax_epsilon), bool(partials.use_power_2_scales)
-        p_block = triton.next_power_of_2(n_partials)
+        p_block = next_pow2(n_partials)
         outs = (partials.amax_out, partials.scale_out, partials.scale_inv_out)
     if amax_out is not None:
         if amax_out.dtype != torch.float32 or amax_out.numel() != 1 or amax_out.device != dev:
@@ -332,7 +334,10 @@ def launch_cast(
         acc = amax_out.view(torch.int32)
     else:
         acc = scale_t  # unused: WITH_AMAX is off
-    with_amax, reverse = amax_out is not None, partials is not None and gpu and GPU_REVERSE_AFTER_AMAX
+    with_amax, reverse = (
+        amax_out is not None,
+        partials is not None and gpu and GPU_REVERSE_AFTER_AMAX,
+    )
     write_inv = partials is None and scale_inv_out is not None
     if not transpose:
         x_flat, q, q_flat = flat_pair(x, fp8_dtype)
@@ -340,9 +345,11 @@ def launch_cast(
         if n == 0:  # current.py handles an empty x itself (scale 1)
             return q, None
         block, warps = (GPU_FLAT["BLOCK"], GPU_FLAT["num_warps"]) if gpu else (1 << 15, 1)
-        cfg = _config(spec, with_amax, pow2, p_block, reverse, write_inv, (("BLOCK", block),), warps)
+        cfg = _config(
+            spec, with_amax, pow2, p_block, reverse, write_inv, (("BLOCK", block),), warps
+        )
         _launch_flat(
-            (triton.cdiv(n, block),),
+            (cdiv(n, block),),
             (x_flat, q_flat.view(torch.uint8), scale_t, acc, p, n_partials, eps, *outs, n),
             cfg,
             interpreted=not gpu,
@@ -361,12 +368,14 @@ def launch_cast(
     if gpu:
         bm, bn, warps = GPU_TILE["BM"], GPU_TILE["BN"], GPU_TILE["num_warps"]
     else:  # interpreter: ~16K-element tiles shaped to the matrix (a (1, n) input is one row)
-        bm = min(128, triton.next_power_of_2(rows))
-        bn = min(triton.next_power_of_2(cols), max(128, (1 << 14) // bm))
+        bm = min(128, next_pow2(rows))
+        bn = min(next_pow2(cols), max(128, (1 << 14) // bm))
         warps = 1
-    cfg = _config(spec, with_amax, pow2, p_block, reverse, write_inv, (("BM", bm), ("BN", bn)), warps)
+    cfg = _config(
+        spec, with_amax, pow2, p_block, reverse, write_inv, (("BM", bm), ("BN", bn)), warps
+    )
     _launch_tiled(
-        (triton.cdiv(rows, bm) * triton.cdiv(cols, bn),),
+        (cdiv(rows, bm) * cdiv(cols, bn),),
         (
             x2d, q2d.view(torch.uint8), q_t.view(torch.uint8), scale_t, acc, p, n_partials, eps,
             *outs, rows, cols, x2d.stride(0), x2d.stride(1), q2d.stride(0), q2d.stride(1),

@@ -22,11 +22,13 @@ import triton.language as tl
 from dist_quant.kernels._fp8_round import (
     abs_bits,
     amax_from_bits,
+    cdiv,
     current_scale_from_amax,
     dense_flat,
     flat_pair,
     fp8_spec,
     is_gpu,
+    next_pow2,
     reciprocal,
 )
 from dist_quant.kernels._launch import FastLaunch, launch_config
@@ -92,12 +94,12 @@ def _amax_partials(x: torch.Tensor) -> torch.Tensor:
     gpu = is_gpu(x)
     if gpu:
         block, warps = GPU_AMAX["BLOCK"], GPU_AMAX["num_warps"]
-        programs = min(triton.cdiv(n, block), _sm_count(x.device) * GPU_AMAX["PROGRAMS_PER_SM"])
+        programs = min(cdiv(n, block), _sm_count(x.device) * GPU_AMAX["PROGRAMS_PER_SM"])
     else:
         block, warps = 1 << 15, 1
-        programs = min(triton.cdiv(n, block), 4)
+        programs = min(cdiv(n, block), 4)
     partials = torch.empty(programs, dtype=torch.int32, device=x.device)
-    iters = triton.cdiv(triton.cdiv(n, block), programs)
+    iters = cdiv(cdiv(n, block), programs)
     _launch_partials(
         (programs,),
         (x_flat, partials, n, iters),
@@ -127,7 +129,7 @@ def amax_triton(x: torch.Tensor) -> torch.Tensor:
     if x.numel() == 0:
         return out
     partials = _amax_partials(x.detach())
-    p_block = triton.next_power_of_2(partials.numel())
+    p_block = next_pow2(partials.numel())
     _amax_finalize_kernel[(1,)](partials, partials.numel(), out, P_BLOCK=p_block)
     return out
 
@@ -150,7 +152,7 @@ def current_scale_triton(
     n = a_flat.numel()
     if n:
         block = 1024
-        _current_scale_kernel[(triton.cdiv(n, block),)](
+        _current_scale_kernel[(cdiv(n, block),)](
             a_flat, scale_flat, scale_inv.as_strided((n,), (1,)), n, float(amax_epsilon),
             FP8_MAX=spec.max, POW2=bool(use_power_2_scales), BLOCK=block,
         )  # fmt: skip

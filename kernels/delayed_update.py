@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 import triton
 import triton.language as tl
-from dist_quant.kernels._fp8_round import f32_bits, is_finite, is_inf
+from dist_quant.kernels._fp8_round import f32_bits, is_finite, is_inf, next_pow2
 from dist_quant.kernels._launch import FastLaunch, launch_config
 
 _ALGOS = {"max": 0, "most_recent": 1}
@@ -222,10 +222,10 @@ def _plan(groups: Sequence[Sequence]) -> tuple:
             )
     max_n = max(g[0].shape[1] for g in checked)
     max_l = max(g[0].shape[0] for g in checked)
-    bn = min(triton.next_power_of_2(max_n), 128)
+    bn = min(next_pow2(max_n), 128)
     # A chunk of R rows x BN slots: ~4K elements per step keeps registers modest; a 1024-long
     # history of a few slots is then one or two chunks.
-    r = max(1, min(triton.next_power_of_2(max(max_l - 1, 1)), 4096 // bn))
+    r = max(1, min(next_pow2(max(max_l - 1, 1)), 4096 // bn))
     table = _table(checked, base, bn)
     return base, table, launch_config((("FIELDS", _FIELDS), ("BN", bn), ("R", r)))
 
