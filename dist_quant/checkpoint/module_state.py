@@ -31,7 +31,7 @@ the checkpoint's name, so its roles are the ones it ran with, and blocks wire th
 `nn.Module.load_state_dict` loads module by module and would leave earlier modules loaded when a
 later one fails; `load_state_dict(model, state_dict)` here validates every module's extra state and
 every tensor's shape before anything is copied. `save` / `load` wrap plain `torch.save`;
-`checkpoint_dcp.py` does the same for torch.distributed.checkpoint; `checkpoint_job.py` captures the
+`dcp.py` does the same for torch.distributed.checkpoint; `checkpoint_job.py` captures the
 coordinator's decision log and the last committed switch. See docs/checkpoint.md.
 """
 
@@ -464,18 +464,6 @@ def load(
     return {"job": ckpt["job"], "extra": ckpt["extra"]}
 
 
-_DCP_NAMES = ("dcp_load", "dcp_save", "dcp_state_dict")
-
-
-def __getattr__(name: str) -> Any:
-    # torch.distributed.checkpoint is imported only by jobs that use it (it adds ~1 s to import)
-    if name in _DCP_NAMES:
-        from dist_quant import checkpoint_dcp
-
-        return getattr(checkpoint_dcp, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = [
     "CHECKPOINT_FORMAT",
     "FORMAT",
@@ -486,5 +474,4 @@ __all__ = [
     "recipe_of",
     "restore_job_state",
     "save",
-    *_DCP_NAMES,
 ]
