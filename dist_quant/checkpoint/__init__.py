@@ -2,7 +2,8 @@
 
 `module_state.py`: each module's extra state (format, validation), the all-or-nothing model load,
 `save` / `load` over plain `torch.save`. `dcp.py`: the same for torch.distributed.checkpoint
-(tensor and FSDP2 sharding). See docs/checkpoint.md.
+(tensor and FSDP2 sharding). The job's switch state (`dist_quant.coordinator.job_state`) is
+stored as the opaque `job` entry. See docs/checkpoint.md.
 """
 
 from __future__ import annotations
@@ -14,24 +15,31 @@ from dist_quant.checkpoint.module_state import (
     CHECKPOINT_FORMAT,
     FORMAT,
     ONE_LINER,
-    job_state,
     load,
     load_module_extra_state,
     load_state_dict,
     module_extra_state,
     recipe_digest,
     recipe_of,
-    restore_job_state,
     save,
 )
 
 _DCP_NAMES = ("dcp_load", "dcp_save", "dcp_state_dict")
 
 
+# The switch protocol's part of a checkpoint lives with the protocol.
+_MOVED = {"job_state": "dist_quant.coordinator", "restore_job_state": "dist_quant.coordinator"}
+
+
 def __getattr__(name: str) -> Any:
     # torch.distributed.checkpoint is imported only by jobs that use it (it adds ~1 s to import)
     if name in _DCP_NAMES:
         return getattr(importlib.import_module("dist_quant.checkpoint.dcp"), name)
+    if name in _MOVED:
+        raise AttributeError(
+            f"{__name__}.{name} moved to {_MOVED[name]}.{name} (the checkpoint stores the job "
+            "state it is given and knows nothing of the switch protocol)"
+        )
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -39,14 +47,12 @@ __all__ = [
     "CHECKPOINT_FORMAT",
     "FORMAT",
     "ONE_LINER",
-    "job_state",
     "load",
     "load_module_extra_state",
     "load_state_dict",
     "module_extra_state",
     "recipe_digest",
     "recipe_of",
-    "restore_job_state",
     "save",
     *_DCP_NAMES,
 ]

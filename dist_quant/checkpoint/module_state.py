@@ -31,8 +31,9 @@ the checkpoint's name, so its roles are the ones it ran with, and blocks wire th
 `nn.Module.load_state_dict` loads module by module and would leave earlier modules loaded when a
 later one fails; `load_state_dict(model, state_dict)` here validates every module's extra state and
 every tensor's shape before anything is copied. `save` / `load` wrap plain `torch.save`;
-`dcp.py` does the same for torch.distributed.checkpoint; `checkpoint_job.py` captures the
-coordinator's decision log and the last committed switch. See docs/checkpoint.md.
+`dcp.py` does the same for torch.distributed.checkpoint. Both store a caller's `job` mapping
+as it is: the coordinator's decision log and switches in force (`dist_quant.coordinator.job_state`)
+go there, and nothing here knows their format. See docs/checkpoint.md.
 """
 
 from __future__ import annotations
@@ -48,7 +49,6 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from dist_quant.checkpoint_job import job_state, restore_job_state
 from dist_quant.modules.base import QuantizedModule, assign_role_names, provisional_role_names
 from dist_quant.recipes import Recipe, recipe_from_dict
 from dist_quant.runtime import (
@@ -426,8 +426,9 @@ def save(
     job: Mapping[str, Any] | None = None,
     extra: Mapping[str, Any] | None = None,
 ) -> None:
-    """`torch.save` of the model (with its dist-quant state), the optimizer, the job state
-    (`job_state(...)`) and `extra` (plain data: step, RNG states...); `load` reads it back."""
+    """`torch.save` of the model (with its dist-quant state), the optimizer, `job` (the switch
+    protocol's plain data: `dist_quant.coordinator.job_state(...)`) and `extra` (plain data: step,
+    RNG states...); `load` reads it back."""
     torch.save(
         {
             "format": CHECKPOINT_FORMAT,
@@ -468,10 +469,8 @@ __all__ = [
     "CHECKPOINT_FORMAT",
     "FORMAT",
     "ONE_LINER",
-    "job_state",
     "load",
     "load_state_dict",
     "recipe_of",
-    "restore_job_state",
     "save",
 ]
