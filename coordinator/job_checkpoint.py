@@ -32,6 +32,7 @@ from typing import Any
 import torch.distributed as dist
 from dist_quant.coordinator.endpoint import LOG_FILE, resolve_run_dir
 from dist_quant.coordinator.log import DecisionLog, timeline
+from dist_quant.coordinator.participant_state import RankPhase
 from torch import nn
 
 from dist_quant.checkpoint import recipe_digest
@@ -39,7 +40,6 @@ from dist_quant.recipes import recipe_from_dict
 from dist_quant.runtime import recipe_key_of
 
 JOB_FORMAT = "dist_quant.job_state/1"
-_BROKEN = "broken"  # the participant state in which a checkpoint would be wrong
 
 
 def _log_path(run_dir: str | os.PathLike[str] | None) -> Path:
@@ -72,7 +72,7 @@ def job_state(
     """The coordinator's state to save with a checkpoint taken before step `step`."""
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"job_state: step must be an int >= 0, got {step!r}")
-    if participant.state == _BROKEN:
+    if participant.state == RankPhase.BROKEN.value:  # its recipe may differ from its peers'
         raise ValueError(
             f"job_state: rank {participant.rank} is broken (it may run another recipe than its "
             "peers); restart the job from an earlier checkpoint"
