@@ -1,8 +1,9 @@
 """Checkpoint and resume of dist-quant models, bit-exact: reached as `dq.checkpoint.*`.
 
-`module_state.py`: each module's extra state (format, validation), the all-or-nothing model load,
-`save` / `load` over plain `torch.save`. `dcp.py`: the same for torch.distributed.checkpoint
-(tensor and FSDP2 sharding). The job's switch state (`dist_quant.coordinator.job_state`) is
+`module_state.py`: each module's extra state (format, validation, staged load). `model.py`: the
+all-or-nothing model load, `recipe_of`, `save` / `load` over plain `torch.save`. `dcp.py`: the
+same for torch.distributed.checkpoint (tensor and FSDP2 sharding). `shards.py`: a single-rank
+state dict loaded into a tensor-parallel model. The job's switch state (`dist_quant.coordinator.job_state`) is
 stored as the opaque `job` entry. See docs/checkpoint.md.
 """
 
@@ -11,18 +12,15 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from dist_quant.checkpoint.model import CHECKPOINT_FORMAT, load, load_state_dict, recipe_of, save
 from dist_quant.checkpoint.module_state import (
-    CHECKPOINT_FORMAT,
     FORMAT,
     ONE_LINER,
-    load,
     load_module_extra_state,
-    load_state_dict,
     module_extra_state,
     recipe_digest,
-    recipe_of,
-    save,
 )
+from dist_quant.checkpoint.shards import load_full_state_dict_into_shards
 
 _DCP_NAMES = ("dcp_load", "dcp_save", "dcp_state_dict")
 
@@ -48,6 +46,7 @@ __all__ = [
     "FORMAT",
     "ONE_LINER",
     "load",
+    "load_full_state_dict_into_shards",
     "load_module_extra_state",
     "load_state_dict",
     "module_extra_state",

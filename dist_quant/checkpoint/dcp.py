@@ -41,11 +41,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from dist_quant.checkpoint.module_state import (
-    _dq_modules_by_key,
-    load_state_dict,
-    parse_extra_state,
-)
+from dist_quant.checkpoint.model import _dq_modules_by_key, load_state_dict
+from dist_quant.checkpoint.module_state import parse_extra_state
 from dist_quant.parallel import group_rank, group_size
 
 _MODEL, _JOB = "model", "job"  # top-level keys; the caller's `extra` sits beside them
