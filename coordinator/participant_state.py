@@ -12,7 +12,7 @@ against `TRANSITIONS`.
                                                   \\--no decision in time--> GAVE_UP
     GAVE_UP --ABORT--> IDLE ;  GAVE_UP --next Prepare--> PREPARING
     COMMITTING --CancelPrepare, before S--> CANCEL_VOTED --cancelled--> IDLE (candidate dropped)
-                                            \\--not cancelled, or no outcome by S + grace--> COMMITTING
+                                   \\--not cancelled, or no outcome by S + grace--> COMMITTING
     IDLE --a re-applied switch (resume)--> COMMITTING ;  COMMITTING --published, next re-applied
     switch--> COMMITTING
     any --inconsistent with the other ranks--> BROKEN (step_boundary raises; BROKEN is final)
@@ -57,8 +57,8 @@ class RankPhase(Enum):
         return self in (RankPhase.IDLE, RankPhase.GAVE_UP)
 
 
-# Allowed changes of phase (a state may also be replaced by one of its own phase: BROKEN keeps
-# its first reason, so only COMMITTING does that, for the next re-applied switch).
+# Allowed changes of phase. A step that keeps the state returns the same object and needs no
+# entry; COMMITTING -> COMMITTING is the next re-applied switch, held right after a publish.
 TRANSITIONS: dict[RankPhase, frozenset[RankPhase]] = {
     RankPhase.IDLE: frozenset({RankPhase.PREPARING, RankPhase.COMMITTING, RankPhase.BROKEN}),
     RankPhase.PREPARING: frozenset({RankPhase.VOTED, RankPhase.IDLE, RankPhase.BROKEN}),

@@ -3,8 +3,8 @@
 `module_state.py`: each module's extra state (format, validation, staged load). `model.py`: the
 all-or-nothing model load, `recipe_of`, `save` / `load` over plain `torch.save`. `dcp.py`: the
 same for torch.distributed.checkpoint (tensor and FSDP2 sharding). `shards.py`: a single-rank
-state dict loaded into a tensor-parallel model. The job's switch state (`dist_quant.coordinator.job_state`) is
-stored as the opaque `job` entry. See docs/checkpoint.md.
+state dict loaded into a tensor-parallel model. The job's switch state
+(`dist_quant.coordinator.job_state`) is stored as the opaque `job` entry. See docs/checkpoint.md.
 """
 
 from __future__ import annotations

@@ -124,7 +124,8 @@ def dcp_save(
     extra: Mapping[str, Any] | None = None,
 ) -> None:
     """`dcp.save` of the model with its dist-quant state, the coordinator's `job` state
-    (`dist_quant.coordinator.job_state`) and `extra` (the step, ...). Collective: call on every rank."""
+    (`dist_quant.coordinator.job_state`) and `extra` (the step, ...). Collective: call on every
+    rank."""
     sd = {
         _MODEL: dcp_state_dict(model, tp_group=tp_group),
         _JOB: ""

@@ -1,4 +1,5 @@
-"""`settle_decision()` / `settle_cancel()` as tables: how logging went -> what ranks and client hear.
+"""`settle_decision()` / `settle_cancel()` as tables: how logging went -> what ranks and client
+hear.
 
 What these catch: a COMMIT announced although the log could not record it (a rank would publish
 without a recorded decision), or one recorded after some rank may have given up (it kept its old
