@@ -26,7 +26,9 @@ _EXPORTS: dict[str, str] = {
     "attach": "dist_quant.coordinator.attach",
     "cancel_switch": "dist_quant.coordinator.client",
     "fail_at": "dist_quant.coordinator.faults",
+    "job_state": "dist_quant.coordinator.job_checkpoint",
     "request_switch": "dist_quant.coordinator.client",
+    "restore_job_state": "dist_quant.coordinator.job_checkpoint",
     "status": "dist_quant.coordinator.client",
 }
 

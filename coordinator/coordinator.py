@@ -41,6 +41,8 @@ from dist_quant.coordinator.protocol import (
     Vote,
     decide,
     decide_cancel,
+    settle_cancel,
+    settle_decision,
 )
 from dist_quant.coordinator.transport import Transport, TransportError
 from dist_quant.coordinator.wire import INBOX, rank_queue, reply_queue, seal, unseal
@@ -232,19 +234,22 @@ class Coordinator:
         switch_id = decision.switch_id
         inject(self._faults, "decide", rank=None, switch_id=switch_id)
         t0 = time.monotonic()
-        try:
-            self._log.append({"event": "decision", **decision.to_dict()})
-        except DecisionLogError as e:
-            self._say.error(f"cannot record the decision, aborting: {e}", switch_id=switch_id)
-            decision = Decision(switch_id, False, None, dict(decision.reasons), f"{e}")
-            self._append_best_effort({"event": "decision", **decision.to_dict()})
-        late = time.monotonic() - sw.deadline
-        if decision.commit and late > self._commit_window_s:
-            # Some rank may already have stopped waiting and kept its old recipe.
-            summary = f"COMMIT was logged {late:.2f} s after the vote deadline; aborted instead"
-            self._say.error(summary, switch_id=switch_id)
-            decision = Decision(switch_id, False, None, {}, summary)
-            self._append_best_effort({"event": "decision", **decision.to_dict()})
+        log_error = self._append_outcome("decision", decision)
+        if log_error is not None:
+            self._say.error(
+                f"cannot record the decision, aborting: {log_error}", switch_id=switch_id
+            )
+        settled = settle_decision(
+            decision,
+            log_error=log_error,
+            logged_late_s=time.monotonic() - sw.deadline,
+            commit_window_s=self._commit_window_s,
+        )
+        if settled is not decision:
+            if log_error is None:
+                self._say.error(settled.summary, switch_id=switch_id)
+            self._append_best_effort({"event": "decision", **settled.to_dict()})
+        decision = settled
         sw.log_s = time.monotonic() - t0
         sw.decision = decision
         inject(self._faults, "publish", rank=None, switch_id=switch_id)
@@ -257,27 +262,36 @@ class Coordinator:
         """Log the cancel's outcome durably, then tell the ranks and the client (as a decision)."""
         cancel = sw.cancel
         switch_id = outcome.switch_id
-        try:
-            self._log.append({"event": "cancel", **outcome.to_dict()})
-        except DecisionLogError as e:
+        log_error = self._append_outcome("cancel", outcome)
+        if log_error is not None:
             self._say.error(
-                f"cannot record the cancel, keeping the commit: {e}", switch_id=switch_id
+                f"cannot record the cancel, keeping the commit: {log_error}", switch_id=switch_id
             )
-            outcome = CancelDecision(switch_id, False, outcome.step, {}, f"not cancelled: {e}")
-            self._append_best_effort({"event": "cancel", **outcome.to_dict()})
-        late = time.monotonic() - cancel.deadline
-        if outcome.cancelled and late > self._commit_window_s:
-            # A rank may already have stopped holding its publish at the commit step.
-            summary = f"not cancelled: the cancel was logged {late:.2f} s after its deadline"
-            self._say.error(summary, switch_id=switch_id)
-            outcome = CancelDecision(switch_id, False, outcome.step, {}, summary)
-            self._append_best_effort({"event": "cancel", **outcome.to_dict()})
+        settled = settle_cancel(
+            outcome,
+            log_error=log_error,
+            logged_late_s=time.monotonic() - cancel.deadline,
+            commit_window_s=self._commit_window_s,
+        )
+        if settled is not outcome:
+            if log_error is None:
+                self._say.error(settled.summary, switch_id=switch_id)
+            self._append_best_effort({"event": "cancel", **settled.to_dict()})
+        outcome = settled
         sw.cancel = None
         self._transition(Phase.CANCELLED if outcome.cancelled else Phase.COMMITTED)
         if outcome.cancelled:
             self._history[-1]["cancelled"] = True
         self._broadcast(outcome)
         self._reply(cancel.request_id, "result", switch_id, body=outcome.to_dict())
+
+    def _append_outcome(self, event: str, outcome: Decision | CancelDecision) -> str | None:
+        """Record a switch's or a cancel's outcome durably; the error text if the log failed."""
+        try:
+            self._log.append({"event": event, **outcome.to_dict()})
+        except DecisionLogError as e:
+            return str(e)
+        return None
 
     def _append_best_effort(self, record: dict[str, Any]) -> None:
         """Records whose loss is harmless: an ABORT after a COMMIT that failed or came too late

@@ -1,4 +1,4 @@
-"""The switch protocol: phases, messages and the pure `decide()`.
+"""The switch protocol: phases, messages, the pure `decide()` and the rules that settle it.
 
 Everything here is free of threads, clocks and I/O, so it can be tested as tables. The coordinator
 (`coordinator.py`) drives the phases; participants (`participant.py`) send votes and acks; the
@@ -440,6 +440,45 @@ def decide_cancel(
     return CancelDecision(
         prepare.switch_id, True, prepare.step, {}, f"cancelled before step {prepare.step}"
     )
+
+
+def settle_decision(
+    decision: Decision, *, log_error: str | None, logged_late_s: float, commit_window_s: float
+) -> Decision:
+    """The decision the ranks and the client hear, given how logging `decision` went.
+
+    Two rules turn it into ABORT: the log could not record it (`log_error`; no rank may publish
+    without a recorded decision), or a COMMIT was recorded `logged_late_s` after the vote deadline,
+    more than `commit_window_s` (a rank may already have stopped waiting and kept its recipe).
+    Returns `decision` itself when neither applies.
+    """
+    if log_error is not None:
+        return Decision(decision.switch_id, False, None, dict(decision.reasons), log_error)
+    if decision.commit and logged_late_s > commit_window_s:
+        summary = (
+            f"COMMIT was logged {logged_late_s:.2f} s after the vote deadline; aborted instead"
+        )
+        return Decision(decision.switch_id, False, None, {}, summary)
+    return decision
+
+
+def settle_cancel(
+    outcome: CancelDecision,
+    *,
+    log_error: str | None,
+    logged_late_s: float,
+    commit_window_s: float,
+) -> CancelDecision:
+    """The cancel outcome the ranks and the client hear, given how logging `outcome` went: the
+    same two rules as `settle_decision` keep the switch committed (a rank may already have stopped
+    holding its publish at the commit step). Returns `outcome` itself when neither applies."""
+    if log_error is not None:
+        summary = f"not cancelled: {log_error}"
+        return CancelDecision(outcome.switch_id, False, outcome.step, {}, summary)
+    if outcome.cancelled and logged_late_s > commit_window_s:
+        summary = f"not cancelled: the cancel was logged {logged_late_s:.2f} s after its deadline"
+        return CancelDecision(outcome.switch_id, False, outcome.step, {}, summary)
+    return outcome
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ _EXPORTS: dict[str, str] = {
     "MultiheadAttention": "dist_quant.modules",
     "TransformerLayer": "dist_quant.modules",
     "allreduce_sequence_parallel_grads": "dist_quant.parallel",
-    "load_full_state_dict_into_shards": "dist_quant.parallel",
+    "load_full_state_dict_into_shards": "dist_quant.checkpoint.shards",
     "Float8BlockQuantizer": "dist_quant.quantizers",
     "Float8CurrentScalingQuantizer": "dist_quant.quantizers",
     "Float8Quantizer": "dist_quant.quantizers",

@@ -17,7 +17,6 @@ checks that it did.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +28,6 @@ from dist_quant.quantizers import Float8CurrentScalingQuantizer, Quantizer
 from dist_quant.tensor import Float8Tensor, QuantizedTensor
 
 PARALLEL_MODES = ("column", "row")
-_EXTRA_STATE = "_extra_state"  # the key suffix nn.Module.state_dict gives get_extra_state()
 _PER_TENSOR = ("delayed", "current")
 
 
@@ -93,7 +91,8 @@ def group_rank(group: Any) -> int:
 def mark_tp_split(param: nn.Parameter, dim: int, parts: int = 1) -> None:
     """Record how `param` is a TP shard: the full tensor is cut along `dim` into `parts` equal
     pieces (3 for fused QKV, 2 for SwiGLU's gate/up) and each piece is split over the ranks; the
-    rank's shard is its chunk of every piece, concatenated. Read by `load_full_state_dict_into_shards`."""
+    rank's shard is its chunk of every piece, concatenated. Read by
+    `checkpoint.load_full_state_dict_into_shards` and the DCP layout."""
     param.tp_split = (dim, parts)
 
 
@@ -112,50 +111,6 @@ def shard_of(full: torch.Tensor, dim: int, parts: int, rank: int, size: int) -> 
         )
     pieces = full.chunk(parts, dim=dim)
     return torch.cat([p.chunk(size, dim=dim)[rank] for p in pieces], dim=dim)
-
-
-def load_full_state_dict_into_shards(
-    model: nn.Module, full_state_dict: Mapping[str, Any], tp_group: Any
-) -> None:
-    """Copy a single-rank (unsharded) state dict into a tensor-parallel model on this rank.
-
-    Parameters marked with `mark_tp_split` receive their shard; every other parameter and buffer
-    receives the full tensor. Modules' extra state (FP8 recipe, scales, amax histories) is loaded
-    unchanged: a slot's scale and history describe the whole tensor, which is what TP ranks share
-    once their amaxes are reduced. Strict: a missing or unexpected key, or a shard whose shape
-    differs from the parameter, raises ValueError naming it before anything is loaded; each
-    module's extra state then validates itself as it loads.
-    """
-    rank, size = group_rank(tp_group), group_size(tp_group)
-    current = model.state_dict(keep_vars=True)  # the Parameter objects, with their marks
-    extra = {k for k in current if k.rsplit(".", 1)[-1] == _EXTRA_STATE}
-    targets = {k: v for k, v in current.items() if k not in extra}
-    missing = sorted((targets.keys() | extra) - full_state_dict.keys())
-    unexpected = sorted(full_state_dict.keys() - targets.keys() - extra)
-    if missing or unexpected:
-        raise ValueError(
-            f"load_full_state_dict_into_shards: missing keys {missing}, unexpected keys {unexpected}"
-        )
-    staged = []
-    for name, target in targets.items():
-        full = full_state_dict[name]
-        split = getattr(target, "tp_split", None)
-        try:
-            value = full if split is None else shard_of(full, split[0], split[1], rank, size)
-        except ValueError as e:
-            raise ValueError(f"load_full_state_dict_into_shards: {name!r}: {e}") from e
-        if value.shape != target.shape:
-            raise ValueError(
-                f"load_full_state_dict_into_shards: {name!r} is {tuple(target.shape)} on TP rank "
-                f"{rank} of {size}, the state dict gives {tuple(value.shape)}"
-            )
-        staged.append((target, value))
-    for key in sorted(extra):
-        owner = key.rsplit(".", 1)[0] if "." in key else ""  # "" is the model itself
-        model.get_submodule(owner).set_extra_state(full_state_dict[key])
-    with torch.no_grad():
-        for target, value in staged:
-            target.copy_(value)
 
 
 def allreduce_sequence_parallel_grads(model: nn.Module, tp_group: Any) -> None:

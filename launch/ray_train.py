@@ -18,9 +18,9 @@ Ray Train initialises the process group; `attach` then uses the Ray transport (t
 a named actor on rank 0's node). `run_dir()` is `<RunConfig storage path>/<experiment name>/
 dist_quant` (the same for every restart of the run, so a restarted attempt appends to the same
 decision log), or `$DIST_QUANT_RUN_DIR` when set. `report` saves the model, optimizer and job
-state (`checkpoint.job_state`, which never refuses over a pending switch) on rank 0 and reports
+state (`coordinator.job_state`, which never refuses over a pending switch) on rank 0 and reports
 them with the metrics; `restore` loads the latest checkpoint into a freshly built model and
-reconciles the decision log (`checkpoint.restore_job_state`), so switches committed after that
+reconciles the decision log (`coordinator.restore_job_state`), so switches committed after that
 checkpoint are re-applied at their steps.
 """
 
@@ -74,6 +74,8 @@ def report(
 ) -> None:
     """Checkpoint before `step` (the step a resumed run starts with) and report it with
     `metrics`; call on every rank (rank 0 writes the checkpoint)."""
+    from dist_quant.coordinator import job_state
+
     from dist_quant import checkpoint as ckpt
 
     train = _train()
@@ -81,7 +83,7 @@ def report(
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = None
         if rank == 0:
-            job = ckpt.job_state(participant, step=step, run_dir=run_dir())
+            job = job_state(participant, step=step, run_dir=run_dir())
             ckpt.save(
                 Path(tmp) / CHECKPOINT_FILE,
                 model,
@@ -97,6 +99,8 @@ def restore(model: nn.Module, optimizer: Optimizer | None = None) -> dict[str, A
     """Load Ray Train's latest checkpoint into a freshly built `model` (no recipe applied yet)
     and `optimizer`, and reconcile the decision log; returns the checkpoint's `extra` (with
     "step"), or None when the run starts fresh. Call before `attach`, on every rank."""
+    from dist_quant.coordinator import restore_job_state
+
     from dist_quant import checkpoint as ckpt
 
     checkpoint = _train().get_checkpoint()
@@ -105,7 +109,7 @@ def restore(model: nn.Module, optimizer: Optimizer | None = None) -> dict[str, A
     with checkpoint.as_directory() as d:
         got = ckpt.load(Path(d) / CHECKPOINT_FILE, model, optimizer)
     if got["job"] is not None:
-        ckpt.restore_job_state(got["job"], run_dir=run_dir(), model=model)
+        restore_job_state(got["job"], run_dir=run_dir(), model=model)
     return got["extra"]
 
 

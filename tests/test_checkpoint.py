@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from dist_quant.coordinator import job_state, restore_job_state
 from torch import nn
 
 import dist_quant as dq
@@ -86,7 +87,7 @@ def run_job(cfg: dict) -> dict:
         out["buffers_after_load"] = scaling_buffers(model)
         if cfg["switch"]:
             run_dir = cfg["run_dir"]
-            out["last_commit"] = ckpt.restore_job_state(got["job"], run_dir=run_dir, model=model)
+            out["last_commit"] = restore_job_state(got["job"], run_dir=run_dir, model=model)
     else:
         dq.apply_recipe(model, DELAYED)
     participant = (
@@ -97,7 +98,7 @@ def run_job(cfg: dict) -> dict:
             if step == cfg.get("save_at"):
                 job = None
                 if participant is not None:
-                    job = ckpt.job_state(participant, step=step, run_dir=cfg["run_dir"])
+                    job = job_state(participant, step=step, run_dir=cfg["run_dir"])
                 ckpt.save(cfg["save_to"], model, opt, job=job, extra={"step": step})
                 out["buffers_at_save"] = scaling_buffers(model)
                 break
@@ -476,19 +477,19 @@ SWITCH_1 = [
 
 def test_job_state_records_the_log_and_last_commit_and_restores_it_into_a_new_run_dir(tmp_path):
     write_log(tmp_path / "a", SWITCH_1)
-    state = ckpt.job_state(FakeParticipant(), step=8, run_dir=tmp_path / "a")
+    state = job_state(FakeParticipant(), step=8, run_dir=tmp_path / "a")
     assert state["decisions"] == SWITCH_1
     assert state["last_commit"] == {"switch_id": 1, "step": 5, "recipe": "current"}
     model = mlp()
     dq.apply_recipe(model, dq.Float8CurrentScaling())
-    commit = ckpt.restore_job_state(state, run_dir=tmp_path / "b", model=model)
+    commit = restore_job_state(state, run_dir=tmp_path / "b", model=model)
     assert commit == state["last_commit"]
     lines = (tmp_path / "b" / "decisions.jsonl").read_text().splitlines()
     assert [json.loads(x) for x in lines[:-1]] == SWITCH_1
     marker = json.loads(lines[-1])
     assert (marker["event"], marker["step"], marker["last_commit"]) == ("restored", 8, 1)
     # the same job's run directory (a restart): the log already begins with the records
-    ckpt.restore_job_state(state, run_dir=tmp_path / "a")
+    restore_job_state(state, run_dir=tmp_path / "a")
     assert len((tmp_path / "a" / "decisions.jsonl").read_text().splitlines()) == 5
 
 
@@ -497,14 +498,14 @@ def test_job_state_during_a_switch_holds_the_state_before_it_and_names_the_pendi
     tmp_path, phase
 ):
     write_log(tmp_path, SWITCH_1)  # switch 1 commits at step 5
-    state = ckpt.job_state(FakeParticipant(phase), step=5, run_dir=tmp_path)
+    state = job_state(FakeParticipant(phase), step=5, run_dir=tmp_path)
     assert state["last_commit"] is None  # steps before 5 ran the initial recipe
     assert state["pending"] == [{"switch_id": 1, "step": 5, "recipe": "current"}]
 
 
 def test_job_state_refuses_only_a_broken_rank(tmp_path):
     with pytest.raises(ValueError, match="rank 0 is broken"):
-        ckpt.job_state(FakeParticipant("broken"), step=8, run_dir=tmp_path)
+        job_state(FakeParticipant("broken"), step=8, run_dir=tmp_path)
 
 
 def restored_record(run_dir: Path) -> dict:
@@ -514,8 +515,8 @@ def restored_record(run_dir: Path) -> dict:
 
 def test_a_commit_the_checkpoint_had_not_reached_is_reapplied_at_its_step_on_resume(tmp_path):
     write_log(tmp_path / "a", SWITCH_1)
-    state = ckpt.job_state(FakeParticipant("committing"), step=3, run_dir=tmp_path / "a")
-    assert ckpt.restore_job_state(state, run_dir=tmp_path / "b", model=mlp()) is None
+    state = job_state(FakeParticipant("committing"), step=3, run_dir=tmp_path / "a")
+    assert restore_job_state(state, run_dir=tmp_path / "b", model=mlp()) is None
     marker = restored_record(tmp_path / "b")
     assert marker["reapply"] == [{"switch_id": 1, "step": 5, "recipe": "current"}]
     assert marker["superseded"] == []
@@ -523,17 +524,17 @@ def test_a_commit_the_checkpoint_had_not_reached_is_reapplied_at_its_step_on_res
 
 def test_a_commit_decided_after_the_checkpoint_is_reapplied_when_resuming_in_the_run_dir(tmp_path):
     write_log(tmp_path, SWITCH_1[:1])  # switch 1 open (ranks voting) when the checkpoint is taken
-    state = ckpt.job_state(FakeParticipant("voted"), step=3, run_dir=tmp_path)
+    state = job_state(FakeParticipant("voted"), step=3, run_dir=tmp_path)
     assert state["pending"] == []
     write_log(tmp_path, SWITCH_1)  # ... then it committed for step 5, and the job crashed
-    ckpt.restore_job_state(state, run_dir=tmp_path)
+    restore_job_state(state, run_dir=tmp_path)
     assert restored_record(tmp_path)["reapply"] == [
         {"switch_id": 1, "step": 5, "recipe": "current"}
     ]
     # a checkpoint of the resumed job before step 5 still names it; one after it has it in force
-    again = ckpt.job_state(FakeParticipant("committing"), step=4, run_dir=tmp_path)
+    again = job_state(FakeParticipant("committing"), step=4, run_dir=tmp_path)
     assert [e["switch_id"] for e in again["pending"]] == [1]
-    later = ckpt.job_state(FakeParticipant(), step=9, run_dir=tmp_path)
+    later = job_state(FakeParticipant(), step=9, run_dir=tmp_path)
     assert later["last_commit"]["switch_id"] == 1 and later["pending"] == []
 
 
@@ -551,9 +552,9 @@ def test_two_commits_for_one_step_reapply_the_later_and_record_the_earlier_as_su
         {"event": "decision", "switch_id": 2, "commit": True, "step": 7},
     ]
     write_log(tmp_path, records[:2])
-    state = ckpt.job_state(FakeParticipant(), step=2, run_dir=tmp_path)
+    state = job_state(FakeParticipant(), step=2, run_dir=tmp_path)
     write_log(tmp_path, records)
-    ckpt.restore_job_state(state, run_dir=tmp_path)
+    restore_job_state(state, run_dir=tmp_path)
     marker = restored_record(tmp_path)
     assert [e["switch_id"] for e in marker["reapply"]] == [2]
     assert marker["superseded"] == [1]
@@ -572,19 +573,19 @@ def test_a_clean_start_abandons_a_dead_attempts_unpublished_commit_and_inherits_
         ("abandoned", 1),
         ("attempt", None),
     ]
-    state = ckpt.job_state(FakeParticipant(), step=3, run_dir=tmp_path)
+    state = job_state(FakeParticipant(), step=3, run_dir=tmp_path)
     assert state["last_commit"] is None and state["pending"] == []
 
 
 def test_restore_job_state_refuses_another_jobs_log_and_a_model_on_another_recipe(tmp_path):
     write_log(tmp_path / "a", SWITCH_1)
-    state = ckpt.job_state(FakeParticipant(), step=8, run_dir=tmp_path / "a")
+    state = job_state(FakeParticipant(), step=8, run_dir=tmp_path / "a")
     write_log(tmp_path / "other", SWITCH_1[2:])
     with pytest.raises(ValueError, match="does not begin with this checkpoint's 4 records"):
-        ckpt.restore_job_state(state, run_dir=tmp_path / "other")
+        restore_job_state(state, run_dir=tmp_path / "other")
     model, _ = trained()  # on DELAYED, but switch 1 set "current"
     with pytest.raises(ValueError, match="last committed switch \\(1, step 5\\)"):
-        ckpt.restore_job_state(state, run_dir=tmp_path / "c", model=model)
+        restore_job_state(state, run_dir=tmp_path / "c", model=model)
     assert not (tmp_path / "c").exists()
     with pytest.raises(ValueError, match="corrupted job state"):
-        ckpt.restore_job_state({**state, "last_commit": None}, run_dir=tmp_path / "c")
+        restore_job_state({**state, "last_commit": None}, run_dir=tmp_path / "c")

@@ -141,15 +141,15 @@ class QuantizedModule(nn.Module):
             self._dq_grad_input_role = role
             self._roles_changed()
 
-    # ---- checkpoints: recipe and scaling state (format and rules in dist_quant/checkpoint.py) --
+    # ---- checkpoints: recipe and scaling state (format and rules in checkpoint/module_state.py) --
     def get_extra_state(self) -> dict[str, Any]:
-        from dist_quant.checkpoint import module_extra_state
+        from dist_quant.checkpoint.module_state import module_extra_state
 
         return module_extra_state(self)
 
     def set_extra_state(self, state: Any) -> None:
         """Validates everything first; raises ValueError / RecipeUpdateError leaving it unchanged."""
-        from dist_quant.checkpoint import load_module_extra_state
+        from dist_quant.checkpoint.module_state import load_module_extra_state
 
         load_module_extra_state(self, state)
 

@@ -19,7 +19,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from dist_quant.coordinator import attach, fail_at, request_switch
+from dist_quant.coordinator import (
+    attach,
+    fail_at,
+    job_state,
+    request_switch,
+    restore_job_state,
+)
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -67,7 +73,7 @@ def main() -> None:
     else:
         got = ckpt.load(run_dir / f"ckpt{CKPT}.pt", model, opt)
         start = got["extra"]["step"]
-        ckpt.restore_job_state(got["job"], run_dir=run_dir, model=model)
+        restore_job_state(got["job"], run_dir=run_dir, model=model)
     crash = os.environ.get("ELASTIC_CRASH") == "1"  # else: the uninterrupted run to compare with
     faults = ()
     if crash and attempt == 0:
@@ -78,7 +84,7 @@ def main() -> None:
     for step in range(start, STEPS):
         if rank == 0:
             if step == CKPT or (step == LATE_CKPT and (attempt == 1 or not crash)):
-                job = ckpt.job_state(participant, step=step, run_dir=run_dir)
+                job = job_state(participant, step=step, run_dir=run_dir)
                 ckpt.save(run_dir / f"ckpt{step}.pt", model, opt, job=job, extra={"step": step})
             if attempt == 0 and step == 2:
                 request_switch(CURRENT, at_step=SWITCH_1, run_dir=run_dir, timeout_s=20)

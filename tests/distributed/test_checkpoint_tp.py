@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from dist_quant.coordinator import job_state, restore_job_state
 from harness import run_ranks
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -89,7 +90,7 @@ def tp_job(rank: int, world: int, cfg: dict) -> dict:
         out["recipe_after_load"] = repr(dq.current_recipe(model).key())
         out["buffers_after_load"] = scaling_buffers(model)
         if cfg["switch"]:
-            out["last_commit"] = ckpt.restore_job_state(job, run_dir=cfg["run_dir"], model=model)
+            out["last_commit"] = restore_job_state(job, run_dir=cfg["run_dir"], model=model)
     else:
         dq.apply_recipe(model, DELAYED)
     participant = None
@@ -100,7 +101,7 @@ def tp_job(rank: int, world: int, cfg: dict) -> dict:
             if step == CHECKPOINT_AT and not cfg.get("load"):
                 job = None
                 if participant is not None:
-                    job = ckpt.job_state(participant, step=step, run_dir=cfg["run_dir"])
+                    job = job_state(participant, step=step, run_dir=cfg["run_dir"])
                 writer = FileSystemWriter(cfg["save_to"])
                 ckpt.dcp_save(
                     model, storage_writer=writer, tp_group=group, job=job, extra={"step": step}

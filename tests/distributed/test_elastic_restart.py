@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dist_quant.coordinator import restore_job_state
 
 import dist_quant as dq
 from dist_quant import checkpoint as ckpt
@@ -138,6 +139,6 @@ def test_a_checkpoint_taken_while_a_switch_is_committed_for_later_stays_loadable
     got = ckpt.load(elastic_run / f"ckpt{job.LATE_CKPT}.pt", fresh)
     assert got["job"]["last_commit"]["switch_id"] == 1
     assert [(e["switch_id"], e["step"]) for e in got["job"]["pending"]] == [(3, job.SWITCH_3)]
-    ckpt.restore_job_state(got["job"], run_dir=tmp_path, model=fresh, write=True)
+    restore_job_state(got["job"], run_dir=tmp_path, model=fresh, write=True)
     restored = json.loads((tmp_path / "decisions.jsonl").read_text().splitlines()[-1])
     assert [(e["switch_id"], e["step"]) for e in restored["reapply"]] == [(3, job.SWITCH_3)]

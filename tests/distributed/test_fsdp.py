@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from tp_check import assert_close
 
-from dist_quant.parallel import load_full_state_dict_into_shards
+from dist_quant.checkpoint import load_full_state_dict_into_shards
 
 pytestmark = pytest.mark.distributed
 

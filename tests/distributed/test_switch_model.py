@@ -27,7 +27,7 @@ from harness import run_ranks  # noqa: E402
 from switch_harness import Background, read_endpoint_when_ready  # noqa: E402
 
 import dist_quant as dq  # noqa: E402
-from dist_quant.parallel import load_full_state_dict_into_shards  # noqa: E402
+from dist_quant.checkpoint import load_full_state_dict_into_shards  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 

@@ -21,7 +21,8 @@ from harness import run_ranks
 from tp_check import RECIPES, Recorder, assert_close, check_exact, label_quantizers
 
 import dist_quant as dq
-from dist_quant.parallel import allreduce_sequence_parallel_grads, load_full_state_dict_into_shards
+from dist_quant.checkpoint import load_full_state_dict_into_shards
+from dist_quant.parallel import allreduce_sequence_parallel_grads
 
 pytestmark = pytest.mark.distributed
 

@@ -41,10 +41,8 @@ from tp_check import (
 )
 
 import dist_quant as dq
-from dist_quant.parallel import (
-    allreduce_sequence_parallel_grads,
-    load_full_state_dict_into_shards,
-)
+from dist_quant.checkpoint import load_full_state_dict_into_shards
+from dist_quant.parallel import allreduce_sequence_parallel_grads
 
 pytestmark = pytest.mark.distributed
 

@@ -20,7 +20,7 @@ from harness import run_ranks
 from reliability import check_state
 
 import dist_quant as dq
-from dist_quant.parallel import load_full_state_dict_into_shards
+from dist_quant.checkpoint import load_full_state_dict_into_shards
 
 pytestmark = pytest.mark.distributed
 

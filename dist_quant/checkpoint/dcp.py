@@ -41,7 +41,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from dist_quant.checkpoint import _dq_modules_by_key, load_state_dict, parse_extra_state
+from dist_quant.checkpoint.model import _dq_modules_by_key, load_state_dict
+from dist_quant.checkpoint.module_state import parse_extra_state
 from dist_quant.parallel import group_rank, group_size
 
 _MODEL, _JOB = "model", "job"  # top-level keys; the caller's `extra` sits beside them
@@ -123,7 +124,8 @@ def dcp_save(
     extra: Mapping[str, Any] | None = None,
 ) -> None:
     """`dcp.save` of the model with its dist-quant state, the coordinator's `job` state
-    (`checkpoint.job_state`) and `extra` (the step, ...). Collective: call on every rank."""
+    (`dist_quant.coordinator.job_state`) and `extra` (the step, ...). Collective: call on every
+    rank."""
     sd = {
         _MODEL: dcp_state_dict(model, tp_group=tp_group),
         _JOB: ""

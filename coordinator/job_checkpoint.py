@@ -1,6 +1,8 @@
 """The coordinator's part of a job checkpoint: its decision log and the switches in force.
 
-`job_state(participant, step=S)` is taken with the model's checkpoint, between steps (S is the step
+The model's checkpoint (`dist_quant.checkpoint`) knows nothing of the switch protocol: it stores
+the mapping given as its `job` entry. `job_state(participant, step=S)` builds that mapping; it is
+taken with the model's checkpoint, between steps (S is the step
 the resumed job runs first). It never refuses because of a switch in flight: the checkpoint holds
 the state *before* any switch whose step is S or later (the model as it is), and records those
 switches as `pending`; an undecided switch is decided in the log later. Only a BROKEN rank (its
@@ -28,21 +30,23 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from dist_quant.coordinator.endpoint import LOG_FILE, resolve_run_dir
+from dist_quant.coordinator.log import DecisionLog, timeline
+from dist_quant.coordinator.participant_state import RankPhase
 from torch import nn
 
+from dist_quant.checkpoint import recipe_digest
+from dist_quant.recipes import recipe_from_dict
+from dist_quant.runtime import recipe_key_of
+
 JOB_FORMAT = "dist_quant.job_state/1"
-_BROKEN = "broken"  # the participant state in which a checkpoint would be wrong
 
 
 def _log_path(run_dir: str | os.PathLike[str] | None) -> Path:
-    from dist_quant.coordinator.endpoint import LOG_FILE, resolve_run_dir
-
     return resolve_run_dir(run_dir) / LOG_FILE
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
-    from dist_quant.coordinator.log import DecisionLog
-
     return DecisionLog(path).records()
 
 
@@ -51,8 +55,6 @@ def last_commit(
 ) -> dict[str, Any] | None:
     """`{"switch_id", "step", "recipe"}` of the last switch in force (for steps before
     `before_step`, if given) in decision-log records, or None."""
-    from dist_quant.coordinator.log import timeline
-
     entries = timeline(records)
     if before_step is not None:
         entries = [e for e in entries if e["step"] < before_step]
@@ -61,8 +63,6 @@ def last_commit(
 
 def pending_switches(records: list[dict[str, Any]], step: int) -> list[dict[str, Any]]:
     """The switches in force whose step is `step` or later: a checkpoint before `step` lacks them."""
-    from dist_quant.coordinator.log import timeline
-
     return [e for e in timeline(records) if e["step"] >= step]
 
 
@@ -72,7 +72,7 @@ def job_state(
     """The coordinator's state to save with a checkpoint taken before step `step`."""
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"job_state: step must be an int >= 0, got {step!r}")
-    if participant.state == _BROKEN:
+    if participant.state == RankPhase.BROKEN.value:  # its recipe may differ from its peers'
         raise ValueError(
             f"job_state: rank {participant.rank} is broken (it may run another recipe than its "
             "peers); restart the job from an earlier checkpoint"
@@ -104,10 +104,6 @@ def _parse(state: object) -> dict[str, Any]:
 
 
 def _check_model(model: nn.Module, commit: dict[str, Any]) -> None:
-    from dist_quant.checkpoint import recipe_digest
-    from dist_quant.recipes import recipe_from_dict
-    from dist_quant.runtime import recipe_key_of
-
     want = recipe_from_dict(commit["recipe"])
     have = recipe_key_of(model)
     if have is None or recipe_digest(have) != recipe_digest(want.key()):
@@ -167,8 +163,6 @@ def restore_job_state(
     `write` defaults to "this process hosts the coordinator" (rank 0, or no process group);
     other ranks only validate.
     """
-    from dist_quant.coordinator.log import DecisionLog, timeline
-
     saved = _parse(state)
     commit = saved["last_commit"]
     if model is not None and commit is not None:
