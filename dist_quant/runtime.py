@@ -107,22 +107,6 @@ def _roles_of(module: QuantizedModule, fwd: bool) -> tuple:
     return tuple(module.get_quantizer_roles(fwd=fwd, num_quantizers=n))
 
 
-def _rescale_from_history(group) -> None:
-    """Scale from the kept history under the group's (new) margin/algorithm; keeps the old scale where
-    the history has no finite positive amax."""
-    hist = group.amax_history
-    if group.algo == "most_recent":
-        a = hist[-1] if hist.shape[0] > 1 else hist[0]
-    elif group.algo == "max":
-        a = hist.max(dim=0).values
-    else:
-        return  # a callable algorithm decides at its next update; nothing meaningful to recompute
-    new = (group.fp8_max / a) / float(2**group.margin)
-    new = torch.where(torch.isinf(new), torch.full_like(new, torch.finfo(torch.float32).max), new)
-    ok = torch.isfinite(a) & (a > 0)
-    group.scale.copy_(torch.where(ok, new, group.scale))
-
-
 def _carry_delayed_state(old: RecipeState | None, new: RecipeState, where: str) -> tuple[str, list]:
     """Move delayed-scaling buffers from `old` into `new` per the module docstring's rule."""
     new_groups = list(new.delayed_groups()) if hasattr(new, "delayed_groups") else []
@@ -143,7 +127,7 @@ def _carry_delayed_state(old: RecipeState | None, new: RecipeState, where: str) 
         # after inherit, new's groups view old's tensors; margin/algo come from the new recipe
         for g_new, g_old in zip(new.delayed_groups(), old_groups):
             if (g_new.margin, g_new.algo) != (g_old.margin, g_old.algo):
-                hooks.append(lambda g=g_new: _rescale_from_history(g))
+                hooks.append(g_new.rescale_from_history)
         return f"{where}: inherited", hooks
     if same_meaning:
         for o, n in zip(old_groups, new_groups):

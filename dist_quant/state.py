@@ -73,21 +73,25 @@ class DelayedGroup:
         n = self.scale.shape[0]
         if callable(self.algo):
             amax = _per_slot(self.algo(self.amax_history), n, "amax_compute_algo")
-        elif self.algo == "max":
-            amax = self.amax_history.amax(0)
         else:
-            amax = self.amax_history[0].clone()
+            amax = reference.delayed_amax(self.amax_history, self.algo)
         if self.scaling_factor_compute_algo is None:
-            # the reference formula applied to this amax: a one-row history holding it
-            reference.delayed_scaling_update(
-                amax.reshape(1, n).clone(), self.scale, self.fp8_max, margin=self.margin, algo="max"
-            )
+            new = reference.delayed_scale(amax, self.scale, self.fp8_max, margin=self.margin)
         else:
             new = self.scaling_factor_compute_algo(amax, self.scale, self.fp8_max, self.recipe)
-            self.scale.copy_(_per_slot(new, n, "scaling_factor_compute_algo"))
-        # the same roll as the reference, in place so quantizers' views stay valid
-        self.amax_history.copy_(self.amax_history.roll(-1, 0))
-        self.amax_history[0].zero_()
+            new = _per_slot(new, n, "scaling_factor_compute_algo")
+        self.scale.copy_(new)
+        reference.roll_amax_history(self.amax_history)
+
+    def rescale_from_history(self) -> None:
+        """At a step boundary, recompute the scale from the kept history under this group's
+        margin and algorithm (`reference.rescale_from_history`). A callable algorithm or scale
+        function decides at its next update instead: the runtime does not call user code while
+        publishing, which must not fail half-way."""
+        if self.is_standard:
+            reference.rescale_from_history(
+                self.amax_history, self.scale, self.fp8_max, margin=self.margin, algo=self.algo
+            )
 
 
 def _per_slot(value: object, n: int, what: str) -> Tensor:
