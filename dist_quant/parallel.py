@@ -30,7 +30,6 @@ from dist_quant.tensor import Float8Tensor, QuantizedTensor
 
 PARALLEL_MODES = ("column", "row")
 _EXTRA_STATE = "_extra_state"  # the key suffix nn.Module.state_dict gives get_extra_state()
-_PER_TENSOR = ("delayed", "current")
 
 
 @dataclass(frozen=True)
@@ -355,7 +354,7 @@ def all_gather_quantized(
     """
     size = group_size(group)
     quantizer = tp_amax_quantizer(quantizer, group)
-    if quantizer.scaling not in _PER_TENSOR or size == 1:
+    if not quantizer.scaling.per_tensor or size == 1:
         full = all_gather_seq(x, group)
         quantizer.set_usage(rowwise=True, columnwise=columnwise)
         return quantizer.quantize(full)

@@ -241,7 +241,7 @@ def validate_candidate(candidate: ModuleCandidate) -> None:
     if _gpu_without_fp8(device) and os.environ.get(EMULATION_ENV) != "1":
         pairs = zip((*rt.fwd_quantizers, *rt.bwd_quantizers), (*rt.fwd_roles, *rt.bwd_roles))
         for q, role in pairs:
-            if q.scaling != "identity":
+            if q.scaling.needs_fp8_gemm:
                 raise RecipeUpdateError(
                     f"module {name!r}: role {role} needs an FP8 GEMM, which "
                     f"{torch.cuda.get_device_name(device)} (compute capability "
@@ -296,25 +296,14 @@ class ModelPlan:
         return report
 
 
-def _describe_quantizer(q: object) -> tuple:
-    """What a quantizer does to a tensor: its class and its scalar settings (not its buffers)."""
-    settings = sorted(
-        (k, str(v))
-        for k, v in vars(q).items()
-        if not k.startswith("_")
-        and k not in ("rowwise_usage", "columnwise_usage")
-        and isinstance(v, (bool, int, float, str, torch.dtype))
-    )
-    return (type(q).__name__, tuple(settings))
-
-
 def quantizers_fingerprint(candidates: list[ModuleCandidate]) -> str:
     """Digest of every planned slot's quantizer, so ranks of a TP group that would quantize one
-    tensor differently (a factory answering per rank) cannot agree on a digest."""
+    tensor differently (a factory answering per rank) cannot agree on a digest. Each quantizer
+    describes itself (`Quantizer.describe`)."""
     h = hashlib.sha256()
     for c in candidates:
         rt = c.runtime
-        described = [_describe_quantizer(q) for q in (*rt.fwd_quantizers, *rt.bwd_quantizers)]
+        described = [q.describe() for q in (*rt.fwd_quantizers, *rt.bwd_quantizers)]
         h.update(repr(described).encode())
     return h.hexdigest()
 
