@@ -9,6 +9,7 @@ so wide that it lets an FP8 model load a bf16 checkpoint.
 from __future__ import annotations
 
 import hashlib
+import json
 
 import pytest
 import torch
@@ -105,3 +106,29 @@ def test_an_fp8_model_still_refuses_an_old_bf16_checkpoint():
     assert dq.current_recipe(target) == dq.Float8CurrentScaling()
     after = {k: v for k, v in target.state_dict().items() if torch.is_tensor(v)}
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+class _Participant:
+    rank, state = 0, "idle"
+
+
+def test_a_job_whose_last_commit_was_the_old_bf16_resumes_on_bf16(tmp_path):
+    """The decision log of an older run recorded "bf16" in the old spelling; the model resumed
+    from its checkpoint runs `HighPrecision`: restore_job_state must see the same recipe."""
+    records = [
+        {"event": "open", "switch_id": 1, "recipe": dict(LEGACY_DICT), "time": 1.0},
+        {"event": "decision", "switch_id": 1, "commit": True, "step": 5, "time": 2.0},
+    ]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "decisions.jsonl").write_text(
+        "".join(json.dumps(r, sort_keys=True) + "\n" for r in records)
+    )
+    state = ckpt.job_state(_Participant(), step=8, run_dir=tmp_path / "a")
+    _, sd = _bf16_state_dict()
+    fresh = _model(4)
+    ckpt.load_state_dict(fresh, _legacy(sd))
+    commit = ckpt.restore_job_state(state, run_dir=tmp_path / "b", model=fresh)
+    assert commit["switch_id"] == 1
+    dq.apply_recipe(fresh, dq.Float8CurrentScaling())
+    with pytest.raises(ValueError, match="last committed switch"):
+        ckpt.restore_job_state(state, run_dir=tmp_path / "c", model=fresh)
