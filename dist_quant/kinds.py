@@ -11,6 +11,7 @@ keeping tables of strings. Strings become kinds on the first line that sees them
 from __future__ import annotations
 
 import enum
+from typing import TypeVar
 
 import torch
 
@@ -124,7 +125,10 @@ class Direction(_Kind):
         return fwd_dtype(fmt) if self is Direction.FORWARD else bwd_dtype(fmt)
 
 
-def parse_kind(kind: type[_Kind], value: object, where: str) -> _Kind:
+_K = TypeVar("_K", bound=_Kind)
+
+
+def parse_kind(kind: type[_K], value: object, where: str) -> _K:
     """`value` as a member of `kind` (a member, or its string spelling); ValueError naming `where`
     and the valid spellings otherwise."""
     try:

@@ -67,6 +67,12 @@ class Quantizer(abc.ABC):
             cls.scaling = parse_kind(
                 ScalingKind, cls.__dict__["scaling"], f"{cls.__name__}.scaling"
             )
+        elif "quantize" in cls.__dict__ and not hasattr(cls, "scaling"):
+            raise TypeError(
+                f"{cls.__name__} must set `scaling` to a dist_quant.kinds.ScalingKind (or its "
+                f"spelling: {', '.join(repr(k.value) for k in ScalingKind)}): the modules read "
+                "its capabilities (alignment, FP8 attention, FP8 GEMM) from it"
+            )
 
     def __init__(self, fp8_dtype: torch.dtype) -> None:
         if fp8_dtype not in fp8_kernels.FP8_DTYPES:

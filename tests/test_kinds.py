@@ -76,6 +76,12 @@ def test_a_string_kind_becomes_the_enum_and_a_bad_one_is_refused():
             def quantize(self, x):
                 return x
 
+    with pytest.raises(TypeError, match="Unkinded must set `scaling` to a .*ScalingKind"):
+
+        class Unkinded(Quantizer):
+            def quantize(self, x):
+                return x
+
     data = torch.zeros(2, 4, dtype=torch.float8_e4m3fn)
     operand = GemmOperand(data, torch.ones(()), "tensor", torch.float8_e4m3fn)
     assert operand.scaling is OperandLayout.TENSOR
