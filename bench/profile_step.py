@@ -45,7 +45,7 @@ def print_compact(stats: pstats.Stats, sort: str, top: int, steps: int) -> None:
     """One line per function: us per step (own, cumulative), calls per step, short name."""
     rows = []
     for (path, line, func), (_, ncalls, tottime, cumtime, _) in stats.stats.items():
-        short = f"{path.rsplit('/', 2)[-2]}/{path.rsplit('/', 1)[-1]}:{line}({func})"
+        short = f"{'/'.join(path.split('/')[-2:])}:{line}({func})"
         rows.append((tottime, cumtime, ncalls, short[-70:]))
     key = 0 if sort == "tottime" else 1
     print(f"{'own us':>8} {'cum us':>8} {'calls':>6}  (per step)")

@@ -35,8 +35,8 @@ from dist_quant.coordinator.log import DecisionLog, timeline
 from dist_quant.coordinator.participant_state import RankPhase
 from torch import nn
 
-from dist_quant.checkpoint import recipe_digest
-from dist_quant.recipes import recipe_from_dict
+from dist_quant.checkpoint import read_digest
+from dist_quant.recipes import key_digest, recipe_from_dict
 from dist_quant.runtime import recipe_key_of
 
 JOB_FORMAT = "dist_quant.job_state/1"
@@ -106,7 +106,7 @@ def _parse(state: object) -> dict[str, Any]:
 def _check_model(model: nn.Module, commit: dict[str, Any]) -> None:
     want = recipe_from_dict(commit["recipe"])
     have = recipe_key_of(model)
-    if have is None or recipe_digest(have) != recipe_digest(want.key()):
+    if have is None or read_digest(key_digest(have)) != read_digest(want.digest()):
         raise ValueError(
             f"restore_job_state: the last committed switch ({commit['switch_id']}, step "
             f"{commit['step']}) set recipe {want.key()!r}, but the model resumes on {have!r}"

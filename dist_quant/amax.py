@@ -47,12 +47,12 @@ import torch
 import torch.distributed as dist
 
 from dist_quant.kernels import delayed_scaling_update_groups
+from dist_quant.kinds import Direction
 
 if TYPE_CHECKING:
     from dist_quant.state import DelayedGroup
 
-FORWARD, BACKWARD = "forward", "backward"
-_DIR_CODE = {FORWARD: 1.0, BACKWARD: 2.0}
+_DIR_CODE = {Direction.FORWARD: 1.0, Direction.BACKWARD: 2.0}  # the header's `dir`
 _HEADER = 9
 
 
@@ -108,7 +108,7 @@ _capacity_lock = threading.Lock()
 _capacity: dict[Any, int] = {}
 
 
-def _signature(direction: str, entries: list[tuple[str, int]]) -> tuple[float, float, str]:
+def _signature(direction: Direction, entries: list[tuple[str, int]]) -> tuple[float, float, str]:
     text = direction + "\n" + "\n".join(f"{name}\t{n}" for name, n in entries)
     digest = hashlib.blake2b(text.encode(), digest_size=6).digest()
     return (
@@ -119,7 +119,7 @@ def _signature(direction: str, entries: list[tuple[str, int]]) -> tuple[float, f
 
 
 def reduce_and_update(
-    groups: Sequence[DelayedGroup], group: Any, *, direction: str = FORWARD
+    groups: Sequence[DelayedGroup], group: Any, *, direction: Direction = Direction.FORWARD
 ) -> None:
     """All-reduce(MAX) the current-step amax row of every group in one collective, then update.
 
@@ -157,7 +157,7 @@ def update_groups(groups: Sequence[DelayedGroup]) -> None:
             g.update()
 
 
-def _reduce(reduced: list[DelayedGroup], group: Any, direction: str, capacity: int) -> None:
+def _reduce(reduced: list[DelayedGroup], group: Any, direction: Direction, capacity: int) -> None:
     # Sort by module name (ties keep first-run order): ranks may run modules in different orders.
     order = sorted(range(len(reduced)), key=lambda i: (_name_of(reduced[i]), i))
     reduced = [reduced[i] for i in order]
@@ -205,7 +205,7 @@ def _raise_mismatch(
     text: str,
     max_len: int,
     group: Any,
-    direction: str,
+    direction: Direction,
     device: torch.device,
 ) -> None:
     """Every rank got an inconsistent header: exchange the module lists (each rank fills its own
@@ -220,7 +220,7 @@ def _raise_mismatch(
     raise AmaxReductionMismatch(_describe(lists, direction, rank))
 
 
-def _describe(lists: list[str], direction: str, rank: int) -> str:
+def _describe(lists: list[str], direction: Direction, rank: int) -> str:
     ran: dict[str, dict[int, int]] = {}  # module -> {rank: slots}
     directions = {}
     for r, text in enumerate(lists):
@@ -285,7 +285,7 @@ class _BackwardRegion:
         with self.lock:
             groups, group = list(self.groups.values()), self.reduction_group
             self.groups, self.reduction_group, self.queued_task = {}, None, None
-        reduce_and_update(groups, group, direction=BACKWARD)
+        reduce_and_update(groups, group, direction=Direction.BACKWARD)
 
 
 _backward_region = _BackwardRegion()

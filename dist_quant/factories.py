@@ -36,6 +36,7 @@ from dist_quant.recipes import (
     DelayedScaling,
     Float8BlockScaling,
     Float8CurrentScaling,
+    HighPrecision,
     MXFP8BlockScaling,
     Recipe,
     recipe_from_dict,
@@ -55,7 +56,7 @@ def _tensor_type(role: QuantizerRole | None) -> str:
 
 @quantizer_factory(key="dist_quant.factories.high_precision.v1")
 def high_precision(role: QuantizerRole | None) -> Quantizer:
-    """Every slot in high precision (the "bf16" built-in recipe)."""
+    """High precision for the slot: what the "bf16" built-in (`HighPrecision`) gives every slot."""
     return IdentityQuantizer()
 
 
@@ -141,7 +142,7 @@ def fp8_fallback(
     A role belongs to a listed module when its name equals it or lies below it (`layers.1`
     covers `layers.1.mlp.fc1`); a slot the base keeps in high precision stays there (a fallback
     never lowers precision). `base` is a recipe dict or built-in name (delayed, current,
-    mxfp8, block or a CustomRecipe), answered slot by slot as that recipe would. The precision
+    mxfp8, block, bf16 or a CustomRecipe), answered slot by slot as that recipe would. The precision
     guard builds this to move offending layers off FP8 trouble; it serialises through its
     parameters (`CustomRecipe(fp8_fallback(...)).to_dict()` round-trips), and its key names them.
     """
@@ -177,6 +178,8 @@ def _slot_factory(recipe: Recipe) -> Callable[[QuantizerRole | None], Any]:
     """What `recipe` gives each slot, as a factory (for the slots a fallback leaves alone)."""
     if isinstance(recipe, CustomRecipe):
         return recipe.qfactory
+    if isinstance(recipe, HighPrecision):
+        return high_precision
     if isinstance(recipe, DelayedScaling):
         if not isinstance(recipe.amax_compute_algo, str) or recipe.scaling_factor_compute_algo:
             raise ValueError(

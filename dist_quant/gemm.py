@@ -20,10 +20,9 @@ import torch
 from torch import Tensor
 
 from dist_quant.kernels import block_scaled_gemm
+from dist_quant.kinds import SCALED_MM_ALIGNMENT
 from dist_quant.tensor import GemmOperand
 
-_SCALED_MM_ALIGN = 16
-_BLOCK_DIMS = {"block1d": 1, "block2d": 2}  # GemmOperand.scaling -> block_dim of its scale_inv
 _BLOCK_GEMM_OUT = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -71,8 +70,8 @@ def gemm(
         return out + bias.float() if bias is not None and not epilogue_bias else out
     if _can_use_block_gemm(a, b, out_dtype):
         return block_scaled_gemm(
-            a.data, a.scale_inv, _BLOCK_DIMS[a.scaling],
-            b.data, b.scale_inv, _BLOCK_DIMS[b.scaling],
+            a.data, a.scale_inv, a.scaling.block_dim,
+            b.data, b.scale_inv, b.scaling.block_dim,
             out_dtype=out_dtype, bias=bias,
         )  # fmt: skip
     a_hp = a.dequantize(torch.float32) if isinstance(a, GemmOperand) else a.float()
@@ -95,7 +94,7 @@ def _device_capability(device: torch.device) -> tuple[int, int]:
 def _can_use_scaled_mm(a: Tensor | GemmOperand, b: Tensor | GemmOperand) -> bool:
     if not (isinstance(a, GemmOperand) and isinstance(b, GemmOperand)):
         return False
-    if a.scaling != "tensor" or b.scaling != "tensor":
+    if not (a.scaling.per_tensor and b.scaling.per_tensor):
         return False
     if a.fp8_dtype == b.fp8_dtype == torch.float8_e5m2:
         return False
@@ -106,7 +105,7 @@ def _can_use_scaled_mm(a: Tensor | GemmOperand, b: Tensor | GemmOperand) -> bool
     m, k, n = a.shape[0], a.shape[1], b.shape[0]
     if min(m, k, n) == 0:  # nothing to multiply; the emulation handles empty shapes
         return False
-    return k % _SCALED_MM_ALIGN == 0 and n % _SCALED_MM_ALIGN == 0
+    return k % SCALED_MM_ALIGNMENT == 0 and n % SCALED_MM_ALIGNMENT == 0
 
 
 def _can_use_block_gemm(
@@ -114,7 +113,7 @@ def _can_use_block_gemm(
 ) -> bool:
     if not (isinstance(a, GemmOperand) and isinstance(b, GemmOperand)):
         return False
-    if a.scaling not in _BLOCK_DIMS or b.scaling not in _BLOCK_DIMS:
+    if a.scaling.block_dim is None or b.scaling.block_dim is None:
         return False
     if out_dtype not in _BLOCK_GEMM_OUT:
         return False

@@ -28,7 +28,6 @@ from dist_quant.quantizers import Float8CurrentScalingQuantizer, Quantizer
 from dist_quant.tensor import Float8Tensor, QuantizedTensor
 
 PARALLEL_MODES = ("column", "row")
-_PER_TENSOR = ("delayed", "current")
 
 
 @dataclass(frozen=True)
@@ -310,7 +309,7 @@ def all_gather_quantized(
     """
     size = group_size(group)
     quantizer = tp_amax_quantizer(quantizer, group)
-    if quantizer.scaling not in _PER_TENSOR or size == 1:
+    if not quantizer.scaling.per_tensor or size == 1:
         full = all_gather_seq(x, group)
         quantizer.set_usage(rowwise=True, columnwise=columnwise)
         return quantizer.quantize(full)

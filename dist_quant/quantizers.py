@@ -14,13 +14,15 @@ from __future__ import annotations
 import abc
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 # The quantizer-facing kernels: dispatchers that run Triton for CUDA tensors, the reference else.
 from dist_quant import kernels as fp8_kernels
+from dist_quant.kinds import ScalingKind, parse_kind
 from dist_quant.tensor import Float8BlockwiseTensor, Float8Tensor, MXFP8Tensor, QuantizedTensor
 
 _HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -48,12 +50,29 @@ def _observe(q: Quantizer, x: Tensor, scale: Tensor | None) -> None:
 
 
 class Quantizer(abc.ABC):
-    """Base of every quantizer: ``quantize(x)``, ``set_usage``, ``scaling`` and ``fp8_dtype``."""
+    """Base of every quantizer: ``quantize(x)``, ``set_usage``, ``scaling``, ``fp8_dtype`` and
+    ``describe()``.
 
-    scaling: str = ""
+    A subclass sets ``scaling`` to its ``ScalingKind`` (a string spelling such as ``"current"`` is
+    turned into the kind when the class is defined): modules read its capabilities from it."""
+
+    scaling: ClassVar[ScalingKind]
     stats_slot: tuple[str, str, str] | None = None
     """(module name, tensor type, direction) of the slot this quantizer was planned for; set by
     the runtime at plan time (a copy made for tensor parallelism keeps it), read by telemetry."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "scaling" in cls.__dict__:
+            cls.scaling = parse_kind(
+                ScalingKind, cls.__dict__["scaling"], f"{cls.__name__}.scaling"
+            )
+        elif "quantize" in cls.__dict__ and not hasattr(cls, "scaling"):
+            raise TypeError(
+                f"{cls.__name__} must set `scaling` to a dist_quant.kinds.ScalingKind (or its "
+                f"spelling: {', '.join(repr(k.value) for k in ScalingKind)}): the modules read "
+                "its capabilities (alignment, FP8 attention, FP8 GEMM) from it"
+            )
 
     def __init__(self, fp8_dtype: torch.dtype) -> None:
         if fp8_dtype not in fp8_kernels.FP8_DTYPES:
@@ -94,6 +113,14 @@ class Quantizer(abc.ABC):
             )
         return x
 
+    def describe(self) -> tuple:
+        """What this quantizer does to a tensor, for the plan digest that ranks of one tensor-
+        parallel group must agree on: its class, kind and FP8 dtype, plus (in subclasses) every
+        other setting that changes its output, all as values whose repr is the same in every
+        process. Not its buffers' contents or usage flags. A subclass with settings of its own
+        extends the tuple, so no setting escapes the digest."""
+        return (type(self).__name__, self.scaling.value, ("fp8_dtype", str(self.fp8_dtype)))
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(fp8_dtype={self.fp8_dtype})"
 
@@ -108,7 +135,7 @@ class Float8Quantizer(Quantizer):
     a new scale happens elsewhere (``dist_quant.amax``), after the amax reduction.
     """
 
-    scaling = "delayed"
+    scaling = ScalingKind.DELAYED
 
     def __init__(self, scale: Tensor, amax: Tensor, fp8_dtype: torch.dtype) -> None:
         super().__init__(fp8_dtype)
@@ -148,7 +175,7 @@ class Float8CurrentScalingQuantizer(Quantizer):
     of one logical tensor are quantized.
     """
 
-    scaling = "current"
+    scaling = ScalingKind.CURRENT
 
     def __init__(
         self,
@@ -166,6 +193,14 @@ class Float8CurrentScalingQuantizer(Quantizer):
         self.use_power_2_scales = bool(use_power_2_scales)
         self.amax_epsilon = float(amax_epsilon)
         self.amax_reduction_group = amax_reduction_group
+
+    def describe(self) -> tuple:
+        return (
+            *super().describe(),
+            ("use_power_2_scales", self.use_power_2_scales),
+            ("amax_epsilon", self.amax_epsilon),
+            ("amax_reduction_group", _group_ranks(self.amax_reduction_group)),
+        )
 
     def quantize(self, x: Tensor) -> Float8Tensor:
         x = self._check_input(x)
@@ -208,7 +243,7 @@ class MXFP8Quantizer(Quantizer):
     usage flags ask: the transpose of a rowwise copy would have the wrong blocks.
     """
 
-    scaling = "mxfp8"
+    scaling = ScalingKind.MXFP8
 
     def __init__(self, fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> None:
         super().__init__(fp8_dtype)
@@ -238,7 +273,7 @@ class Float8BlockQuantizer(Quantizer):
     default. 1x128 copies for each usage are quantized from the original; a 128x128 grid's
     columnwise copy is the exact transpose of its rowwise copy."""
 
-    scaling = "block"
+    scaling = ScalingKind.BLOCK
 
     def __init__(
         self,
@@ -254,6 +289,13 @@ class Float8BlockQuantizer(Quantizer):
             )
         self.block_scaling_dim = block_scaling_dim
         self.use_power_2_scales = bool(use_power_2_scales)
+
+    def describe(self) -> tuple:
+        return (
+            *super().describe(),
+            ("block_scaling_dim", self.block_scaling_dim),
+            ("use_power_2_scales", self.use_power_2_scales),
+        )
 
     def quantize(self, x: Tensor) -> Float8BlockwiseTensor:
         x = self._check_input(x)
@@ -292,7 +334,7 @@ class Float8BlockQuantizer(Quantizer):
 class IdentityQuantizer(Quantizer):
     """High precision: ``quantize(x)`` returns ``x`` itself."""
 
-    scaling = "identity"
+    scaling = ScalingKind.IDENTITY
 
     def __init__(self) -> None:
         # No FP8 dtype to validate, so the base initialiser (which requires one) is skipped.
@@ -305,6 +347,19 @@ class IdentityQuantizer(Quantizer):
 
     def __repr__(self) -> str:
         return "IdentityQuantizer()"
+
+
+def _group_ranks(group: Any) -> tuple[int, ...] | str | None:
+    """A reduction group as the global ranks it spans (the same on each of them); "unresolved"
+    where torch.distributed cannot name them (not initialised, or not a process group)."""
+    if group is None:
+        return None
+    if not dist.is_initialized():
+        return "unresolved"
+    try:
+        return tuple(dist.get_process_group_ranks(group))
+    except (RuntimeError, ValueError, TypeError, AttributeError):
+        return "unresolved"
 
 
 def _per_tensor(q: Quantizer, x: Tensor, scale: Tensor, scale_inv: Tensor) -> Float8Tensor:

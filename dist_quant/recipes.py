@@ -6,6 +6,10 @@ automatically; it is recomputed from the current values on every call, so even a
 `object.__setattr__` bypass of the freeze shows up as a new key. Callables inside a recipe (a
 `CustomRecipe` factory, a `DelayedScaling` algorithm) enter the key through `callable_key()`.
 
+`digest()` is the key as a stable string (sha256 of its repr, the same in every process): what
+checkpoints record and compare. Each recipe type has a `name`, the first element of its key and
+its JSON `"type"`: the class name, except `HighPrecision`, the all-identity recipe, named "bf16".
+
 `to_dict()` / `recipe_from_dict()` / `recipe_from_json()` round-trip recipes through JSON, with
 callables written as their import path `"pkg.module:qualname"`. Importing that path runs the
 module's top-level code: only load recipes from people allowed to run code in the job.
@@ -15,10 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
 import importlib
 import json
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any, ClassVar
 
 from dist_quant.checks import (
     AMAX_COMPUTE_ALGOS,
@@ -39,9 +44,11 @@ __all__ = [
     "DelayedScaling",
     "Float8BlockScaling",
     "Float8CurrentScaling",
+    "HighPrecision",
     "MXFP8BlockScaling",
     "Recipe",
     "builtin_recipe",
+    "key_digest",
     "quantizer_factory",
     "recipe_from_dict",
     "recipe_from_json",
@@ -69,8 +76,24 @@ _NO_E5M2_FORWARD = " (E5M2 would quantize the forward pass; HYBRID uses E5M2 for
 _E4M3_ONLY = " (block-scaled recipes use E4M3 in both directions)"
 
 
+def key_digest(key: Hashable) -> str:
+    """A recipe key as a stable string: keys hold only strings, numbers, bools, None and tuples,
+    whose repr is the same in every process. `Recipe.digest()` is this of its `key()`."""
+    return hashlib.sha256(repr(key).encode()).hexdigest()
+
+
 class Recipe:
-    """Base of every recipe: a frozen dataclass with a semantic `key()` and JSON round trip."""
+    """Base of every recipe: a frozen dataclass with a semantic `key()`, its `digest()` and a
+    JSON round trip."""
+
+    name: ClassVar[str]
+    """The recipe type's name: its key's first element and its JSON "type" (the class name
+    unless the class sets another)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" not in cls.__dict__:
+            cls.name = cls.__name__
 
     def key(self) -> tuple:
         """`(type name, normalised field values)`: equal keys <=> identical quantization.
@@ -80,7 +103,11 @@ class Recipe:
         values = tuple(
             self._key_value(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
         )
-        return (type(self).__name__, values)
+        return (self.name, values)
+
+    def digest(self) -> str:
+        """The recipe's stable content digest: `key_digest(self.key())` (64 hex digits)."""
+        return key_digest(self.key())
 
     def _key_value(self, name: str, value: Any) -> Any:
         if isinstance(value, enum.Enum):
@@ -95,7 +122,7 @@ class Recipe:
         Formats are written by name, callables as `"pkg.module:qualname"`; a callable that cannot
         be imported back by that path (lambda, closure, bound method, partial) raises ValueError.
         """
-        out: dict[str, Any] = {"type": type(self).__name__}
+        out: dict[str, Any] = {"type": self.name}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if isinstance(value, enum.Enum):
@@ -239,11 +266,26 @@ class CustomRecipe(Recipe):
         return super()._key_value(name, value)
 
 
+@dataclasses.dataclass(frozen=True)
+class HighPrecision(Recipe):
+    """Every slot in high precision: each quantizer is the identity and every GEMM runs in its
+    inputs' own dtype (BF16 in a BF16 model). The "bf16" built-in; its key, name and JSON type are
+    "bf16". Runs on any device, with or without FP8 tensor cores."""
+
+    name = "bf16"
+
+
 _RECIPE_TYPES: dict[str, type[Recipe]] = {
-    cls.__name__: cls
-    for cls in (DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, Float8BlockScaling)
+    cls.name: cls
+    for cls in (
+        DelayedScaling,
+        Float8CurrentScaling,
+        MXFP8BlockScaling,
+        Float8BlockScaling,
+        CustomRecipe,
+        HighPrecision,
+    )
 }
-_RECIPE_TYPES["CustomRecipe"] = CustomRecipe
 
 
 def builtin_recipe(name: str) -> Recipe:
@@ -258,10 +300,7 @@ def builtin_recipe(name: str) -> Recipe:
     if choice == "block":
         return Float8BlockScaling()
     if choice == "bf16":
-        # imported here: factories needs quantizers, which recipes itself never does
-        from dist_quant.factories import high_precision
-
-        return CustomRecipe(qfactory=high_precision)
+        return HighPrecision()
     raise ValueError(
         f"unknown built-in recipe {name!r}; valid: {', '.join(BUILTIN_RECIPE_NAMES)}, "
         'or a dict / JSON object with a "type" field'

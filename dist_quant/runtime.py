@@ -107,22 +107,6 @@ def _roles_of(module: QuantizedModule, fwd: bool) -> tuple:
     return tuple(module.get_quantizer_roles(fwd=fwd, num_quantizers=n))
 
 
-def _rescale_from_history(group) -> None:
-    """Scale from the kept history under the group's (new) margin/algorithm; keeps the old scale where
-    the history has no finite positive amax."""
-    hist = group.amax_history
-    if group.algo == "most_recent":
-        a = hist[-1] if hist.shape[0] > 1 else hist[0]
-    elif group.algo == "max":
-        a = hist.max(dim=0).values
-    else:
-        return  # a callable algorithm decides at its next update; nothing meaningful to recompute
-    new = (group.fp8_max / a) / float(2**group.margin)
-    new = torch.where(torch.isinf(new), torch.full_like(new, torch.finfo(torch.float32).max), new)
-    ok = torch.isfinite(a) & (a > 0)
-    group.scale.copy_(torch.where(ok, new, group.scale))
-
-
 def _carry_delayed_state(old: RecipeState | None, new: RecipeState, where: str) -> tuple[str, list]:
     """Move delayed-scaling buffers from `old` into `new` per the module docstring's rule."""
     new_groups = list(new.delayed_groups()) if hasattr(new, "delayed_groups") else []
@@ -143,7 +127,7 @@ def _carry_delayed_state(old: RecipeState | None, new: RecipeState, where: str) 
         # after inherit, new's groups view old's tensors; margin/algo come from the new recipe
         for g_new, g_old in zip(new.delayed_groups(), old_groups):
             if (g_new.margin, g_new.algo) != (g_old.margin, g_old.algo):
-                hooks.append(lambda g=g_new: _rescale_from_history(g))
+                hooks.append(g_new.rescale_from_history)
         return f"{where}: inherited", hooks
     if same_meaning:
         for o, n in zip(old_groups, new_groups):
@@ -257,7 +241,7 @@ def validate_candidate(candidate: ModuleCandidate) -> None:
     if _gpu_without_fp8(device) and os.environ.get(EMULATION_ENV) != "1":
         pairs = zip((*rt.fwd_quantizers, *rt.bwd_quantizers), (*rt.fwd_roles, *rt.bwd_roles))
         for q, role in pairs:
-            if q.scaling != "identity":
+            if q.scaling.needs_fp8_gemm:
                 raise RecipeUpdateError(
                     f"module {name!r}: role {role} needs an FP8 GEMM, which "
                     f"{torch.cuda.get_device_name(device)} (compute capability "
@@ -312,25 +296,14 @@ class ModelPlan:
         return report
 
 
-def _describe_quantizer(q: object) -> tuple:
-    """What a quantizer does to a tensor: its class and its scalar settings (not its buffers)."""
-    settings = sorted(
-        (k, str(v))
-        for k, v in vars(q).items()
-        if not k.startswith("_")
-        and k not in ("rowwise_usage", "columnwise_usage")
-        and isinstance(v, (bool, int, float, str, torch.dtype))
-    )
-    return (type(q).__name__, tuple(settings))
-
-
 def quantizers_fingerprint(candidates: list[ModuleCandidate]) -> str:
     """Digest of every planned slot's quantizer, so ranks of a TP group that would quantize one
-    tensor differently (a factory answering per rank) cannot agree on a digest."""
+    tensor differently (a factory answering per rank) cannot agree on a digest. Each quantizer
+    describes itself (`Quantizer.describe`)."""
     h = hashlib.sha256()
     for c in candidates:
         rt = c.runtime
-        described = [_describe_quantizer(q) for q in (*rt.fwd_quantizers, *rt.bwd_quantizers)]
+        described = [q.describe() for q in (*rt.fwd_quantizers, *rt.bwd_quantizers)]
         h.update(repr(described).encode())
     return h.hexdigest()
 

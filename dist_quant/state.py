@@ -16,12 +16,14 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from dist_quant.formats import Format, bwd_dtype, fwd_dtype
+from dist_quant.formats import Format
 from dist_quant.kernels import reference
+from dist_quant.kinds import Direction, parse_kind
 from dist_quant.quantizers import (
     Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,
     Float8Quantizer,
+    IdentityQuantizer,
     MXFP8Quantizer,
     Quantizer,
 )
@@ -30,12 +32,11 @@ from dist_quant.recipes import (
     DelayedScaling,
     Float8BlockScaling,
     Float8CurrentScaling,
+    HighPrecision,
     MXFP8BlockScaling,
     Recipe,
 )
 from dist_quant.roles import DelayedScalingRequest, QuantizerRequest, QuantizerRole
-
-MODES = ("forward", "backward")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -73,21 +74,25 @@ class DelayedGroup:
         n = self.scale.shape[0]
         if callable(self.algo):
             amax = _per_slot(self.algo(self.amax_history), n, "amax_compute_algo")
-        elif self.algo == "max":
-            amax = self.amax_history.amax(0)
         else:
-            amax = self.amax_history[0].clone()
+            amax = reference.delayed_amax(self.amax_history, self.algo)
         if self.scaling_factor_compute_algo is None:
-            # the reference formula applied to this amax: a one-row history holding it
-            reference.delayed_scaling_update(
-                amax.reshape(1, n).clone(), self.scale, self.fp8_max, margin=self.margin, algo="max"
-            )
+            new = reference.delayed_scale(amax, self.scale, self.fp8_max, margin=self.margin)
         else:
             new = self.scaling_factor_compute_algo(amax, self.scale, self.fp8_max, self.recipe)
-            self.scale.copy_(_per_slot(new, n, "scaling_factor_compute_algo"))
-        # the same roll as the reference, in place so quantizers' views stay valid
-        self.amax_history.copy_(self.amax_history.roll(-1, 0))
-        self.amax_history[0].zero_()
+            new = _per_slot(new, n, "scaling_factor_compute_algo")
+        self.scale.copy_(new)
+        reference.roll_amax_history(self.amax_history)
+
+    def rescale_from_history(self) -> None:
+        """At a step boundary, recompute the scale from the kept history under this group's
+        margin and algorithm (`reference.rescale_from_history`). A callable algorithm or scale
+        function decides at its next update instead: the runtime does not call user code while
+        publishing, which must not fail half-way."""
+        if self.is_standard:
+            reference.rescale_from_history(
+                self.amax_history, self.scale, self.fp8_max, margin=self.margin, algo=self.algo
+            )
 
 
 def _per_slot(value: object, n: int, what: str) -> Tensor:
@@ -106,7 +111,7 @@ class RecipeState(abc.ABC):
         self,
         recipe: Recipe,
         *,
-        mode: str,
+        mode: Direction,
         num_quantizers: int,
         roles: tuple[QuantizerRole | None, ...],
         device: torch.device,
@@ -124,7 +129,7 @@ class RecipeState(abc.ABC):
     def create(
         recipe: Recipe,
         *,
-        mode: str = "forward",
+        mode: Direction | str = Direction.FORWARD,
         num_quantizers: int = 1,
         roles: Sequence[QuantizerRole | None] | None = None,
         device: torch.device | str | None = None,
@@ -139,8 +144,7 @@ class RecipeState(abc.ABC):
         cls = _STATE_CLASSES.get(type(recipe))
         if cls is None:
             raise NotImplementedError(f"RecipeState.create: no state for {type(recipe).__name__}")
-        if mode not in MODES:
-            raise ValueError(f"RecipeState.create: mode must be one of {MODES}, got {mode!r}")
+        direction = parse_kind(Direction, mode, "RecipeState.create: mode")
         n = num_quantizers
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"RecipeState.create: num_quantizers must be an int >= 0, got {n!r}")
@@ -164,7 +168,7 @@ class RecipeState(abc.ABC):
             raise ValueError(f"RecipeState.create: bad device {device!r}: {e}") from e
         return cls(
             recipe,
-            mode=mode,
+            mode=direction,
             num_quantizers=num_quantizers,
             roles=tuple(roles),
             device=dev,
@@ -205,7 +209,7 @@ class RecipeState(abc.ABC):
         return True
 
     def _fp8_dtype(self, fmt: Format) -> torch.dtype:
-        return fwd_dtype(fmt) if self.mode == "forward" else bwd_dtype(fmt)
+        return self.mode.fp8_dtype(fmt)
 
     def _module_of(self, role: QuantizerRole | None) -> str:
         name = role.name if role is not None and role.name else self.module_name
@@ -213,7 +217,7 @@ class RecipeState(abc.ABC):
 
     def __repr__(self) -> str:
         return (
-            f"{type(self).__name__}({type(self.recipe).__name__}, mode={self.mode!r}, "
+            f"{type(self).__name__}({type(self.recipe).__name__}, mode={self.mode.value!r}, "
             f"num_quantizers={self.num_quantizers}, module={self.module_name!r})"
         )
 
@@ -301,7 +305,7 @@ class Float8BlockScalingRecipeState(RecipeState):
     def __init__(self, recipe: Float8BlockScaling, **kwargs) -> None:
         super().__init__(recipe, **kwargs)
         if all(role is None for role in self.roles):
-            weights = [self.mode == "forward" and i % 3 == 1 for i in range(self.num_quantizers)]
+            weights = [self.mode.fwd and i % 3 == 1 for i in range(self.num_quantizers)]
         else:
             weights = [role is not None and role.tensor_type == "weight" for role in self.roles]
         self.block_scaling_dims = tuple(2 if w else 1 for w in weights)
@@ -316,6 +320,15 @@ class Float8BlockScalingRecipeState(RecipeState):
             )
             for dim in self.block_scaling_dims
         ]
+
+
+class HighPrecisionRecipeState(RecipeState):
+    """All identity: every slot stays in high precision, in both directions."""
+
+    recipe: HighPrecision
+
+    def make_quantizers(self) -> list[Quantizer]:
+        return [IdentityQuantizer() for _ in range(self.num_quantizers)]
 
 
 class CustomRecipeState(RecipeState):
@@ -448,4 +461,5 @@ _STATE_CLASSES: dict[type[Recipe], type[RecipeState]] = {
     MXFP8BlockScaling: MXFP8BlockScalingRecipeState,
     Float8BlockScaling: Float8BlockScalingRecipeState,
     CustomRecipe: CustomRecipeState,
+    HighPrecision: HighPrecisionRecipeState,
 }

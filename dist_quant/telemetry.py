@@ -49,6 +49,7 @@ from torch import nn
 from dist_quant import quantizers as _quantizers
 from dist_quant.jsonl import read_jsonl
 from dist_quant.kernels.fp8_stats import cast_stats
+from dist_quant.kinds import Direction
 from dist_quant.runtime import dist_quant_modules, stats_slot
 
 STATS_FILE = "fp8_stats.jsonl"
@@ -212,9 +213,12 @@ class Telemetry:
         keys = []
         for m in dist_quant_modules(self.model):
             name = m.role_name or type(m).__name__
-            for fwd, direction in ((True, "forward"), (False, "backward")):
+            for direction in Direction:
+                fwd = direction.fwd
                 roles = m.get_quantizer_roles(fwd=fwd, num_quantizers=m.num_quantizers(fwd=fwd))
-                keys.extend(stats_slot(name, role, i, direction) for i, role in enumerate(roles))
+                keys.extend(
+                    stats_slot(name, role, i, direction.value) for i, role in enumerate(roles)
+                )
         return sorted(set(keys))
 
     def _device(self) -> torch.device:

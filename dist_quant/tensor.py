@@ -31,27 +31,27 @@ from torch import Tensor
 
 # The dispatchers: torch.library ops (Triton on CUDA, the reference elsewhere).
 from dist_quant import kernels as fp8_kernels
-
-SCALINGS = ("tensor", "mxfp8", "block1d", "block2d")
+from dist_quant.kinds import OperandLayout, parse_kind
 
 
 @dataclass(frozen=True)
 class GemmOperand:
     """A 2D FP8 matrix ``(rows, K)`` quantized along its last dim, ready for ``gemm``.
 
-    ``scale_inv`` is the fp32 per-tensor scale inverse (``"tensor"``), the uint8 E8M0 block
-    exponents (``"mxfp8"``), or the fp32 tile scale inverses (``"block1d"``: 1x128,
-    ``"block2d"``: 128x128).
+    ``scaling`` is its ``OperandLayout`` (a string spelling is turned into one): ``scale_inv`` is
+    the fp32 per-tensor scale inverse (``TENSOR``), the uint8 E8M0 block exponents (``MXFP8``),
+    or the fp32 tile scale inverses (``BLOCK1D``: 1x128, ``BLOCK2D``: 128x128).
     """
 
     data: Tensor
     scale_inv: Tensor
-    scaling: str
+    scaling: OperandLayout
     fp8_dtype: torch.dtype
 
     def __post_init__(self) -> None:
-        if self.scaling not in SCALINGS:
-            raise ValueError(f"GemmOperand.scaling must be one of {SCALINGS}, got {self.scaling!r}")
+        if type(self.scaling) is not OperandLayout:
+            layout = parse_kind(OperandLayout, self.scaling, "GemmOperand.scaling")
+            object.__setattr__(self, "scaling", layout)
         if self.data.dim() != 2 or self.data.dtype != self.fp8_dtype:
             raise ValueError(
                 f"GemmOperand.data must be a 2D {self.fp8_dtype} tensor, "
@@ -64,20 +64,20 @@ class GemmOperand:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """The 2D matrix this operand stands for, computed in fp32 and cast to ``dtype``."""
-        if self.scaling == "tensor":
+        if self.scaling is OperandLayout.TENSOR:
             return fp8_kernels.dequantize(self.data, self.scale_inv, dtype)
-        if self.scaling == "mxfp8":
+        if self.scaling is OperandLayout.MXFP8:
             return fp8_kernels.mxfp8_dequantize(self.data, self.scale_inv, dtype=dtype)
-        block_dim = 1 if self.scaling == "block1d" else 2
         return fp8_kernels.block_dequantize(
-            self.data, self.scale_inv, block_dim=block_dim, dtype=dtype
+            self.data, self.scale_inv, block_dim=self.scaling.block_dim, dtype=dtype
         )
 
 
 class QuantizedTensor(abc.ABC):
     """FP8 data with its scales. ``dtype`` is the high-precision dtype it was quantized from."""
 
-    _scaling: str = ""
+    _layout: OperandLayout
+    """The layout of the GEMM operands it hands out."""
 
     def __init__(
         self, *, shape: torch.Size, dtype: torch.dtype, device: torch.device, fp8_dtype: torch.dtype
@@ -137,14 +137,14 @@ class QuantizedTensor(abc.ABC):
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.dtype}, "
-            f"fp8_dtype={self.fp8_dtype}, scaling={self._scaling!r}, device={self.device})"
+            f"fp8_dtype={self.fp8_dtype}, scaling={self._layout.value!r}, device={self.device})"
         )
 
 
 class Float8Tensor(QuantizedTensor):
     """Per-tensor FP8: ``data`` in the original shape and one fp32 ``scale_inv``."""
 
-    _scaling = "tensor"
+    _layout = OperandLayout.TENSOR
 
     def __init__(
         self, data: Tensor, scale_inv: Tensor, *, dtype: torch.dtype, data_t: Tensor | None = None
@@ -178,11 +178,12 @@ class Float8Tensor(QuantizedTensor):
     def rowwise_operand(self) -> GemmOperand:
         rows, cols = self._rows_cols()
         return GemmOperand(
-            self._data.reshape(rows, cols), self._scale_inv, "tensor", self.fp8_dtype
+            self._data.reshape(rows, cols), self._scale_inv, OperandLayout.TENSOR, self.fp8_dtype
         )
 
     def columnwise_operand(self) -> GemmOperand:
-        return GemmOperand(self.transpose_data(), self._scale_inv, "tensor", self.fp8_dtype)
+        data_t = self.transpose_data()
+        return GemmOperand(data_t, self._scale_inv, OperandLayout.TENSOR, self.fp8_dtype)
 
 
 class _TwoCopyTensor(QuantizedTensor):
@@ -243,18 +244,18 @@ class _TwoCopyTensor(QuantizedTensor):
     def rowwise_operand(self) -> GemmOperand:
         data, scale = self._rowwise_pair()
         rows, cols = self._rows_cols()
-        return GemmOperand(data.reshape(rows, cols), scale, self._scaling, self.fp8_dtype)
+        return GemmOperand(data.reshape(rows, cols), scale, self._layout, self.fp8_dtype)
 
     def columnwise_operand(self) -> GemmOperand:
         data_t, scale_t = self._columnwise_pair()
-        return GemmOperand(data_t, scale_t, self._scaling, self.fp8_dtype)
+        return GemmOperand(data_t, scale_t, self._layout, self.fp8_dtype)
 
 
 class MXFP8Tensor(_TwoCopyTensor):
     """MXFP8: 32-element blocks with uint8 E8M0 exponents, scales ``(rows, ceil(cols/32))``
     rowwise and ``(cols, ceil(rows/32))`` columnwise; each copy quantized from the original."""
 
-    _scaling = "mxfp8"
+    _layout = OperandLayout.MXFP8
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         if self._rowwise is not None:
@@ -293,7 +294,7 @@ class Float8BlockwiseTensor(_TwoCopyTensor):
             shape=shape, dtype=dtype, fp8_dtype=fp8_dtype, rowwise=rowwise, columnwise=columnwise
         )
         self.block_dim = block_dim
-        self._scaling = f"block{block_dim}d"
+        self._layout = OperandLayout.of_block_dim(block_dim)
 
     def _columnwise_pair(self) -> tuple[Tensor, Tensor]:
         if self.block_dim == 2 and self._columnwise is None:
@@ -327,7 +328,7 @@ class SavedLayout:
     dtype: torch.dtype | None = None
     fp8_dtype: torch.dtype | None = None
     block_dim: int = 0
-    scaling: str = ""
+    scaling: OperandLayout | None = None
 
     @property
     def num_tensors(self) -> int:

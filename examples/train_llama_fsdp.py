@@ -149,7 +149,7 @@ def main() -> None:
             reported = loss.detach().clone()
             dist.all_reduce(reported)
             if rank == 0 and step % args.log_every == 0:
-                recipe = type(dq.current_recipe(model)).__name__
+                recipe = dq.current_recipe(model).name
                 print(f"step {step} loss {reported.item() / world:.4f} recipe {recipe}", flush=True)
         dist.barrier()  # rank 0 hosts the coordinator: nobody stops it while a peer still runs
     finally:

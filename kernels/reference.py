@@ -110,6 +110,44 @@ def current_scale(
     return scale, torch.ones_like(scale) / scale
 
 
+DELAYED_ALGOS = ("max", "most_recent")
+
+
+def delayed_amax(amax_history: Tensor, algo: str) -> Tensor:
+    """The amax a delayed-scaling update scales from, fp32 ``(n,)``, NaN propagating.
+
+    ``amax_history`` is ``(L, n)`` in Transformer Engine's layout: row 0 is this step's amax (the
+    accumulator quantizers fold ``max(|x|)`` into, already reduced across ranks when the update
+    runs), rows 1..L-1 earlier steps. ``"max"``: the max over all L rows; ``"most_recent"``: row 0.
+    """
+    if algo not in DELAYED_ALGOS:
+        raise ValueError(f"delayed_amax: algo must be 'max' or 'most_recent', got {algo!r}")
+    return amax_history.amax(0) if algo == "max" else amax_history[0].clone()
+
+
+def delayed_scale(
+    amax: Tensor, scale: Tensor, fp8_max_per_slot: Tensor | float, *, margin: float
+) -> Tensor:
+    """The delayed-scaling scale rule, a new fp32 ``(n,)`` tensor: ``(fp8_max / amax) / 2**margin``
+    in fp32; slots whose ``amax`` is not finite or ``<= 0`` keep ``scale``; an infinite quotient
+    becomes FLT_MAX."""
+    n = scale.shape[0]
+    limit = torch.as_tensor(fp8_max_per_slot, dtype=torch.float32, device=scale.device)
+    divisor = torch.tensor(2.0**margin, dtype=torch.float32, device=scale.device)
+    new = (limit.expand(n) / amax) / divisor
+    new = torch.where(torch.isinf(new), torch.full_like(new, FLT_MAX), new)
+    keep = ~torch.isfinite(amax) | (amax <= 0)
+    return torch.where(keep, scale, new)
+
+
+def roll_amax_history(amax_history: Tensor) -> None:
+    """Close a step, in place: ``history[:] = history.roll(-1, 0)`` (this step's row becomes the
+    last, the oldest row is dropped) and row 0, the next step's accumulator, is zeroed. In place so
+    quantizers' views of row 0 stay valid."""
+    amax_history.copy_(amax_history.roll(-1, 0))
+    amax_history[0].zero_()
+
+
 def delayed_scaling_update(
     amax_history: Tensor,
     scale: Tensor,
@@ -118,48 +156,67 @@ def delayed_scaling_update(
     margin: float,
     algo: str,
 ) -> None:
-    """One delayed-scaling step, fully in place (views into ``scale`` and ``history[0]`` survive).
+    """One delayed-scaling step, fully in place (views into ``scale`` and ``history[0]`` survive):
+    ``scale = delayed_scale(delayed_amax(history, algo), scale, fp8_max, margin)``, then
+    ``roll_amax_history(history)``."""
+    _check_delayed("delayed_scaling_update", amax_history, scale, fp8_max_per_slot, margin, algo)
+    a = delayed_amax(amax_history, algo)
+    scale.copy_(delayed_scale(a, scale, fp8_max_per_slot, margin=margin))
+    roll_amax_history(amax_history)
 
-    ``amax_history`` is fp32 ``(L, n)``: row 0 is this step's accumulator, rows 1..L-1 earlier
-    steps (Transformer Engine's layout). ``a = history.max(0)`` for ``algo="max"``, ``history[0]``
-    for ``"most_recent"``; ``new = (fp8_max / a) / 2**margin`` in fp32; slots whose ``a`` is not
-    finite or ``<= 0`` keep their scale; an infinite ``new`` becomes FLT_MAX. Then the history rolls
-    by one (``history[:] = history.roll(-1, 0)``) and row 0 is zeroed for the next step.
+
+def rescale_from_history(
+    amax_history: Tensor,
+    scale: Tensor,
+    fp8_max_per_slot: Tensor | float,
+    *,
+    margin: float,
+    algo: str,
+) -> None:
+    """At a step boundary, the scale the last update would have produced under ``margin`` /
+    ``algo`` (a recipe switch that keeps the history but changes them), written into ``scale`` in
+    place; the history is not changed.
+
+    Between steps the history is as that update left it, rolled: this step's row went last and row
+    0 is the (empty) next accumulator. Rolling it back by one puts the newest step in row 0 again,
+    so ``delayed_amax`` reads it with the update's own meaning; only the window's oldest step,
+    which the roll dropped, reads as 0. With L = 1 nothing is kept, so the scale stays.
     """
-    if algo not in ("max", "most_recent"):
-        raise ValueError(
-            f"delayed_scaling_update: algo must be 'max' or 'most_recent', got {algo!r}"
-        )
+    _check_delayed("rescale_from_history", amax_history, scale, fp8_max_per_slot, margin, algo)
+    a = delayed_amax(amax_history.roll(1, 0), algo)
+    scale.copy_(delayed_scale(a, scale, fp8_max_per_slot, margin=margin))
+
+
+def _check_delayed(
+    what: str,
+    amax_history: Tensor,
+    scale: Tensor,
+    fp8_max_per_slot: Tensor | float,
+    margin: object,
+    algo: object,
+) -> None:
+    if algo not in DELAYED_ALGOS:
+        raise ValueError(f"{what}: algo must be 'max' or 'most_recent', got {algo!r}")
     if amax_history.dim() != 2 or amax_history.shape[0] < 1:
         raise ValueError(
-            "delayed_scaling_update: amax_history must be 2D (L >= 1, n), "
-            f"got shape {tuple(amax_history.shape)}"
+            f"{what}: amax_history must be 2D (L >= 1, n), got shape {tuple(amax_history.shape)}"
         )
     n = amax_history.shape[1]
     if scale.shape != (n,):
         raise ValueError(
-            f"delayed_scaling_update: scale must have shape ({n},) to match amax_history "
+            f"{what}: scale must have shape ({n},) to match amax_history "
             f"{tuple(amax_history.shape)}, got {tuple(scale.shape)}"
         )
     for name, t in (("amax_history", amax_history), ("scale", scale)):
         if t.dtype != torch.float32:
-            raise ValueError(f"delayed_scaling_update: {name} must be float32, got {t.dtype}")
+            raise ValueError(f"{what}: {name} must be float32, got {t.dtype}")
     if not (isinstance(margin, (int, float)) and margin >= 0):
-        raise ValueError(f"delayed_scaling_update: margin must be a number >= 0, got {margin!r}")
-    limit = torch.as_tensor(fp8_max_per_slot, dtype=torch.float32, device=scale.device)
-    if limit.numel() not in (1, n):
+        raise ValueError(f"{what}: margin must be a number >= 0, got {margin!r}")
+    if isinstance(fp8_max_per_slot, Tensor) and fp8_max_per_slot.numel() not in (1, n):
         raise ValueError(
-            f"delayed_scaling_update: fp8_max_per_slot must hold 1 or {n} values, "
-            f"got shape {tuple(limit.shape)}"
+            f"{what}: fp8_max_per_slot must hold 1 or {n} values, "
+            f"got shape {tuple(fp8_max_per_slot.shape)}"
         )
-    a = amax_history.amax(0) if algo == "max" else amax_history[0].clone()  # amax keeps NaN
-    divisor = torch.tensor(2.0**margin, dtype=torch.float32, device=scale.device)
-    new = (limit.expand(n) / a) / divisor
-    new = torch.where(torch.isinf(new), torch.full_like(new, FLT_MAX), new)
-    keep = ~torch.isfinite(a) | (a <= 0)
-    scale.copy_(torch.where(keep, scale, new))
-    amax_history.copy_(amax_history.roll(-1, 0))
-    amax_history[0].zero_()
 
 
 def mxfp8_cast(

@@ -140,15 +140,18 @@ def status(
     return 0
 
 
-_KEY_REPR = re.compile(r"^\('(\w+)', ")
+_KEY_REPR = re.compile(r"^\('(\w+)', (\(\)\)$)?")
 
 
 def short_recipe_key(text: str) -> str:
-    """A rank's reported key (`repr(recipe.key())`) as `TypeName:8 hex digits`, the form the
-    demo's tables and `dist-quant roles` print (`demo_report.short_key` hashes the same repr)."""
+    """A rank's reported key (`repr(recipe.key())`) as `name:8 hex digits`, or the name alone
+    for a recipe without fields (`bf16`): the form the demo's tables and `dist-quant roles` print
+    (`demo_report.short_key` hashes the same repr, as `Recipe.digest()`)."""
     m = _KEY_REPR.match(text)
     if m is None:
         return text  # "none", or an error text
+    if m.group(2):
+        return m.group(1)
     return f"{m.group(1)}:{hashlib.sha256(text.encode()).hexdigest()[:8]}"
 
 

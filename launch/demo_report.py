@@ -15,7 +15,6 @@ are means of up to 5 steps at each end of the phase (`_EDGE`), as is the progres
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -30,9 +29,10 @@ def _edge(n: int) -> int:
 
 
 def short_key(recipe: Any) -> str:
-    """`TypeName:8 hex digits` of a recipe's semantic key: equal keys print equal."""
-    digest = hashlib.sha256(repr(recipe.key()).encode()).hexdigest()[:8]
-    return f"{type(recipe).__name__}:{digest}"
+    """`name:8 hex digits` of a recipe's digest (equal keys print equal); a recipe without
+    fields is its name alone (`bf16`)."""
+    name, fields = recipe.key()
+    return f"{name}:{recipe.digest()[:8]}" if fields else name
 
 
 def rank_log_path(run_dir: str | Path, rank: int) -> Path:

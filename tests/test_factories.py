@@ -14,7 +14,7 @@ from dist_quant.quantizers import (
     IdentityQuantizer,
     MXFP8Quantizer,
 )
-from dist_quant.recipes import CustomRecipe, DelayedScaling, recipe_from_json
+from dist_quant.recipes import CustomRecipe, DelayedScaling, HighPrecision, recipe_from_json
 from dist_quant.roles import DelayedScalingRequest, QuantizerRole
 from dist_quant.state import RecipeState
 
@@ -118,11 +118,14 @@ def test_every_reference_factory_has_an_explicit_key():
 
 def test_bf16_builtin_is_all_identity_and_round_trips():
     recipe = recipe_from_json("bf16")
-    assert recipe.qfactory is factories.high_precision
-    assert recipe.to_dict()["qfactory"] == "dist_quant.factories:high_precision"
-    assert recipe_from_json(json.dumps(recipe.to_dict())) == recipe
-    state = RecipeState.create(recipe, mode="backward", num_quantizers=2)
-    assert all(isinstance(q, IdentityQuantizer) for q in state.make_quantizers())
+    assert isinstance(recipe, HighPrecision) and recipe.name == "bf16"
+    assert recipe.key() == ("bf16", ()) and recipe.to_dict() == {"type": "bf16"}
+    assert recipe_from_json(json.dumps(recipe.to_dict())) == recipe == recipe_from_json('"bf16"')
+    for mode in ("forward", "backward"):
+        state = RecipeState.create(recipe, mode=mode, num_quantizers=2)
+        assert all(isinstance(q, IdentityQuantizer) for q in state.make_quantizers())
+    # what the factory gives a slot, the recipe gives every slot
+    assert isinstance(factories.high_precision(None), IdentityQuantizer)
 
 
 def test_factory_by_import_path_builds_the_same_state_after_a_json_round_trip():

@@ -1,5 +1,6 @@
 """RecipeState: buffers, quantizer views, delayed updates, custom factories, inherit."""
 
+import dataclasses
 import re
 
 import pytest
@@ -123,6 +124,26 @@ def test_callable_algorithms_get_transformer_engines_signatures():
     state.amax_history[0, 0] = 7.0
     state.delayed_groups()[0].update()
     assert state.scale[0] == torch.tensor(448.0 / 14.0, dtype=torch.float64).float()
+
+
+def test_group_rescale_recomputes_standard_groups_and_leaves_callable_ones_to_their_update():
+    def double(amax, scale, fp8_max, recipe):
+        return scale * 2
+
+    for custom in (None, double):
+        recipe = DelayedScaling(amax_history_len=3, scaling_factor_compute_algo=custom)
+        state = RecipeState.create(recipe, num_quantizers=2)
+        state.amax_history.copy_(torch.tensor([[7.0, 0.0], [2.0, 0.0], [5.0, 0.0]]))
+        (group,) = state.delayed_groups()
+        group.update()  # -> rows [0, 5, 7]; the closed step's 7 is the newest kept amax
+        before = state.scale.clone()
+        dataclasses.replace(group, margin=2, algo="most_recent").rescale_from_history()
+        if custom is None:
+            want = torch.tensor(448.0 / 7.0 / 4.0, dtype=torch.float64).float()
+            assert state.scale.tolist() == [want.item(), before[1].item()]  # amax 0 keeps it
+        else:
+            assert torch.equal(state.scale, before), "a user scale rule is not run at publish"
+        assert state.amax_history.tolist() == [[0.0, 0.0], [5.0, 0.0], [7.0, 0.0]]
 
 
 def test_callable_algorithm_with_wrong_shape_fails_before_changing_state():

@@ -18,7 +18,7 @@ from dist_quant.checkpoint.module_state import (
     ONE_LINER,
     load_module_extra_state,
     module_extra_state,
-    recipe_digest,
+    read_digest,
 )
 from dist_quant.checkpoint.shards import load_full_state_dict_into_shards
 
@@ -50,7 +50,7 @@ __all__ = [
     "load_module_extra_state",
     "load_state_dict",
     "module_extra_state",
-    "recipe_digest",
+    "read_digest",
     "recipe_of",
     "save",
     *_DCP_NAMES,

@@ -5,7 +5,7 @@ Every dist-quant module's `state_dict()` carries one extra-state entry, `<prefix
     {"format": "dist_quant.extra_state/1",
      "module": "layers.3.fc1",              # the role name its quantizer roles carry
      "recipe": recipe.to_dict() | None,     # None: no recipe yet, or not serialisable (see below)
-     "recipe_key": sha256 hex of repr(recipe.key()) | None,
+     "recipe_key": recipe.digest() (sha256 hex of repr(recipe.key())) | None,
      "recipe_key_repr": repr(recipe.key()) | None,   # for error messages
      "recipe_note": "" | why "recipe" is None although a recipe ran,
      "pinned": bool,                        # set by apply_recipe / the coordinator
@@ -33,16 +33,16 @@ Whole models (the all-or-nothing load, `recipe_of`, `save` / `load`) are in `mod
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Hashable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from dist_quant.kinds import Direction
 from dist_quant.modules.base import QuantizedModule, assign_role_names, provisional_role_names
-from dist_quant.recipes import Recipe, recipe_from_dict
+from dist_quant.recipes import HighPrecision, Recipe, key_digest, recipe_from_dict
 from dist_quant.runtime import (
     ModuleCandidate,
     ModuleRuntime,
@@ -53,7 +53,7 @@ from dist_quant.runtime import (
 
 FORMAT = "dist_quant.extra_state/1"
 ONE_LINER = "dq.apply_recipe(model, dq.checkpoint.recipe_of(state_dict))"
-_DIRECTIONS = ("forward", "backward")
+_DIRECTIONS = tuple(d.value for d in Direction)  # forward first, as (fwd_state, bwd_state)
 _FIELDS: dict[str, tuple[type, ...]] = {
     "format": (str,),
     "module": (str,),
@@ -67,10 +67,21 @@ _FIELDS: dict[str, tuple[type, ...]] = {
 }
 
 
-def recipe_digest(key: Hashable) -> str:
-    """A stable string for a recipe key: keys hold only strings, numbers, bools, None and tuples,
-    whose repr is the same in every process."""
-    return hashlib.sha256(repr(key).encode()).hexdigest()
+# Before `HighPrecision` existed, "bf16" was a CustomRecipe of `factories.high_precision`, and
+# checkpoints and decision logs of those runs record that recipe. It quantizes exactly as
+# HighPrecision does, so reading one takes it as HighPrecision: a fresh model resumes on "bf16",
+# and a model already on "bf16" (or on the old spelling) loads it.
+_LEGACY_BF16_KEY = (
+    "CustomRecipe",
+    ("dist_quant.factories.high_precision.v1", None, "HYBRID", False, False),
+)
+_LEGACY_BF16_DIGEST = key_digest(_LEGACY_BF16_KEY)
+
+
+def read_digest(digest: str) -> str:
+    """A recorded recipe digest as this version names that recipe (the legacy "bf16" spelling
+    as `HighPrecision().digest()`); any other digest unchanged."""
+    return HighPrecision().digest() if digest == _LEGACY_BF16_DIGEST else digest
 
 
 # ---- saving -------------------------------------------------------------------------------------
@@ -105,7 +116,7 @@ def module_extra_state(module: QuantizedModule) -> dict[str, Any]:
         state["recipe"] = rt.recipe.to_dict()
     except ValueError as e:  # a lambda / closure factory: resuming needs the same object applied
         state["recipe_note"] = str(e)
-    state["recipe_key"] = recipe_digest(rt.recipe_key)
+    state["recipe_key"] = key_digest(rt.recipe_key)
     state["recipe_key_repr"] = repr(rt.recipe_key)
     state["pinned"] = module._dq_pinned_recipe is not None
     state["roles"] = {
@@ -165,7 +176,13 @@ def parse_extra_state(state: object, where: str) -> dict[str, Any]:
     for name, t in state["buffers"].items():
         if not ran or not isinstance(name, str) or not isinstance(t, Tensor):
             raise ValueError(f"{where}: corrupted extra state: bad buffer entry {name!r}")
-    return dict(state)
+    parsed = dict(state)
+    if ran and read_digest(state["recipe_key"]) != state["recipe_key"]:
+        bf16 = HighPrecision()
+        parsed.update(
+            recipe=bf16.to_dict(), recipe_key=bf16.digest(), recipe_key_repr=repr(bf16.key())
+        )
+    return parsed
 
 
 def rebuild_recipe(state: Mapping[str, Any], where: str) -> Recipe:
@@ -180,7 +197,7 @@ def rebuild_recipe(state: Mapping[str, Any], where: str) -> Recipe:
         recipe = recipe_from_dict(state["recipe"])
     except ValueError as e:
         raise ValueError(f"{where}: cannot rebuild the checkpoint's recipe: {e}") from e
-    if recipe_digest(recipe.key()) != state["recipe_key"]:
+    if recipe.digest() != state["recipe_key"]:
         raise RecipeUpdateError(
             f"{where}: the recipe rebuilt from the checkpoint has key {recipe.key()!r}, but the "
             f"checkpoint ran {state['recipe_key_repr']}: a factory's code or captured values "
@@ -282,7 +299,7 @@ def _stage_planned(module: QuantizedModule, saved: dict[str, Any], where: str) -
         return StagedLoad(module, "clear" if module._dq_runtime is not None else "none")
     rt = module._dq_runtime
     if rt is not None:
-        if recipe_digest(rt.recipe_key) != saved["recipe_key"]:
+        if read_digest(key_digest(rt.recipe_key)) != saved["recipe_key"]:
             raise _mismatch(where, saved, rt)
         staged = StagedLoad(module, "keep", pinned=saved["pinned"])
     else:
@@ -314,6 +331,6 @@ __all__ = [
     "module_extra_state",
     "parse_extra_state",
     "rebuild_recipe",
-    "recipe_digest",
+    "read_digest",
     "stage_extra_state",
 ]

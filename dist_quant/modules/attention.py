@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from dist_quant.amax import enrol_backward
+from dist_quant.kinds import ScalingKind
 from dist_quant.modules.base import QuantizedModule
 from dist_quant.modules.functional import fake_quantize
 from dist_quant.modules.layernorm_linear import LayerNormLinear
@@ -43,8 +44,6 @@ from dist_quant.parallel import group_size, mark_tp_split, tp_amax_quantizer
 from dist_quant.quantizers import Quantizer
 from dist_quant.roles import QuantizerRole
 
-ATTENTION_SCALINGS = frozenset({"delayed", "current", "mxfp8", "identity"})
-"""Quantizer kinds an FP8 attention kernel can consume and produce."""
 MASK_TYPES = ("no_mask", "causal", "padding", "padding_causal")
 QKV_FORMATS = ("sbhd", "bshd")
 FWD_SLOTS = ("qkv", "s", "o")
@@ -210,10 +209,10 @@ class DotProductAttention(QuantizedModule):
         if not getattr(recipe, "fp8_dpa", False):
             return
         for q, role in zip(quantizers, roles):
-            if role.module_type == self.module_type and q.scaling not in ATTENTION_SCALINGS:
+            if role.module_type == self.module_type and not q.scaling.fp8_attention:
                 raise ValueError(
                     f"DotProductAttention {self.role_name!r}: role {role} got "
-                    f"{type(q).__name__} ({q.scaling!r} scaling); FP8 attention supports "
+                    f"{type(q).__name__} ({q.scaling.value!r} scaling); FP8 attention supports "
                     "per-tensor FP8 (delayed or current), MXFP8 or identity"
                 )
 
@@ -225,7 +224,7 @@ class DotProductAttention(QuantizedModule):
         # identity: nothing to round; an unsupported kind (only possible on a boundary slot
         # carrying a linear's role): the tensor leaves in high precision, its consumer rounds it
         applied = [
-            None if q.scaling == "identity" or q.scaling not in ATTENTION_SCALINGS else q
+            None if q.scaling is ScalingKind.IDENTITY or not q.scaling.fp8_attention else q
             for q in (*runtime.fwd_quantizers, *runtime.bwd_quantizers)
         ]
         if self.tp_size > 1:

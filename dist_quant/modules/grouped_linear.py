@@ -29,22 +29,14 @@ from dist_quant.modules.functional import LinearSlots
 from dist_quant.modules.linear import LinearBase
 from dist_quant.roles import QuantizerRole
 
-# Rows a split must be padded to for the kernels of each scaling; per-tensor FP8 needs 16 only where
-# `torch._scaled_mm` runs (CUDA), and a scaling not listed here (identity, user quantizers) needs none.
-_ROW_ALIGNMENT = {"mxfp8": 32, "block": 128}
-_PER_TENSOR_CUDA_ALIGNMENT = 16
-
 
 def row_alignment(slots: Sequence[LinearSlots], device: torch.device) -> int:
-    """The row multiple every split needs so all its row-split operands (input, grad output) fit."""
+    """The row multiple every split needs so all its row-split operands (input, grad output) fit
+    the kernels of their scaling kinds (`ScalingKind.row_alignment`)."""
     align = 1
     for s in slots:
         for q in (s.input, s.grad_output):
-            if q.scaling in ("delayed", "current"):
-                need = _PER_TENSOR_CUDA_ALIGNMENT if device.type == "cuda" else 1
-            else:
-                need = _ROW_ALIGNMENT.get(q.scaling, 1)
-            align = math.lcm(align, need)
+            align = math.lcm(align, q.scaling.row_alignment(device))
     return align
 
 

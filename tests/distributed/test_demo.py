@@ -68,7 +68,7 @@ def _check_scheduled_demo(out: Path, proc: subprocess.CompletedProcess, steps: i
     for log in logs[1:]:
         assert _changes(log) == runs  # every rank switched at the same steps, to the same keys
     kinds = [key.split(":")[0] for _, key in runs]
-    assert kinds == ["CustomRecipe", "DelayedScaling", "Float8CurrentScaling", "CustomRecipe"]
+    assert kinds == ["bf16", "DelayedScaling", "Float8CurrentScaling", "bf16"]
     assert runs[0][1] == runs[3][1]  # warm-up and tail: the same bf16 recipe
 
     switches = json.loads((out / "summary.json").read_text())["switches"]
@@ -202,7 +202,7 @@ def test_switch_from_another_process_commits_and_a_malformed_one_leaves_the_job_
     for log in logs:
         runs = _changes(log)
         assert [start for start, _ in runs] == [0, step]
-        assert runs[0][1].startswith("CustomRecipe:")  # bf16 until the committed step
+        assert runs[0][1] == "bf16"  # until the committed step
         assert runs[1][1].startswith("Float8CurrentScaling:")
     assert _changes(logs[0]) == _changes(logs[1])
     phases = json.loads((out / "summary.json").read_text())["phases"]

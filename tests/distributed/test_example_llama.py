@@ -32,6 +32,6 @@ def test_llama_fsdp_example_trains_and_switches_recipe_at_the_asked_step(tmp_pat
     steps = [LINE.match(line.split("]:")[-1].strip()) for line in proc.stdout.splitlines()]
     steps = [(int(m[1]), float(m[2]), m[3]) for m in steps if m]
     assert [s for s, _, _ in steps] == list(range(8)), proc.stdout
-    assert [r for s, _, r in steps] == ["CustomRecipe"] * 3 + ["Float8CurrentScaling"] * 5
+    assert [r for s, _, r in steps] == ["bf16"] * 3 + ["Float8CurrentScaling"] * 5
     assert "switch to current: committed=True at step 3" in proc.stdout
     assert steps[-1][1] < 0.8 * steps[0][1], steps

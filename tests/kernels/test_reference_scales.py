@@ -101,6 +101,49 @@ def test_delayed_scaling_update_rejects_bad_arguments_without_touching_state():
     assert history.eq(1).all() and scale.eq(1).all()
 
 
+@pytest.mark.parametrize("new_algo", ["max", "most_recent"])
+@pytest.mark.parametrize("length", [1, 2, 16])
+@pytest.mark.parametrize("new_margin", [0, 3])
+def test_rescale_from_history_gives_the_last_updates_scale_under_new_settings(
+    new_algo, length, new_margin
+):
+    """After an update (margin 1, "max") rolled the history, a switch to (new_margin, new_algo)
+    rescales from what the roll kept: the step just closed (h[0] before the roll) is the newest,
+    h[2:] the earlier kept steps; h[1], the oldest, was dropped; L = 1 keeps nothing."""
+    h = _history(length, new_algo, seed=31 + length)
+    old_scale = np.array([1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0])
+    history = torch.tensor(h, dtype=torch.float32)
+    scale = torch.tensor(old_scale, dtype=torch.float32)
+    ref.delayed_scaling_update(history, scale, 448.0, margin=1, algo="max")
+    after_update, rolled = scale.double().numpy().copy(), history.clone()
+    ref.rescale_from_history(history, scale, 448.0, margin=new_margin, algo=new_algo)
+    assert torch.equal(history.isnan(), rolled.isnan()), "the history is read, never written"
+    assert torch.equal(history.nan_to_num(), rolled.nan_to_num())
+
+    expected = []
+    for j in range(7):
+        newest = float(h[0, j])
+        kept = [newest] + [float(v) for v in h[2:, j]] + [0.0]  # + the empty accumulator
+        if length == 1:
+            a = 0.0  # the roll zeroed the only row
+        elif new_algo == "most_recent":
+            a = newest
+        else:
+            a = math.nan if any(map(math.isnan, kept)) else max(kept)
+        s = _expected_scale(a, 448.0, margin=new_margin)
+        expected.append(after_update[j] if s is None else s)
+    np.testing.assert_array_equal(scale.double().numpy(), np.array(expected))
+
+
+def test_rescale_from_history_rejects_bad_arguments_without_touching_state():
+    history, scale = torch.ones(4, 3), torch.full((3,), 2.0)
+    with pytest.raises(ValueError, match="rescale_from_history: algo"):
+        ref.rescale_from_history(history, scale, 448.0, margin=0, algo="mean")
+    with pytest.raises(ValueError, match="fp8_max_per_slot must hold 1 or 3"):
+        ref.rescale_from_history(history, scale, torch.ones(2), margin=0, algo="max")
+    assert history.eq(1).all() and scale.eq(2).all()
+
+
 # --- current scaling --------------------------------------------------------------------------
 
 AMAXES = [0.0, 1e-45, 1e-40, 1e-30, 0.0137, 1.0, 3.3, 448.0, 1e5, 3e38, math.inf, math.nan]

@@ -3,6 +3,7 @@
 import io
 
 import pytest
+from dist_quant.launch.client import short_recipe_key
 from dist_quant.launch.demo_report import (
     _label_tiers,
     plot_loss,
@@ -13,7 +14,7 @@ from dist_quant.launch.demo_report import (
 )
 from rich.console import Console
 
-from dist_quant import DelayedScaling, Float8CurrentScaling
+from dist_quant import DelayedScaling, Float8CurrentScaling, recipe_from_dict
 
 
 def _log(keys: list[str], losses: list[float], t0: float = 100.0, dt: float = 0.5) -> list[dict]:
@@ -179,3 +180,13 @@ def test_short_key_is_equal_exactly_for_equal_recipe_keys() -> None:
     key = short_key(Float8CurrentScaling())
     name, digest = key.split(":")
     assert name == "Float8CurrentScaling" and len(digest) == 8 and int(digest, 16) >= 0
+
+
+def test_the_bf16_recipe_prints_as_bf16_in_the_tables_and_in_status() -> None:
+    """The all-identity recipe is its own name everywhere a short key is shown: the demo's
+    tables (`short_key`) and `dist-quant status` (`short_recipe_key`, from the key's repr)."""
+    bf16 = recipe_from_dict("bf16")
+    assert short_key(bf16) == short_recipe_key(repr(bf16.key())) == "bf16"
+    delayed = DelayedScaling()
+    assert short_recipe_key(repr(delayed.key())) == short_key(delayed)
+    assert short_key(delayed) == f"DelayedScaling:{delayed.digest()[:8]}"

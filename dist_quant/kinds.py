@@ -1,0 +1,138 @@
+"""The typed vocabulary of quantization: scaling kinds, GEMM operand layouts, directions.
+
+Each kind is a `str`-valued enum (its value is the spelling JSON, the command line and telemetry
+use, and `ScalingKind.DELAYED == "delayed"` holds, so code comparing with strings keeps working)
+that answers the capability questions about itself: is it per tensor, what row alignment its
+kernels need, can FP8 attention use it, does it need an FP8 GEMM. Modules ask the kind instead of
+keeping tables of strings. Strings become kinds on the first line that sees them (`ScalingKind(s)`,
+`Direction.of(...)`).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TypeVar
+
+import torch
+
+from dist_quant.formats import Format, bwd_dtype, fwd_dtype
+from dist_quant.kernels.reference import FLOAT8_BLOCK, MXFP8_BLOCK
+
+SCALED_MM_ALIGNMENT = 16
+"""`torch._scaled_mm` (cuBLASLt FP8) wants K and N divisible by 16, and grouped splits padded so."""
+
+
+class _Kind(str, enum.Enum):
+    """A `str` enum that prints and formats as its value on every Python version."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
+
+class ScalingKind(_Kind):
+    """How a quantizer scales a tensor (`Quantizer.scaling`)."""
+
+    DELAYED = "delayed"
+    """Per tensor, the scale from earlier steps' amax history."""
+    CURRENT = "current"
+    """Per tensor, the scale from this tensor's own amax."""
+    MXFP8 = "mxfp8"
+    """One E8M0 power-of-two scale per 32 consecutive elements."""
+    BLOCK = "block"
+    """One fp32 scale per 1x128 tile or 128x128 block."""
+    IDENTITY = "identity"
+    """High precision: nothing is quantized."""
+
+    @property
+    def per_tensor(self) -> bool:
+        """One scale for the whole tensor: its FP8 bytes can be all-gathered with the scale."""
+        return self in (ScalingKind.DELAYED, ScalingKind.CURRENT)
+
+    @property
+    def needs_fp8_gemm(self) -> bool:
+        """Its GEMMs take FP8 operands (real FP8 tensor cores, or the exact emulation)."""
+        return self is not ScalingKind.IDENTITY
+
+    @property
+    def fp8_attention(self) -> bool:
+        """FP8 attention can consume and produce it: per-tensor FP8, MXFP8 or identity, not
+        Float8 block tiles."""
+        return self is not ScalingKind.BLOCK
+
+    def row_alignment(self, device: torch.device) -> int:
+        """The row multiple a tensor of this kind needs on `device`'s kernels: a block's length
+        (MXFP8 32, Float8 block 128), 16 for per-tensor FP8 where `torch._scaled_mm` runs (CUDA),
+        1 otherwise (the emulation, high precision)."""
+        if self is ScalingKind.MXFP8:
+            return MXFP8_BLOCK
+        if self is ScalingKind.BLOCK:
+            return FLOAT8_BLOCK
+        if self.per_tensor and device.type == "cuda":
+            return SCALED_MM_ALIGNMENT
+        return 1
+
+
+class OperandLayout(_Kind):
+    """What a `GemmOperand`'s `scale_inv` holds, along its last (contracted) dim."""
+
+    TENSOR = "tensor"
+    """One fp32 scale inverse for the whole operand."""
+    MXFP8 = "mxfp8"
+    """uint8 E8M0 exponents, one per 32 elements."""
+    BLOCK1D = "block1d"
+    """fp32 scale inverses of 1x128 tiles."""
+    BLOCK2D = "block2d"
+    """fp32 scale inverses of 128x128 blocks."""
+
+    @property
+    def per_tensor(self) -> bool:
+        return self is OperandLayout.TENSOR
+
+    @property
+    def block_dim(self) -> int | None:
+        """The Float8 block layout's `block_dim` (1: 1x128, 2: 128x128), None for other layouts."""
+        return _BLOCK_DIMS.get(self)
+
+    @staticmethod
+    def of_block_dim(block_dim: int) -> OperandLayout:
+        """The layout of a Float8 block operand with `block_dim` 1 or 2."""
+        return OperandLayout.BLOCK1D if block_dim == 1 else OperandLayout.BLOCK2D
+
+
+_BLOCK_DIMS = {OperandLayout.BLOCK1D: 1, OperandLayout.BLOCK2D: 2}
+
+
+class Direction(_Kind):
+    """The pass a quantizer slot belongs to; `RecipeState`'s `mode`."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+    @property
+    def fwd(self) -> bool:
+        """The `fwd=` flag of `get_quantizer_roles` / `num_quantizers` for this direction."""
+        return self is Direction.FORWARD
+
+    @staticmethod
+    def of(fwd: bool) -> Direction:
+        return Direction.FORWARD if fwd else Direction.BACKWARD
+
+    def fp8_dtype(self, fmt: Format) -> torch.dtype:
+        """The float8 dtype of this direction's tensors under `fmt` (HYBRID: E4M3 forward, E5M2
+        backward)."""
+        return fwd_dtype(fmt) if self is Direction.FORWARD else bwd_dtype(fmt)
+
+
+_K = TypeVar("_K", bound=_Kind)
+
+
+def parse_kind(kind: type[_K], value: object, where: str) -> _K:
+    """`value` as a member of `kind` (a member, or its string spelling); ValueError naming `where`
+    and the valid spellings otherwise."""
+    try:
+        return kind(value)
+    except ValueError:
+        valid = ", ".join(repr(k.value) for k in kind)
+        raise ValueError(f"{where} must be one of {valid}, got {value!r}") from None
