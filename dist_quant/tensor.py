@@ -216,14 +216,6 @@ class _TwoCopyTensor(QuantizedTensor):
     def scale_inv(self) -> Tensor:
         return self._rowwise_pair()[1]
 
-    @property
-    def columnwise_data(self) -> Tensor:
-        return self._columnwise_pair()[0]
-
-    @property
-    def columnwise_scale_inv(self) -> Tensor:
-        return self._columnwise_pair()[1]
-
     def _rowwise_pair(self) -> tuple[Tensor, Tensor]:
         if self._rowwise is None:
             self._missing("rowwise")
