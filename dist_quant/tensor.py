@@ -29,7 +29,8 @@ from typing import NoReturn
 import torch
 from torch import Tensor
 
-# The dispatchers: torch.library ops (Triton on CUDA, the reference elsewhere).
+# The dispatchers (kernels/__init__.py): Triton on CUDA, the reference elsewhere, called directly
+# when eager and as their torch.library ops while torch.compile traces.
 from dist_quant import kernels as fp8_kernels
 
 SCALINGS = ("tensor", "mxfp8", "block1d", "block2d")

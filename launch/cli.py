@@ -1,7 +1,7 @@
 """The `dist-quant` command line: demo, run, switch, cancel, status, roles, stats.
 
-Nothing heavy is imported before the arguments are parsed: `--help`, `switch`, `cancel` and
-`status` never import the training stack, and each handler imports only what it needs.
+Nothing heavy is imported before the arguments are parsed: `--help`, `switch`, `cancel`, `status`
+and `stats` never import torch; the `demo` and `roles` handlers import what needs it when they run.
 
 Every error is one line on stderr and an exit code, never a traceback (set DIST_QUANT_DEBUG=1 to
 get the traceback of an unexpected error). Exit codes:
