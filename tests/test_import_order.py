@@ -343,8 +343,40 @@ def _violations() -> dict[str, str]:
                 where,
             )
     for component in _cycles(edges):
-        found[f"cycle: {', '.join(component)}"] = ", ".join(str(MODULES[m]) for m in component)
+        path = _shortest_cycle(component, edges)
+        found[f"cycle: {', '.join(component)}"] = (
+            "one of its loops: "
+            + " -> ".join(f"{a} (line {_line_of(a, b)})" for a, b in zip(path, path[1:]))
+            + f" -> {path[-1]}"
+        )
     return found
+
+
+def _shortest_cycle(component: list[str], edges: set[tuple[str, str]]) -> list[str]:
+    """The shortest loop through the component's first module, first module repeated at the end
+    (breadth-first inside the component)."""
+    inside = set(component)
+    start = component[0]
+    came_from: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        step = []
+        for a in frontier:
+            for b in sorted(b for x, b in edges if x == a and b in inside):
+                if b == start:
+                    path = [a]
+                    while path[-1] != start:
+                        path.append(came_from[path[-1]])
+                    return [*reversed(path), start]
+                if b not in came_from:
+                    came_from[b] = a
+                    step.append(b)
+        frontier = step
+    raise AssertionError(f"no loop through {start} in {component}")
+
+
+def _line_of(importer: str, imported: str) -> int:
+    return min(i.line for i in IMPORTS if i.importer == importer and i.imported == imported)
 
 
 def test_every_file_has_a_layer() -> None:
@@ -390,3 +422,5 @@ def test_cycle_finder_finds_a_cycle_and_only_cycles() -> None:
     # the checker itself: a->b->c->a is one cycle, d->a hangs off it, e imports itself
     edges = {("a", "b"), ("b", "c"), ("c", "a"), ("d", "a"), ("e", "e")}
     assert _cycles(edges) == [["a", "b", "c"], ["e"]]
+    assert _shortest_cycle(["a", "b", "c"], edges | {("a", "c")}) == ["a", "c", "a"]
+    assert _shortest_cycle(["e"], edges) == ["e", "e"]
