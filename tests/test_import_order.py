@@ -203,7 +203,8 @@ def _lazy_exports(module: str, tree: ast.Module) -> list[Import]:
     """The PEP 562 `_EXPORTS = {name: "module"}` table of a package, as imports."""
     found = []
     for node in tree.body:
-        if isinstance(node, ast.AnnAssign | ast.Assign) and "_EXPORTS" in ast.unparse(node):
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        if any(isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in targets):
             if isinstance(node.value, ast.Dict):
                 for value in node.value.values:
                     if isinstance(value, ast.Constant) and isinstance(value.value, str):
