@@ -47,6 +47,13 @@ from dist_quant.coordinator.log import DecisionLog, resume_schedule
 from dist_quant.coordinator.participant import Participant
 from dist_quant.coordinator.protocol import Stop
 from dist_quant.coordinator.transport import Transport, TransportError
+from dist_quant.coordinator.transport_ray import (
+    RayTransport,
+    create_coordinator_actor,
+    start_coordinator_in_actor,
+    stop_coordinator_actor,
+)
+from dist_quant.coordinator.transport_store import StoreServer, StoreTransport
 from dist_quant.coordinator.wire import CLOSED, rank_queue, seal
 from torch import nn
 
@@ -277,11 +284,7 @@ def _join(
 
 def _connect(endpoint: dict[str, Any], connect_timeout_s: float = 30.0) -> Transport:
     if endpoint["transport"] == "ray":
-        from dist_quant.coordinator.transport_ray import RayTransport
-
         return RayTransport.connect(endpoint["address"])
-    from dist_quant.coordinator.transport_store import StoreTransport
-
     return StoreTransport(endpoint["address"], connect_timeout_s=connect_timeout_s)
 
 
@@ -308,12 +311,8 @@ class _Host:
     ) -> _Host:
         token = secrets.token_hex(32)
         if kind == "ray":
-            from dist_quant.coordinator.transport_ray import create_coordinator_actor
-
             server, address = create_coordinator_actor(world)
         else:
-            from dist_quant.coordinator.transport_store import StoreServer
-
             server = StoreServer(bind, advertise=advertise)
             address = server.address
         info = {
@@ -368,14 +367,10 @@ class _Host:
         token = self.endpoint["token"]
         log_path = self._run_dir / LOG_FILE
         if self.kind == "ray":
-            from dist_quant.coordinator.transport_ray import start_coordinator_in_actor
-
             start_coordinator_in_actor(
                 self._server, token, world, tp_groups, str(log_path), faults, commit_window_s
             )
         else:
-            from dist_quant.coordinator.transport_store import StoreTransport
-
             self._coordinator = Coordinator(
                 StoreTransport(self.endpoint["address"]),
                 token=token,
@@ -397,8 +392,6 @@ class _Host:
             pass  # the server is gone already: nobody left to wait for
         try:
             if self.kind == "ray":
-                from dist_quant.coordinator.transport_ray import stop_coordinator_actor
-
                 stop_coordinator_actor(self._server)
             else:
                 self._server.close()

@@ -28,6 +28,7 @@ from dist_quant.coordinator.protocol import (
     SwitchResult,
 )
 from dist_quant.coordinator.transport import Transport, TransportError
+from dist_quant.coordinator.transport_ray import RayTransport
 from dist_quant.coordinator.transport_store_client import StoreClientTransport
 from dist_quant.coordinator.wire import INBOX, reply_queue, seal, unseal
 
@@ -211,8 +212,6 @@ def _connect(
 
 def _open(address: str, info: dict[str, Any], found: str) -> Transport:
     if address.startswith("ray://"):
-        from dist_quant.coordinator.transport_ray import RayTransport
-
         try:
             return RayTransport.connect(
                 address,

@@ -1,6 +1,6 @@
 """dist-quant: distributed-first FP8 training for PyTorch.
 
-Public names are listed in API.md; each is importable from here.
+Every public name is importable from here: `_EXPORTS` below lists them with their modules.
 """
 
 from __future__ import annotations

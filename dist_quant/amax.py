@@ -1,4 +1,5 @@
-"""Amax reduction: the only core file that talks to other ranks.
+"""Amax reduction: the only core file that talks to other ranks about amaxes (parallel.py moves
+activations and gradients, telemetry.py gathers statistics).
 
 Delayed scaling: the amaxes recorded in a step by every slot of every module in one autocast region
 (forward) or one backward pass are packed into one fp32 buffer and reduced with ONE all-reduce(MAX)

@@ -8,7 +8,7 @@ version suffix whenever the behaviour behind it changes, so running jobs see a n
 Roles the modules emit: linear slots "input", "weight", "grad_output" (module_type "linear" or
 "grouped_linear"); attention slots "qkv", "o", "s", "do", "dp", "dqkv" (module_type "dpa"). Output
 and grad-input slots carry whatever role the module was given, often none: factories receive
-`None` there (API.md) and must still return a quantizer. Every factory here also reads a role with
+`None` there and must still return a quantizer. Every factory here also reads a role with
 empty fields (`QuantizerRole()`) as "nothing known", so code written against the older convention
 keeps working.
 """

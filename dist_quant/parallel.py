@@ -240,17 +240,6 @@ class _ReduceScatterSeq(torch.autograd.Function):
         return all_gather_seq(dy, ctx.group), None  # shard grads -> full-sequence grad
 
 
-class _ScatterSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return split_seq(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
-        return all_gather_seq(dy, ctx.group), None  # shard grads -> full-sequence grad
-
-
 def copy_to_tp_region(x: torch.Tensor, group: Any) -> torch.Tensor:
     """Enter a column-parallel GEMM with a replicated input: identity; backward sums the ranks'
     partial input gradients."""
@@ -274,11 +263,6 @@ def gather_from_sequence_parallel_region(
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: Any) -> torch.Tensor:
     """Leave a row-parallel GEMM under SP: partial sums -> this rank's summed sequence shard."""
     return _ReduceScatterSeq.apply(x, group) if group_size(group) > 1 else x
-
-
-def scatter_to_sequence_parallel_region(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """Enter an SP region from a replicated tensor: keep this rank's rows; backward all-gathers."""
-    return _ScatterSeq.apply(x, group) if group_size(group) > 1 else x
 
 
 # ---- quantized all-gather ------------------------------------------------------------------------

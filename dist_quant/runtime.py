@@ -109,10 +109,8 @@ def _roles_of(module: QuantizedModule, fwd: bool) -> tuple:
 
 def _carry_delayed_state(old: RecipeState | None, new: RecipeState, where: str) -> tuple[str, list]:
     """Move delayed-scaling buffers from `old` into `new` per the module docstring's rule."""
-    new_groups = list(new.delayed_groups()) if hasattr(new, "delayed_groups") else []
-    old_groups = (
-        list(old.delayed_groups()) if old is not None and hasattr(old, "delayed_groups") else []
-    )
+    new_groups = new.delayed_groups()
+    old_groups = old.delayed_groups() if old is not None else []
     if not old_groups:
         return "", []
     if not new_groups:

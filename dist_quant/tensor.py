@@ -29,7 +29,8 @@ from typing import NoReturn
 import torch
 from torch import Tensor
 
-# The dispatchers: torch.library ops (Triton on CUDA, the reference elsewhere).
+# The dispatchers (kernels/__init__.py): Triton on CUDA, the reference elsewhere, called directly
+# when eager and as their torch.library ops while torch.compile traces.
 from dist_quant import kernels as fp8_kernels
 from dist_quant.kinds import OperandLayout, parse_kind
 
@@ -216,14 +217,6 @@ class _TwoCopyTensor(QuantizedTensor):
     @property
     def scale_inv(self) -> Tensor:
         return self._rowwise_pair()[1]
-
-    @property
-    def columnwise_data(self) -> Tensor:
-        return self._columnwise_pair()[0]
-
-    @property
-    def columnwise_scale_inv(self) -> Tensor:
-        return self._columnwise_pair()[1]
 
     def _rowwise_pair(self) -> tuple[Tensor, Tensor]:
         if self._rowwise is None:

@@ -1,7 +1,7 @@
 """The `dist-quant` command line: demo, run, switch, cancel, status, roles, stats.
 
-Nothing heavy is imported before the arguments are parsed: `--help`, `switch`, `cancel` and
-`status` never import the training stack, and each handler imports only what it needs.
+Nothing heavy is imported before the arguments are parsed: `--help`, `switch`, `cancel`, `status`
+and `stats` never import torch; the `demo` and `roles` handlers import what needs it when they run.
 
 Every error is one line on stderr and an exit code, never a traceback (set DIST_QUANT_DEBUG=1 to
 get the traceback of an unexpected error). Exit codes:
@@ -28,8 +28,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+import yaml
+from dist_quant.launch.client import cancel, status, switch
 from dist_quant.launch.errors import CliError
 from dist_quant.launch.stats import add_stats_parser, run_stats
+from dist_quant.launch.torchrun import run_script
 
 
 class _Parser(argparse.ArgumentParser):
@@ -46,8 +49,6 @@ def parse_recipe_arg(text: str) -> str | dict[str, Any]:
     `mxfp8`, `block`, `bf16`). Unparseable input raises CliError (exit 2); whether the recipe
     itself is valid is for the ranks (or `roles`) to say.
     """
-    import yaml
-
     stripped = text.strip()
     if not stripped:
         raise CliError("RECIPE is empty: give a built-in name, a JSON object or a file", 2)
@@ -309,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ---- handlers --------------------------------------------------------------------------------
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from dist_quant.launch.demo import DemoOptions, run_demo
+    from dist_quant.launch.demo import DemoOptions, run_demo  # torch: only `demo` needs it
 
     return run_demo(
         DemoOptions(
@@ -330,8 +331,6 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from dist_quant.launch.torchrun import run_script
-
     try:
         rc = run_script(
             args.nproc, args.script, args.args, module=args.module, run_dir=args.run_dir
@@ -350,8 +349,6 @@ def _quiet_c10d() -> None:
 
 
 def _cmd_switch(args: argparse.Namespace) -> int:
-    from dist_quant.launch.client import switch
-
     _quiet_c10d()
     return switch(
         parse_recipe_arg(args.recipe),
@@ -365,8 +362,6 @@ def _cmd_switch(args: argparse.Namespace) -> int:
 
 
 def _cmd_cancel(args: argparse.Namespace) -> int:
-    from dist_quant.launch.client import cancel
-
     _quiet_c10d()
     return cancel(
         args.switch_id,
@@ -378,14 +373,12 @@ def _cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from dist_quant.launch.client import status
-
     _quiet_c10d()
     return status(run_dir=args.run_dir, address=args.address, token=args.token, as_json=args.json)
 
 
 def _cmd_roles(args: argparse.Namespace) -> int:
-    from dist_quant.launch.roles import print_role_table
+    from dist_quant.launch.roles import print_role_table  # torch: only `roles` needs it
 
     recipe = None if args.recipe is None else parse_recipe_arg(args.recipe)
     return print_role_table(args.model_spec, recipe)

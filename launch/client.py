@@ -16,6 +16,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dist_quant.coordinator.client import cancel_switch, request_switch
+from dist_quant.coordinator.client import status as query
+from dist_quant.coordinator.errors import CancelRefusedError, SwitchBusyError, SwitchRequestError
 from dist_quant.launch.errors import CliError
 from dist_quant.launch.stats import describe_guard, last_guard_decision
 
@@ -36,9 +39,6 @@ def switch(
 
     With `wait`, a request refused because another switch is open is asked again until that
     switch closes or `timeout_s` passes (a switch booked for a far step: `dist-quant cancel`)."""
-    from dist_quant.coordinator.client import request_switch
-    from dist_quant.coordinator.errors import SwitchBusyError, SwitchRequestError
-
     give_up_at = time.monotonic() + timeout_s
     told = False
     while True:
@@ -89,9 +89,6 @@ def cancel(
     token: str | None,
 ) -> int:
     """Cancel a committed switch before its step; exit code 0 (cancelled on every rank) or 1."""
-    from dist_quant.coordinator.client import cancel_switch
-    from dist_quant.coordinator.errors import CancelRefusedError, SwitchRequestError
-
     try:
         result = cancel_switch(
             switch_id, timeout_s=timeout_s, run_dir=run_dir, address=address, token=token
@@ -122,9 +119,6 @@ def status(
     as_json: bool,
 ) -> int:
     """Print the coordinator's view of the job; exit code 0, or CliError(2) if unreachable."""
-    from dist_quant.coordinator.client import status as query
-    from dist_quant.coordinator.errors import SwitchRequestError
-
     try:
         info = query(run_dir=run_dir, address=address, token=token)
     except SwitchRequestError as e:

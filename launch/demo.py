@@ -28,16 +28,32 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 # Imported here, not inside SwitchDriver's thread: a package imported for the first time from two
 # threads at once can be seen half-initialised (an ImportError seen once on a GPU host).
-from dist_quant.coordinator.endpoint import remove_endpoint
+from dist_quant.coordinator.endpoint import read_endpoint, remove_endpoint
+from dist_quant.launch.demo_data import MarkovTask
 from dist_quant.launch.demo_guard import HEATMAP_FILE, plot_stats_heatmap
-from dist_quant.launch.demo_report import rank_log_path
+from dist_quant.launch.demo_model import parse_gpt_spec
+from dist_quant.launch.demo_report import (
+    plot_loss,
+    rank_log_path,
+    read_rank_log,
+    recent_loss,
+    render_tables,
+    short_key,
+    summarize,
+)
 from dist_quant.launch.demo_runners import RayRunner, TorchrunRunner
 from dist_quant.launch.demo_schedule import Schedule, load_schedule_file, resolve_schedule
 from dist_quant.launch.demo_switches import StepWatch, SwitchDriver
 from dist_quant.launch.errors import CliError
 from dist_quant.launch.ray import RAY_INSTALL_HINT
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from dist_quant.recipes import recipe_from_dict
 
 # What a previous run left in the run directory that this run replaces once its ranks are up.
 _RESULT_FILES = ("loss.png", "summary.json", "summary.txt", HEATMAP_FILE, "fp8_stats.jsonl")
@@ -75,9 +91,6 @@ def default_tp(nproc: int) -> int:
 
 def _resolve(opts: DemoOptions) -> tuple[dict[str, Any], Schedule]:
     """Validate the options (CliError 2 on any problem) -> (rank config, schedule)."""
-    import torch
-    from dist_quant.launch.demo_model import parse_gpt_spec
-
     tp = opts.tp if opts.tp is not None else default_tp(opts.nproc)
     if opts.nproc % tp:
         raise CliError(f"demo: --tp {tp} must divide --nproc {opts.nproc}", 2)
@@ -131,8 +144,6 @@ def _runner_class(launcher: str) -> Any:
 
 # ---- the whole demo --------------------------------------------------------------------------
 def _stale_token(out: Path) -> str | None:
-    from dist_quant.coordinator.endpoint import read_endpoint
-
     try:
         return read_endpoint(out)["token"]
     except (OSError, ValueError):
@@ -154,10 +165,6 @@ def _clear_previous_results(out: Path, nproc: int) -> None:
 def _precision_classifier() -> Any:
     """Short recipe key -> "bf16" (the built-in bf16 recipe), "fp8" (an FP8 recipe type) or
     "custom" (any other CustomRecipe), for the plot's shading."""
-    from dist_quant.launch.demo_report import short_key
-
-    from dist_quant.recipes import recipe_from_dict
-
     bf16 = short_key(recipe_from_dict("bf16"))
     fp8_types = {
         "DelayedScaling",
@@ -175,26 +182,11 @@ def _precision_classifier() -> Any:
 
 
 def _console() -> Any:
-    from rich.console import Console
-
     return Console(width=None if sys.stdout.isatty() else 120)
 
 
 def run_demo(opts: DemoOptions) -> int:
     """Run the demo end to end; returns the exit code (CliError for failures)."""
-    from dist_quant.launch.demo_data import MarkovTask
-    from dist_quant.launch.demo_model import parse_gpt_spec
-    from dist_quant.launch.demo_report import (
-        plot_loss,
-        read_rank_log,
-        render_tables,
-        short_key,
-        summarize,
-    )
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from dist_quant.recipes import recipe_from_dict
-
     cfg, schedule = _resolve(opts)
     cfg["nproc"] = opts.nproc
     out = Path(cfg["run_dir"])
@@ -264,8 +256,6 @@ def run_demo(opts: DemoOptions) -> int:
     for table in tables:
         console.print(table)
     with open(out / "summary.txt", "w") as f:
-        from rich.console import Console
-
         text_console = Console(file=f, width=120, color_system=None)
         for table in tables:
             text_console.print(table)
@@ -294,8 +284,6 @@ def _follow(
 ) -> None:
     """Show rank 0's progress until the job ends; raises CliError if it fails. The loss shown is
     the mean of the last steps, the same average as the phase table's columns."""
-    from dist_quant.launch.demo_report import recent_loss
-
     with progress:
         task = progress.add_task(schedule.phases[0].label, total=steps, loss="-")
         while True:

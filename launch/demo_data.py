@@ -9,8 +9,6 @@ without talking to each other, and a rerun with the same seed sees the same data
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 
@@ -60,10 +58,6 @@ class MarkovTask:
         p = self.transitions
         row_entropy = -(torch.where(p > 0, p * torch.log(p), torch.zeros_like(p))).sum(dim=1)
         return float(self.stationary() @ row_entropy)
-
-    def uniform_loss(self) -> float:
-        """Nats per token of guessing uniformly: roughly where an untrained model starts."""
-        return math.log(self.vocab)
 
     def batch(
         self, step: int, *, batch_size: int, seq_len: int, data_rank: int = 0

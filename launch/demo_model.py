@@ -95,7 +95,8 @@ class TinyGPT(nn.Module):
     """Embeddings -> dist-quant TransformerLayers -> LayerNorm -> LM head; input `(batch, seq)`."""
 
     def __init__(self, spec: GPTSpec, *, tp_group: Any = None) -> None:
-        from dist_quant import TransformerLayer
+        # the kernels load here, in the ranks, not in the launcher that only parses the spec
+        from dist_quant.modules import TransformerLayer
 
         super().__init__()
         tp = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from dist_quant.launch.errors import CliError
+from dist_quant.launch.ray import RankFailedError, RayJob
+from dist_quant.launch.torchrun import TorchrunJob
 
 # torchrun prefixes each line a rank prints with "[rank<r>]: ".
 _ERROR_LINE = re.compile(r"^\s*(?:\[rank(\d+)\]:\s*)?(?:[\w.]+\.)?(\w*(?:Error|Exception)): (.+)$")
@@ -49,8 +51,6 @@ class TorchrunRunner:
     nothing of the previous one."""
 
     def __init__(self, cfg: dict[str, Any], out: Path) -> None:
-        from dist_quant.launch.torchrun import TorchrunJob
-
         self.out = out
         self._config_path = out / f".demo_config.{os.getpid()}.json"
         self._config_path.write_text(json.dumps(cfg, indent=1))
@@ -99,8 +99,8 @@ class TorchrunRunner:
 
 class RayRunner:
     def __init__(self, cfg: dict[str, Any], out: Path) -> None:
+        # the training stack (torch, the kernels) only where the ranks run: not in this launcher
         from dist_quant.launch.demo_train import train_rank
-        from dist_quant.launch.ray import RayJob
 
         self.out, self.cfg = out, cfg
         self.job = RayJob(cfg["nproc"], use_gpu=cfg["device"] == "cuda", run_dir=out)
@@ -110,8 +110,6 @@ class RayRunner:
         adopt_run_dir(self.out, self.cfg)
 
     def finished(self) -> bool:
-        from dist_quant.launch.ray import RankFailedError
-
         try:
             return self.job.poll()
         except RankFailedError as e:

@@ -25,6 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from dist_quant.recipes import recipe_from_dict
+
 DEFAULT_PHASES: list[dict[str, Any]] = [
     {"fraction": 0.0, "recipe": "bf16", "label": "bf16 warm-up"},
     {"fraction": 0.25, "recipe": "delayed", "label": "fp8 delayed"},
@@ -60,8 +64,6 @@ class Schedule:
 
 def load_schedule_file(path: str | Path) -> list[Any] | dict[str, Any]:
     """Parse a YAML or JSON schedule file (JSON is valid YAML, so one parser reads both)."""
-    import yaml
-
     p = Path(path)
     try:
         text = p.read_text()
@@ -85,8 +87,6 @@ def resolve_schedule(raw: Sequence[Any] | Mapping[str, Any] | None, steps: int) 
     Every recipe is parsed with `recipe_from_dict` here, in the launcher, so a typo fails before any
     process starts. Raises ValueError naming the phase and the field.
     """
-    from dist_quant.recipes import recipe_from_dict
-
     if steps < 1:
         raise ValueError(f"--steps must be >= 1, got {steps}")
     if raw is None:

@@ -26,6 +26,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from dist_quant.coordinator import attach
+from dist_quant.launch.demo_data import MarkovTask
+from dist_quant.launch.demo_guard import ActivationSpike, attach_options
+from dist_quant.launch.demo_model import TinyGPT, parse_gpt_spec
+from dist_quant.launch.demo_report import rank_log_path, short_key
+
+from dist_quant import apply_recipe, autocast, current_recipe
+from dist_quant.recipes import recipe_from_dict
 
 
 def _groups(world: int, tp: int) -> tuple[Any, Any]:
@@ -47,15 +55,6 @@ def _groups(world: int, tp: int) -> tuple[Any, Any]:
 def train_rank(cfg: dict[str, Any]) -> dict[str, Any]:
     """Train on this rank; returns `{"rank", "recipe", "steps"}`. Needs an initialised default
     process group. `cfg` is the JSON written by `demo.py` (see `DemoOptions.rank_config`)."""
-    from dist_quant.coordinator import attach
-    from dist_quant.launch.demo_data import MarkovTask
-    from dist_quant.launch.demo_guard import ActivationSpike, attach_options
-    from dist_quant.launch.demo_model import TinyGPT, parse_gpt_spec
-    from dist_quant.launch.demo_report import rank_log_path, short_key
-
-    from dist_quant import apply_recipe, autocast, current_recipe
-    from dist_quant.recipes import recipe_from_dict
-
     rank, world, tp = dist.get_rank(), dist.get_world_size(), cfg["tp"]
     if world % tp:
         raise ValueError(f"demo: world size {world} is not a multiple of tp={tp}")

@@ -28,13 +28,18 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
+from dist_quant.coordinator import job_state, restore_job_state
 from dist_quant.launch.demo_runners import adopt_run_dir
+from dist_quant.launch.demo_train import train_rank
 from dist_quant.launch.errors import CliError
 from torch import nn
 from torch.optim import Optimizer
+
+from dist_quant import checkpoint as ckpt
 
 CHECKPOINT_FILE = "dist_quant.pt"
 
@@ -74,10 +79,6 @@ def report(
 ) -> None:
     """Checkpoint before `step` (the step a resumed run starts with) and report it with
     `metrics`; call on every rank (rank 0 writes the checkpoint)."""
-    from dist_quant.coordinator import job_state
-
-    from dist_quant import checkpoint as ckpt
-
     train = _train()
     rank = train.get_context().get_world_rank()
     with tempfile.TemporaryDirectory() as tmp:
@@ -99,10 +100,6 @@ def restore(model: nn.Module, optimizer: Optimizer | None = None) -> dict[str, A
     """Load Ray Train's latest checkpoint into a freshly built `model` (no recipe applied yet)
     and `optimizer`, and reconcile the decision log; returns the checkpoint's `extra` (with
     "step"), or None when the run starts fresh. Call before `attach`, on every rank."""
-    from dist_quant.coordinator import restore_job_state
-
-    from dist_quant import checkpoint as ckpt
-
     checkpoint = _train().get_checkpoint()
     if checkpoint is None:
         return None
@@ -114,8 +111,6 @@ def restore(model: nn.Module, optimizer: Optimizer | None = None) -> dict[str, A
 
 
 def _demo_worker(cfg: dict[str, Any]) -> None:
-    from dist_quant.launch.demo_train import train_rank
-
     train_rank(cfg)
 
 
@@ -125,8 +120,6 @@ class DemoRunner:
     demo's other runners."""
 
     def __init__(self, cfg: dict[str, Any], out: Path) -> None:
-        import threading
-
         import ray
         from ray.train import RunConfig, ScalingConfig
         from ray.train.torch import TorchTrainer

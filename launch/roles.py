@@ -12,14 +12,20 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from dist_quant.launch.demo_model import TinyGPT, parse_gpt_spec
+from dist_quant.launch.demo_report import short_key
 from dist_quant.launch.errors import CliError
+from rich.console import Console
+from rich.table import Table
 from torch import nn
+
+from dist_quant.context import default_recipe
+from dist_quant.recipes import recipe_from_dict
+from dist_quant.runtime import RecipeUpdateError, plan_model
 
 
 def build_model(spec: str) -> nn.Module:
     """A model from a spec: `gpt[:key=value,...]` (see `demo_model`) or `pkg.module:function`."""
-    from dist_quant.launch.demo_model import TinyGPT, parse_gpt_spec
-
     head, sep, tail = spec.strip().partition(":")
     if head == "gpt":
         try:
@@ -51,8 +57,6 @@ def describe_quantizer(q: Any) -> str:
 
 def role_rows(model: nn.Module, recipe: Any) -> list[tuple[str, str, str, str, str]]:
     """(module, slot, role, role name, quantizer) for every slot; raises RecipeUpdateError."""
-    from dist_quant.runtime import plan_model
-
     rows = []
     for cand in plan_model(model, recipe).candidates:
         rt = cand.runtime
@@ -77,14 +81,6 @@ def role_rows(model: nn.Module, recipe: Any) -> list[tuple[str, str, str, str, s
 
 def print_role_table(spec: str, recipe_payload: str | dict | None) -> int:
     """Print the table; exit code 0, or raise CliError (2: bad spec/recipe, 1: recipe refused)."""
-    from dist_quant.launch.demo_report import short_key
-    from rich.console import Console
-    from rich.table import Table
-
-    from dist_quant.context import default_recipe
-    from dist_quant.recipes import recipe_from_dict
-    from dist_quant.runtime import RecipeUpdateError
-
     model = build_model(spec)
     try:
         recipe = default_recipe() if recipe_payload is None else recipe_from_dict(recipe_payload)

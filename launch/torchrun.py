@@ -19,6 +19,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
+from dist_quant.coordinator.endpoint import read_endpoint, remove_endpoint, resolve_run_dir
+
 
 def torchrun_command(
     nproc: int, target: Sequence[str], *, module: bool = False, python: str | None = None
@@ -125,8 +127,6 @@ def run_script(
     remove itself (its ranks were stopped by a signal) is removed then, so that no client is sent
     to a job that is gone.
     """
-    from dist_quant.coordinator.endpoint import read_endpoint, remove_endpoint, resolve_run_dir
-
     if not module and not Path(script).is_file():
         raise FileNotFoundError(f"script {script!r} does not exist")
     directory = resolve_run_dir(run_dir)

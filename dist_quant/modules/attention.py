@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from dist_quant.amax import enrol_backward
 from dist_quant.kinds import ScalingKind
-from dist_quant.modules.base import QuantizedModule
+from dist_quant.modules.base import QuantizedModule, check_sizes
 from dist_quant.modules.functional import fake_quantize
 from dist_quant.modules.layernorm_linear import LayerNormLinear
 from dist_quant.modules.linear import Linear
@@ -143,14 +143,9 @@ class DotProductAttention(QuantizedModule):
         sequence_parallel: bool = False,
         device: torch.device | str | None = None,
     ) -> None:
-        super().__init__(name=name)
         owner = f"DotProductAttention {name!r}"
-        for field, value in (
-            ("num_attention_heads", num_attention_heads),
-            ("kv_channels", kv_channels),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{owner}: {field} must be an int >= 1, got {value!r}")
+        check_sizes(owner, num_attention_heads=num_attention_heads, kv_channels=kv_channels)
+        super().__init__(name=name)
         if attn_mask_type not in MASK_TYPES:
             raise ValueError(
                 f"{owner}: attn_mask_type must be one of {', '.join(MASK_TYPES)}, got {attn_mask_type!r}"
@@ -350,14 +345,9 @@ class MultiheadAttention(QuantizedModule):
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
-        super().__init__(name=name)
         owner = f"MultiheadAttention {name!r}"
-        for field, value in (
-            ("hidden_size", hidden_size),
-            ("num_attention_heads", num_attention_heads),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{owner}: {field} must be an int >= 1, got {value!r}")
+        check_sizes(owner, hidden_size=hidden_size, num_attention_heads=num_attention_heads)
+        super().__init__(name=name)
         if hidden_size % num_attention_heads:
             raise ValueError(
                 f"{owner}: hidden_size={hidden_size} must be a multiple of "

@@ -29,12 +29,13 @@ if TYPE_CHECKING:
     from dist_quant.runtime import ModuleRuntime
 
 
-def check_sizes(owner: str, **sizes: int) -> None:
-    """ValueError naming `owner` and every size unless all are positive (constructor arguments)."""
-    if any(v <= 0 for v in sizes.values()):
-        names = " and ".join(sizes)
-        got = ", ".join(str(v) for v in sizes.values())
-        raise ValueError(f"{owner}: {names} must be positive, got {got}")
+def check_sizes(owner: str, **sizes: object) -> None:
+    """The one check of every module constructor's sizes: ValueError naming `owner`, the first
+    argument that is not an int >= 1 and its value. A bool is not a size (`Linear(True, 4)` is a
+    bug, not `Linear(1, 4)`), nor is a float, however whole."""
+    for field, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{owner}: {field} must be an int >= 1, got {value!r}")
 
 
 class QuantizedModule(nn.Module):

@@ -59,11 +59,9 @@ class GroupedLinear(LinearBase):
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
-        super().__init__(name=name)
         owner = f"GroupedLinear {name!r}"
-        if isinstance(num_gemms, bool) or not isinstance(num_gemms, int) or num_gemms < 1:
-            raise ValueError(f"{owner}: num_gemms must be an int >= 1, got {num_gemms!r}")
-        check_sizes(owner, in_features=in_features, out_features=out_features)
+        check_sizes(owner, num_gemms=num_gemms, in_features=in_features, out_features=out_features)
+        super().__init__(name=name)
         if parallel_mode is not None or tp_group is not None or sequence_parallel:
             raise NotImplementedError("tensor parallelism lands with issue 6")
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features

@@ -96,9 +96,9 @@ class LayerNormLinear(LinearBase):
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
-        super().__init__(name=name)
         owner = f"LayerNormLinear {name!r}"
         check_sizes(owner, in_features=in_features, out_features=out_features)
+        super().__init__(name=name)
         check_normalization(owner, normalization, eps)
         if not isinstance(return_layernorm_output, bool):
             raise ValueError(

@@ -72,9 +72,9 @@ class LayerNormMLP(LinearBase):
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
-        super().__init__(name=name)
         owner = f"LayerNormMLP {name!r}"
         check_sizes(owner, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
+        super().__init__(name=name)
         if activation not in ACTIVATIONS:
             raise ValueError(
                 f"{owner}: activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}"

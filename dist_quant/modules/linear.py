@@ -290,9 +290,9 @@ class Linear(LinearBase):
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
-        super().__init__(name=name)
         owner = f"Linear {name!r}"
         check_sizes(owner, in_features=in_features, out_features=out_features)
+        super().__init__(name=name)
         self._init_parallel(owner, tp_group, parallel_mode, sequence_parallel)
         self.in_features, self.out_features = in_features, out_features
         rows, cols = out_features, in_features

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from dist_quant.modules.attention import MultiheadAttention
-from dist_quant.modules.base import QuantizedModule
+from dist_quant.modules.base import QuantizedModule, check_sizes
 from dist_quant.modules.layernorm_mlp import LayerNormMLP
 
 
@@ -38,6 +38,12 @@ class TransformerLayer(QuantizedModule):
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
+        check_sizes(
+            f"TransformerLayer {name!r}",
+            hidden_size=hidden_size,
+            ffn_hidden_size=ffn_hidden_size,
+            num_attention_heads=num_attention_heads,
+        )
         super().__init__(name=name)
         common = {
             "normalization": normalization,
