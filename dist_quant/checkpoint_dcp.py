@@ -9,6 +9,12 @@ tensor-parallel model would therefore keep one rank's weight shard and one rank'
   DeviceMesh of the TP group: the checkpoint holds the whole tensor and each rank reads its shard.
   A fused split (`parts` > 1, e.g. QKV) is viewed as `(..., parts, rows, ...)` so that each part is
   sharded on its own, as the shard loader of `parallel.py` cuts it;
+- under FSDP2 x TP (a `(dp, tp)` mesh) such a parameter is FSDP2's DTensor of the TP shard; it
+  is saved as a DTensor over a `(tp, dp)` mesh of the same process groups, placed `[Shard(tp dim),
+  Shard(0)]`, so each rank writes its FSDP2 slice of its TP shard at its offset in the whole
+  tensor. A fused split on dim 0 (QKV, SwiGLU's fc1) cannot be placed that way (FSDP2's slice of
+  the concatenated parts is not one block of the parts view): its TP shard is all-gathered over
+  the data-parallel ranks while saving and loading (one such parameter at a time);
 - other parameters and buffers are replicated within the TP group and saved once;
 - each dist-quant module's extra state is split in two: its description (recipe, key, roles,
   pinned), identical across a TP group (checked at save: no TP group runs two recipes), as one
@@ -42,7 +48,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from dist_quant.checkpoint import _dq_modules_by_key, load_state_dict, parse_extra_state
-from dist_quant.parallel import group_rank, group_size
+from dist_quant.parallel import group_rank, group_size, tp_splits
 
 _MODEL, _JOB = "model", "job"  # top-level keys; the caller's `extra` sits beside them
 _SEP = "/"  # between a module's extra-state key and its buffer names (never in a module path)
@@ -52,6 +58,110 @@ def _mesh(tp_group: Any, device: torch.device) -> DeviceMesh | None:
     if group_size(tp_group) == 1:
         return None
     return DeviceMesh.from_group(tp_group, device.type)
+
+
+def _tp_dp_mesh(tp_group: Any, dp_mesh: DeviceMesh, device: torch.device) -> DeviceMesh:
+    """A `(tp, dp)` mesh over the existing TP and FSDP2 groups (no new process group): rank
+    (tp rank j, dp rank i) sits at [j, i]. Collective over the data-parallel group."""
+    dp_group = dp_mesh.get_group()
+    mine = sorted(
+        dist.get_process_group_ranks(tp_group), key=lambda r: dist.get_group_rank(tp_group, r)
+    )
+    columns: list[Any] = [None] * dist.get_world_size(dp_group)
+    dist.all_gather_object(columns, mine, group=dp_group)  # every replica's TP ranks, by dp rank
+    layout = torch.tensor(columns, dtype=torch.int).t().contiguous()
+    return DeviceMesh.from_group(
+        [tp_group, dp_group], device.type, mesh=layout, mesh_dim_names=("tp", "dp")
+    )
+
+
+class _Layout:
+    """Where each TP-split parameter goes in the checkpoint (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, tp_group: Any, device: torch.device) -> None:
+        self.tp_group, self.device = tp_group, device
+        self.mesh = _mesh(tp_group, device)
+        self.splits = tp_splits(model) if self.mesh is not None else {}
+        self._meshes: dict[Any, DeviceMesh] = {}
+
+    def split(self, key: str) -> tuple[int, int] | None:
+        return self.splits.get(key)
+
+    def mesh_2d(self, fsdp: DTensor, key: str) -> DeviceMesh:
+        if fsdp.device_mesh.ndim != 1 or tuple(fsdp.placements) != (Shard(0),):
+            raise ValueError(
+                f"dcp: {key!r} is tensor-parallel and sharded {fsdp.placements} over a "
+                f"{fsdp.device_mesh.ndim}-D mesh; FSDP2 x TP checkpoints support fully_shard's "
+                "default Shard(0) over a 1-D data-parallel mesh"
+            )
+        dp_mesh = fsdp.device_mesh
+        if dp_mesh not in self._meshes:
+            self._meshes[dp_mesh] = _tp_dp_mesh(self.tp_group, dp_mesh, self.device)
+        return self._meshes[dp_mesh]
+
+    def saved(self, key: str, t: Tensor) -> Tensor:
+        """`t` (a TP shard, or FSDP2's DTensor of one) as the checkpoint holds it."""
+        split = self.splits[key]
+        if not isinstance(t, DTensor):
+            view, dim = _split_view(t, split)
+            return _sharded(view, dim, self.mesh)
+        if _gathers(split):
+            return self.saved(key, t.full_tensor())  # dp slices -> this rank's TP shard
+        return self._placed(key, t, t.to_local())
+
+    def template(self, key: str, value: Tensor) -> Tensor:
+        """An empty tensor laid out as `saved(key, value)`, for DCP to load into."""
+        split = self.splits[key]
+        if not isinstance(value, DTensor):
+            return self.saved(key, torch.empty_like(value.detach()))
+        if _gathers(split):
+            return self.saved(key, torch.empty(value.shape, dtype=value.dtype, device=self.device))
+        return self._placed(key, value, torch.empty_like(value.to_local()))
+
+    def loaded(self, key: str, got: Tensor, value: Tensor) -> Tensor:
+        """What DCP filled in (`template`'s layout) -> the model parameter's own layout."""
+        local = _local(got)
+        if not isinstance(value, DTensor):
+            return local.reshape(value.shape)  # DCP checked the (parts, rows) view's shape
+        if _gathers(self.splits[key]):
+            tp_shard = local.reshape(value.shape)  # this rank's whole TP shard
+            chunks = tp_shard.chunk(value.device_mesh.size(), 0)  # FSDP2's dim-0 chunks
+            rank = value.device_mesh.get_local_rank()
+            mine = chunks[rank] if rank < len(chunks) else tp_shard[:0]
+        else:
+            mine = local.reshape(value.to_local().shape)
+        return DTensor.from_local(
+            mine,
+            value.device_mesh,
+            value.placements,
+            run_check=False,
+            shape=value.shape,
+            stride=value.stride(),
+        )
+
+    def _placed(self, key: str, fsdp: DTensor, local: Tensor) -> DTensor:
+        """`local` (FSDP2's slice of the TP shard, dim 0) at its offset in the whole tensor."""
+        dim, parts = self.splits[key]
+        tp = group_size(self.tp_group)
+        whole = list(fsdp.shape)  # FSDP2's global shape is the TP shard's
+        whole[dim] *= tp
+        view, tp_dim = _split_view(local, (dim, parts))
+        if parts > 1:
+            whole[dim : dim + 1] = [parts, whole[dim] // parts]
+        stride = torch.empty(whole, device="meta").stride()
+        return DTensor.from_local(
+            view,
+            self.mesh_2d(fsdp, key),
+            [Shard(tp_dim), Shard(0)],
+            run_check=False,
+            shape=torch.Size(whole),
+            stride=stride,
+        )
+
+
+def _gathers(split: tuple[int, int]) -> bool:
+    """A fused split along FSDP2's dim 0: its FSDP2 slice is not one block of the parts view."""
+    return split[0] == 0 and split[1] > 1
 
 
 def _split_view(t: Tensor, split: tuple[int, int]) -> tuple[Tensor, int]:
@@ -87,8 +197,9 @@ def dcp_state_dict(model: nn.Module, *, tp_group: Any = None) -> dict[str, Any]:
     """The model's entries as `dcp_save` writes them (see the module docstring)."""
     state = model.state_dict(keep_vars=True)
     owners = _dq_modules_by_key(model)
-    device = next((t.device for t in state.values() if isinstance(t, Tensor)), torch.device("cpu"))
-    mesh = _mesh(tp_group, device)
+    device = _device(state)
+    layout = _Layout(model, tp_group, device)
+    mesh = layout.mesh
     out: dict[str, Any] = {}
     descriptions: dict[str, str] = {}
     for key, value in state.items():
@@ -100,13 +211,8 @@ def dcp_state_dict(model: nn.Module, *, tp_group: Any = None) -> dict[str, Any]:
             for name, t in buffers.items():
                 out[f"{key}{_SEP}{name}"] = _sharded(t.unsqueeze(0), 0, mesh)  # this rank's row
         elif isinstance(value, Tensor):
-            split = getattr(value, "tp_split", None)
             t = value.detach()
-            if split is not None and mesh is not None:
-                view, dim = _split_view(t, split)
-                out[key] = _sharded(view, dim, mesh)
-            else:
-                out[key] = t
+            out[key] = t if layout.split(key) is None else layout.saved(key, t)
         else:
             out[key] = value  # another library's extra state: DCP pickles it
     _check_same_recipes(descriptions, tp_group)
@@ -161,8 +267,9 @@ def dcp_load(
     saved_md = reader.read_metadata().state_dict_metadata
     state = model.state_dict(keep_vars=True)
     owners = _dq_modules_by_key(model)
-    device = next((t.device for t in state.values() if isinstance(t, Tensor)), torch.device("cpu"))
-    mesh, tp = _mesh(tp_group, device), group_size(tp_group)
+    device = _device(state)
+    layout = _Layout(model, tp_group, device)
+    mesh, tp = layout.mesh, group_size(tp_group)
     target: dict[str, Any] = {}
     for key, value in state.items():
         if key in owners:
@@ -174,13 +281,10 @@ def dcp_load(
                     where = f"{key!r} buffer {name!r}"
                     target[key + _SEP + name] = _buffer_template(md, where, tp, mesh, device)
         elif isinstance(value, Tensor):
-            fresh = torch.empty_like(value.detach())  # DCP fills it; the model is untouched
-            split = getattr(value, "tp_split", None)
-            if split is not None and mesh is not None:
-                view, dim = _split_view(fresh, split)
-                target[key] = _sharded(view, dim, mesh)
+            if layout.split(key) is None:  # DCP fills it; the model is untouched
+                target[key] = torch.empty_like(value.detach())
             else:
-                target[key] = fresh
+                target[key] = layout.template(key, value)
         else:
             target[key] = value
     if strict:
@@ -191,18 +295,19 @@ def dcp_load(
     sd = {_MODEL: target, _JOB: "", "extra": extra if extra is not None else {}}
     planner = DefaultLoadPlanner(allow_partial_load=not strict)
     dcp.load(sd, checkpoint_id=checkpoint_id, storage_reader=reader, planner=planner)
-    load_state_dict(model, _reassemble(sd[_MODEL], state, owners), strict=strict)
+    load_state_dict(model, _reassemble(sd[_MODEL], state, owners, layout), strict=strict)
     return json.loads(sd[_JOB]) if sd[_JOB] else None
 
 
-def _reassemble(loaded: dict[str, Any], state: dict[str, Any], owners: dict) -> dict[str, Any]:
+def _reassemble(
+    loaded: dict[str, Any], state: dict[str, Any], owners: dict, layout: _Layout
+) -> dict[str, Any]:
     """DCP's layout -> a plain state dict for `checkpoint.load_state_dict`."""
     out: dict[str, Any] = {}
     for key, value in state.items():
         if key not in loaded:
             continue
         got = loaded[key]
-        split = isinstance(value, Tensor) and getattr(value, "tp_split", None) is not None
         if key in owners:
             if not isinstance(got, str):
                 raise ValueError(f"dcp_load: {key!r}: corrupted description ({type(got).__name__})")
@@ -218,15 +323,19 @@ def _reassemble(loaded: dict[str, Any], state: dict[str, Any], owners: dict) -> 
                 raise ValueError(f"dcp_load: {key!r}: a scaling buffer is missing")
             desc["buffers"] = {n: _local(r)[0] for n, r in rows.items()}
             out[key] = desc
+        elif isinstance(value, Tensor) and layout.split(key) is not None:
+            out[key] = layout.loaded(key, got, value)
         elif isinstance(value, DTensor):
             out[key] = got  # a parameter sharded by its owner (FSDP2): loaded as the same DTensor
         elif isinstance(got, Tensor):
-            local = _local(got)
-            # a split param's template was its (parts, rows) view: DCP checked that shape
-            out[key] = local.reshape(value.shape) if split else local
+            out[key] = _local(got)
         else:
             out[key] = got
     return out
+
+
+def _device(state: Mapping[str, Any]) -> torch.device:
+    return next((t.device for t in state.values() if isinstance(t, Tensor)), torch.device("cpu"))
 
 
 def _local(t: Tensor) -> Tensor:

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from dist_quant import kernels as fp8_kernels
@@ -312,6 +313,8 @@ def fully_shard_model(
     **fully_shard_kwargs: Any,
 ) -> bool:
     """`fully_shard` each of `blocks` and then `model` (keyword arguments go to every call).
+    Without `mesh=`, the mesh is every rank on the device the model's parameters are on (FSDP2's
+    own default is the accelerator, which would move a CPU model onto the GPU).
     `fp8_all_gather=None` turns FP8 weight all-gather on when every GEMM weight of `model` runs
     delayed or current scaling under the recipe applied to it (`dq.apply_recipe` first); True
     forces it (raising where it cannot be exact), False keeps the high-precision all-gather.
@@ -320,6 +323,11 @@ def fully_shard_model(
         fp8_all_gather = _per_tensor_weights(model)
     if fp8_all_gather:
         enable_fp8_all_gather(model)
+    if "mesh" not in fully_shard_kwargs:
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        if device.type != "meta":
+            mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+            fully_shard_kwargs = {**fully_shard_kwargs, "mesh": mesh}
     for block in blocks:
         fully_shard(block, **fully_shard_kwargs)
     fully_shard(model, **fully_shard_kwargs)

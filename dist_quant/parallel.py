@@ -90,11 +90,25 @@ def group_rank(group: Any) -> int:
 
 
 # ---- sharding of parameters ----------------------------------------------------------------------
-def mark_tp_split(param: nn.Parameter, dim: int, parts: int = 1) -> None:
-    """Record how `param` is a TP shard: the full tensor is cut along `dim` into `parts` equal
-    pieces (3 for fused QKV, 2 for SwiGLU's gate/up) and each piece is split over the ranks; the
-    rank's shard is its chunk of every piece, concatenated. Read by `load_full_state_dict_into_shards`."""
-    param.tp_split = (dim, parts)
+def mark_tp_split(module: nn.Module, name: str, dim: int, parts: int = 1) -> None:
+    """Record that parameter `name` of `module` is a TP shard: the full tensor is cut along `dim`
+    into `parts` equal pieces (3 for fused QKV, 2 for SwiGLU's gate/up) and each piece is split
+    over the ranks; the rank's shard is its chunk of every piece, concatenated. The record sits on
+    the module (`tp_splits` reads it) and on the parameter (`param.tp_split`): FSDP2's
+    `fully_shard` replaces the parameter, dropping its attributes, but keeps the module."""
+    split = (dim, parts)
+    getattr(module, name).tp_split = split
+    module.__dict__.setdefault("_tp_splits", {})[name] = split
+
+
+def tp_splits(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """`(dim, parts)` of every parameter of `model` marked by `mark_tp_split`, by state-dict key;
+    valid before and after `fully_shard`."""
+    out = {}
+    for prefix, module in model.named_modules():
+        for name, split in module.__dict__.get("_tp_splits", {}).items():
+            out[f"{prefix}.{name}" if prefix else name] = split
+    return out
 
 
 def mark_sequence_parallel(param: nn.Parameter) -> None:

@@ -20,11 +20,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from fsdp_check import Stack, assert_equal_runs, rank_view, train_dp, train_one_process
+from fsdp_check import Stack, assert_equal_runs, rank_view, shard, train_dp, train_one_process
 from harness import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from tp_check import assert_close
 
 from dist_quant.parallel import load_full_state_dict_into_shards
@@ -39,9 +38,7 @@ def _fsdp_1d(rank: int, world: int, recipes: list[str], checkpointed: bool) -> i
     for recipe in recipes:
         fsdp = Stack()
         fsdp.checkpointed = checkpointed
-        for layer in fsdp.layers:
-            fully_shard(layer)
-        fully_shard(fsdp)
+        shard(fsdp)
         ddp = nn.parallel.DistributedDataParallel(Stack())
         got = train_dp(fsdp, list(fsdp.named_parameters()), recipe, rank, world)
         want = train_dp(ddp, list(ddp.module.named_parameters()), recipe, rank, world)
@@ -76,10 +73,7 @@ def _fsdp_2d(rank: int, world: int, recipes: list[str]) -> int:
             load_full_state_dict_into_shards(model, ref.state_dict(), tp_group)
             return model
 
-        fsdp = tp_stack()
-        for layer in fsdp.layers:
-            fully_shard(layer, mesh=mesh["dp"])
-        fully_shard(fsdp, mesh=mesh["dp"])
+        fsdp = shard(tp_stack(), mesh["dp"])
         ddp = nn.parallel.DistributedDataParallel(tp_stack(), process_group=dp_group)
         got = train_dp(fsdp, list(fsdp.named_parameters()), recipe, dp_rank, 2)
         want = train_dp(ddp, list(ddp.module.named_parameters()), recipe, dp_rank, 2)
