@@ -141,7 +141,8 @@ def load_full_state_dict_into_shards(
     module's extra state then validates itself as it loads.
     """
     rank, size = group_rank(tp_group), group_size(tp_group)
-    current = model.state_dict(keep_vars=True)  # the Parameter objects, with their marks
+    current = model.state_dict(keep_vars=True)
+    splits = tp_splits(model)
     extra = {k for k in current if k.rsplit(".", 1)[-1] == _EXTRA_STATE}
     targets = {k: v for k, v in current.items() if k not in extra}
     missing = sorted((targets.keys() | extra) - full_state_dict.keys())
@@ -153,7 +154,7 @@ def load_full_state_dict_into_shards(
     staged = []
     for name, target in targets.items():
         full = full_state_dict[name]
-        split = getattr(target, "tp_split", None)
+        split = splits.get(name)
         try:
             value = full if split is None else shard_of(full, split[0], split[1], rank, size)
         except ValueError as e:
