@@ -26,8 +26,10 @@ Data-parallel replicas (same TP rank in other TP groups) write one copy, as for 
 
 Loading reads the checkpoint's metadata to learn which scaling buffers exist (a fresh model has no
 runtime, hence no buffers to load into), loads into fresh tensors, and hands the result to
-`checkpoint.load_state_dict`, which validates everything before touching the model. Resuming
-needs the same TP size (the scaling rows are per rank); the weights themselves reshard.
+`checkpoint.load_state_dict`, which validates everything before touching the model. Weights
+reshard to any data- and tensor-parallel size; a tensor whose saved shape is another TP layout's
+(a fused view loaded without TP, or the reverse) is read whole and cut. On another TP size the
+scaling rows must be identical across the saving TP ranks (amax reduced over TP), else refused.
 Optimizer state is not included: save it per rank with `torch.save` (see docs/checkpoint.md).
 """
 
@@ -48,7 +50,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from dist_quant.checkpoint import _dq_modules_by_key, load_state_dict, parse_extra_state
-from dist_quant.parallel import group_rank, group_size, tp_splits
+from dist_quant.parallel import group_rank, group_size, shard_of, tp_splits
 
 _MODEL, _JOB = "model", "job"  # top-level keys; the caller's `extra` sits beside them
 _SEP = "/"  # between a module's extra-state key and its buffer names (never in a module path)
@@ -83,6 +85,7 @@ class _Layout:
         self.mesh = _mesh(tp_group, device)
         self.splits = tp_splits(model) if self.mesh is not None else {}
         self._meshes: dict[Any, DeviceMesh] = {}
+        self.whole: set[str] = set()  # keys loaded as the whole tensor (another TP layout)
 
     def split(self, key: str) -> tuple[int, int] | None:
         return self.splits.get(key)
@@ -124,20 +127,25 @@ class _Layout:
         if not isinstance(value, DTensor):
             return local.reshape(value.shape)  # DCP checked the (parts, rows) view's shape
         if _gathers(self.splits[key]):
-            tp_shard = local.reshape(value.shape)  # this rank's whole TP shard
-            chunks = tp_shard.chunk(value.device_mesh.size(), 0)  # FSDP2's dim-0 chunks
-            rank = value.device_mesh.get_local_rank()
-            mine = chunks[rank] if rank < len(chunks) else tp_shard[:0]
-        else:
-            mine = local.reshape(value.to_local().shape)
-        return DTensor.from_local(
-            mine,
-            value.device_mesh,
-            value.placements,
-            run_check=False,
-            shape=value.shape,
-            stride=value.stride(),
-        )
+            return _fsdp_slice(local.reshape(value.shape), value)  # from this rank's TP shard
+        return _fsdp_slice(local.reshape(value.to_local().shape), value, sliced=True)
+
+    def cut(self, key: str, whole: Tensor, value: Tensor) -> Tensor:
+        """This rank's part of a whole saved tensor, in the parameter's layout (TP, FSDP2)."""
+        split = self.splits.get(key)
+        flat = list(value.shape)  # the TP shard's (FSDP2's global shape is the TP shard's)
+        if split is not None:
+            flat[split[0]] *= group_size(self.tp_group)
+        if whole.numel() != torch.Size(flat).numel():
+            raise ValueError(
+                f"dcp_load: {key!r} is {tuple(whole.shape)} in the checkpoint; the model's "
+                f"whole tensor is {tuple(flat)}"
+            )
+        whole = whole.reshape(flat)  # a saved (parts, rows) view flattens back exactly
+        mine = whole
+        if split is not None:
+            mine = shard_of(whole, *split, group_rank(self.tp_group), group_size(self.tp_group))
+        return _fsdp_slice(mine, value) if isinstance(value, DTensor) else mine
 
     def _placed(self, key: str, fsdp: DTensor, local: Tensor) -> DTensor:
         """`local` (FSDP2's slice of the TP shard, dim 0) at its offset in the whole tensor."""
@@ -157,6 +165,30 @@ class _Layout:
             shape=torch.Size(whole),
             stride=stride,
         )
+
+
+def _fsdp_slice(tp_shard: Tensor, value: DTensor, *, sliced: bool = False) -> DTensor:
+    """FSDP2's DTensor of `value`'s layout from this rank's TP shard (FSDP2's dim-0 chunk of it),
+    or from its own slice already (`sliced`)."""
+    mine = tp_shard
+    if not sliced:
+        if value.device_mesh.ndim != 1 or tuple(value.placements) != (Shard(0),):
+            raise ValueError(
+                f"dcp_load: a parameter sharded {value.placements} over a "
+                f"{value.device_mesh.ndim}-D mesh cannot take a tensor saved under another "
+                "tensor-parallel layout (fully_shard's default Shard(0) over a 1-D mesh can)"
+            )
+        chunks = tp_shard.chunk(value.device_mesh.size(), 0)
+        rank = value.device_mesh.get_local_rank()
+        mine = chunks[rank] if rank < len(chunks) else tp_shard[:0]
+    return DTensor.from_local(
+        mine,
+        value.device_mesh,
+        value.placements,
+        run_check=False,
+        shape=value.shape,
+        stride=value.stride(),
+    )
 
 
 def _gathers(split: tuple[int, int]) -> bool:
@@ -243,11 +275,8 @@ def dcp_save(
 def _buffer_template(md: Any, where: str, tp: int, mesh: DeviceMesh | None, device) -> Tensor:
     if not isinstance(md, TensorStorageMetadata) or len(md.size) < 1:
         raise ValueError(f"dcp_load: {where} is not a saved scaling buffer (corrupted checkpoint)")
-    if md.size[0] != tp:
-        raise ValueError(
-            f"dcp_load: {where} was saved by {md.size[0]} tensor-parallel rank(s); loading on {tp}"
-            ": scaling state is per rank, resume with the same tensor-parallel size"
-        )
+    if md.size[0] != tp:  # another TP size: every rank reads every row (`_rows` checks them)
+        return torch.empty(md.size, dtype=md.properties.dtype, device=device)
     local = torch.empty((1, *md.size[1:]), dtype=md.properties.dtype, device=device)
     return _sharded(local, 0, mesh)
 
@@ -285,6 +314,12 @@ def dcp_load(
                 target[key] = torch.empty_like(value.detach())
             else:
                 target[key] = layout.template(key, value)
+            md = saved_md.get(f"{_MODEL}.{key}")
+            if isinstance(md, TensorStorageMetadata) and md.size != target[key].shape:
+                # saved under another TP layout (a TP checkpoint on another TP size, with or
+                # without FSDP2): read the whole tensor, `_Layout.cut` takes this rank's part
+                target[key] = torch.empty(md.size, dtype=md.properties.dtype, device=device)
+                layout.whole.add(key)
         else:
             target[key] = value
     if strict:
@@ -321,8 +356,12 @@ def _reassemble(
             rows = {n: loaded.get(f"{key}{_SEP}{n}") for n in names}
             if any(r is None for r in rows.values()):
                 raise ValueError(f"dcp_load: {key!r}: a scaling buffer is missing")
-            desc["buffers"] = {n: _local(r)[0] for n, r in rows.items()}
+            desc["buffers"] = {
+                n: _rows(_local(r), f"{key!r} buffer {n!r}") for n, r in rows.items()
+            }
             out[key] = desc
+        elif key in layout.whole:
+            out[key] = layout.cut(key, _local(got), value)
         elif isinstance(value, Tensor) and layout.split(key) is not None:
             out[key] = layout.loaded(key, got, value)
         elif isinstance(value, DTensor):
@@ -332,6 +371,21 @@ def _reassemble(
         else:
             out[key] = got
     return out
+
+
+def _rows(rows: Tensor, where: str) -> Tensor:
+    """This rank's scaling buffer from the rows DCP loaded: its own, or, loading on another TP
+    size, the one row every saving TP rank held (the amax reduced over TP); else refuse."""
+    if rows.shape[0] == 1:
+        return rows[0]
+    bits = rows.contiguous().view(torch.uint8).reshape(rows.shape[0], -1)
+    if not all(torch.equal(b, bits[0]) for b in bits[1:]):
+        raise ValueError(
+            f"dcp_load: {where} differs between the {rows.shape[0]} tensor-parallel ranks that "
+            "saved it (amaxes not reduced over the TP group): scaling state is per rank there, "
+            "resume with the same tensor-parallel size"
+        )
+    return rows[0]
 
 
 def _device(state: Mapping[str, Any]) -> torch.device:
