@@ -164,3 +164,24 @@ def _experts_equal(rank: int, world: int, runs: list[tuple[str, bool]]) -> int:
 def test_fp8_all_gather_of_grouped_linear_experts_equals_the_high_precision_all_gather():
     runs = [("delayed", True), ("delayed", False), ("current", True), ("current", False)]
     assert run_ranks(_experts_equal, 2, runs, timeout_s=240.0) == [len(runs)] * 2
+
+
+def _dcp_resume_tp(rank: int, world: int, path: str) -> int:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp_group, dp_rank = mesh["tp"].get_group(), mesh["dp"].get_local_rank()
+    after = precompute_fp8_weight_scales
+    model = _fsdp_tp(mesh, True)
+    params = list(model.named_parameters())
+    train_dp(model, params, "current", dp_rank, 2, range(2), after)
+    dq.checkpoint.dcp_save(model, path, tp_group=tp_group)
+    want = train_dp(model, params, None, dp_rank, 2, range(2, 4), after)
+    resumed = _fsdp_tp(mesh, True)
+    dq.apply_recipe(resumed, RECIPES["current"]())  # plans the roles the checkpoint holds
+    dq.checkpoint.dcp_load(resumed, path, tp_group=tp_group)
+    got = train_dp(resumed, list(resumed.named_parameters()), None, dp_rank, 2, range(2, 4), after)
+    assert_equal_runs(got, want, f"resumed FSDP2 x TP with FP8 all-gather, rank {rank}")
+    return 1
+
+
+def test_fp8_all_gather_fsdp2_x_tp_model_resumes_from_a_dcp_checkpoint_bit_for_bit(tmp_path):
+    assert run_ranks(_dcp_resume_tp, 4, str(tmp_path / "ckpt"), timeout_s=300.0) == [1] * 4
