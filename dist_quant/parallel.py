@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from dist_quant.quantizers import Float8CurrentScalingQuantizer, Quantizer
 from dist_quant.tensor import Float8Tensor, QuantizedTensor
@@ -179,6 +180,16 @@ def allreduce_sequence_parallel_grads(model: nn.Module, tp_group: Any) -> None:
     (Megatron-LM does the same for its norm weights)."""
     if group_size(tp_group) == 1:
         return
+    for name, module in model.named_modules():
+        sharded = any(isinstance(p, DTensor) for p in module.parameters(recurse=False))
+        if getattr(module, "sequence_parallel", False) and sharded:
+            # fully_shard replaced the parameters (dropping their marks) and reduce-scattered
+            # the partial sums already: summing nothing here would leave them partial
+            raise NotImplementedError(
+                f"allreduce_sequence_parallel_grads: module {name!r} is sequence-parallel and its "
+                "parameters are sharded by FSDP2 (fully_shard); sequence parallelism under FSDP2 "
+                "is not supported"
+            )
     grads = [
         p.grad
         for p in model.parameters()

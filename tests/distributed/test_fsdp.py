@@ -24,12 +24,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from fsdp_check import Stack, assert_equal_runs, rank_view, shard, train_dp, train_one_process
-from harness import run_ranks
+from harness import expect_error, run_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from tp_check import assert_close
 
-from dist_quant.parallel import load_full_state_dict_into_shards
+import dist_quant as dq
+from dist_quant.parallel import allreduce_sequence_parallel_grads, load_full_state_dict_into_shards
 
 pytestmark = pytest.mark.distributed
 
@@ -123,3 +125,19 @@ def test_tp_layers_under_activation_checkpoint_equal_the_plain_tp_run():
     """The recompute replays the TP layers' quantizers, amax reduction groups and collectives."""
     recipes = ["delayed", "current", "custom"]
     assert run_ranks(_tp_checkpointed, 2, recipes, timeout_s=240.0) == [3, 3]
+
+
+def _sp_under_fsdp(rank: int, world: int) -> str:
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    tp_group = mesh["tp"].get_group()
+    model = nn.Sequential(dq.TransformerLayer(32, 64, 4, tp_group=tp_group, sequence_parallel=True))
+    fully_shard(model, mesh=mesh["dp"])
+    return expect_error(
+        lambda: allreduce_sequence_parallel_grads(model, tp_group), NotImplementedError
+    )
+
+
+def test_sequence_parallel_grads_under_fsdp2_are_refused_not_left_partial():
+    """FSDP2 drops the parameters' sequence_parallel marks: the all-reduce would sum nothing."""
+    for message in run_ranks(_sp_under_fsdp, 2, timeout_s=60.0):
+        assert "sequence-parallel" in message and "FSDP2" in message, message
