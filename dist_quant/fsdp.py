@@ -11,10 +11,17 @@ which the module's forward uses as its quantized weight without casting again. G
 plain high-precision tensors, so FSDP2's reduce-scatter of them is unchanged.
 
 Why the bytes equal casting the full weight: the cast is elementwise and every rank uses one scale.
+(Under FSDP2 x TP "the full weight" is this rank's whole TP shard, which is what the TP forward
+casts; FSDP2 shards and gathers the TP shard.)
   delayed scaling: the slot's scale, identical on every rank when autocast's amax_reduction_group
       covers the FSDP ranks (checked at the forward); the shard's amax enters the history and that
-      reduction turns it into the full weight's amax.
-  current scaling: fp8_max / amax(full weight), from one all-reduce(MAX) of the shards' amaxes:
+      reduction turns it into the full weight's amax. A GroupedLinear expert is quantized only on
+      ranks that route tokens to it, so its history must get the full weight's amax from those
+      ranks alone: its shards' amaxes are all-reduced over the FSDP group (with the current-scaling
+      scales in `precompute_fp8_weight_scales`, else in the all-gather) and only a forward with
+      tokens for the expert folds the result in.
+  current scaling: fp8_max / amax(full weight), from one all-reduce(MAX) of the shards' amaxes
+      (then over the TP group for a TP shard, as the TP forward's weight quantizer reduces it):
       batched over every weight by `precompute_fp8_weight_scales(model)` after the optimizer step
       (a weight changed since falls back to its own all-reduce in its all-gather).
 Other recipes (MXFP8, block scaling, identity) have no per-tensor scale to share: their all-gather
@@ -29,12 +36,13 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from dist_quant import kernels as fp8_kernels
 from dist_quant.amax import allreduce_current_amax
 from dist_quant.fsdp_tensor import GatheredFloat8Weight
-from dist_quant.modules import LayerNormLinear, LayerNormMLP, Linear
+from dist_quant.modules import GroupedLinear, LayerNormLinear, LayerNormMLP, Linear
 from dist_quant.modules.base import QuantizedModule
 from dist_quant.quantizers import Float8CurrentScalingQuantizer, Float8Quantizer
 from dist_quant.tensor import Float8Tensor
@@ -63,12 +71,24 @@ _KEEP_WRAPPED = {
 }
 
 
+def _weight_slots(module: nn.Module) -> dict[str, int]:
+    """GEMM weight parameter name -> its forward slot index; empty for other modules."""
+    if type(module) is GroupedLinear:  # slots: inputs, then weights, then outputs, per expert
+        return {f"weight{i}": module.num_gemms + i for i in range(module.num_gemms)}
+    return _WEIGHT_SLOTS.get(type(module), {})
+
+
 class _WeightInfo:
     """Shared by every wrapper derived from one parameter (FSDP2's views and copies of it)."""
 
     def __init__(self, owner: QuantizedModule, slot: int, name: str) -> None:
         self.owner, self.slot, self.name = owner, slot, name
+        # the TP group the forward's weight quantizer reduces a current-scaling amax over
+        self.tp_group = owner.tp_group if getattr(owner, "tp_size", 1) > 1 else None
+        # delayed scaling folds the full weight's amax, not the shard's (see the module docstring)
+        self.folds_full_amax = type(owner) is GroupedLinear
         self.precomputed: tuple | None = None  # (scale, scale_inv, quantizer, version, dtype)
+        self.precomputed_amax: tuple | None = None  # (full amax, quantizer, version, dtype)
         self.last_cast: tuple | None = None  # the forward's (scale, scale_inv, quantizer)
         # the shard's dtype as gathered (FSDP2 mixed precision casts it first)
         self.gather_dtype: torch.dtype | None = None
@@ -142,6 +162,8 @@ class FP8AllGatherWeight(Tensor):
                 scale = quantizer.scale.clone()  # the update after this step must not move it
                 scale_inv = torch.reciprocal(scale)
                 shard_amax = fp8_kernels.amax(shard).reshape(1)
+                if info.folds_full_amax:
+                    shard_amax = _full_amax(self, shard, shard_amax, quantizer, group)
             else:
                 scale, scale_inv = _current_scale(self, shard, quantizer, group)
             info.last_cast = (scale, scale_inv, quantizer)
@@ -151,6 +173,7 @@ class FP8AllGatherWeight(Tensor):
             "quantizer": quantizer,
             "shard_amax": shard_amax,
             "group": group,
+            "tp_group": info.tp_group,
             "scale_inv": scale_inv,
         }
         return (data.view(torch.uint8),), meta
@@ -209,8 +232,20 @@ def _current_scale(
     ):
         return pre[0], pre[1]
     amax = fp8_kernels.amax(shard).reshape(1)
-    allreduce_current_amax(amax, group)  # shard amax -> the full weight's amax
+    allreduce_current_amax(amax, group)  # FSDP shard amax -> the (TP-local) weight's amax
+    allreduce_current_amax(amax, weight._info.tp_group)  # TP shard amax -> the whole weight's
     return _scale_of(amax, quantizer)
+
+
+def _full_amax(
+    weight: FP8AllGatherWeight, shard: Tensor, shard_amax: Tensor, q: Float8Quantizer, group: Any
+) -> Tensor:
+    """The full weight's amax for a delayed-scaling slot that folds it (GroupedLinear)."""
+    pre = weight._info.precomputed_amax
+    if pre is not None and pre[1] is q and pre[2] == weight._hp._version and pre[3] == shard.dtype:
+        return pre[0]
+    allreduce_current_amax(shard_amax, group)  # shard amaxes -> the full weight's
+    return shard_amax
 
 
 def _scale_of(amax: Tensor, q: Float8CurrentScalingQuantizer) -> tuple[Tensor, Tensor]:
@@ -220,21 +255,16 @@ def _scale_of(amax: Tensor, q: Float8CurrentScalingQuantizer) -> tuple[Tensor, T
 
 
 def enable_fp8_all_gather(model: nn.Module) -> int:
-    """Wrap the GEMM weights of `model`'s dq Linear, LayerNormLinear and LayerNormMLP modules so
-    that FSDP2 all-gathers them in FP8; call it before `fully_shard`. Returns how many weights it
-    wrapped. Raises ValueError (wrapping nothing) for a tensor-parallel module (its FP8 weight
-    would need a TP-reduced scale) or an already sharded model."""
+    """Wrap the GEMM weights of `model`'s dq Linear, LayerNormLinear, LayerNormMLP and
+    GroupedLinear modules (tensor-parallel ones included) so that FSDP2 all-gathers them in FP8;
+    call it before `fully_shard`. Returns how many weights it wrapped. Raises ValueError (wrapping
+    nothing) for an already sharded model."""
     found = []
     for module in model.modules():
-        slots = _WEIGHT_SLOTS.get(type(module))
-        if slots is None:
+        slots = _weight_slots(module)
+        if not slots:
             continue
         name = module.role_name or type(module).__name__
-        if getattr(module, "tp_size", 1) > 1:
-            raise ValueError(
-                f"enable_fp8_all_gather: module {name!r} is tensor-parallel; FP8 all-gather "
-                "supports FSDP2 without TP"
-            )
         for param_name in slots:
             param = getattr(module, param_name)
             if isinstance(param, FP8AllGatherWeight):
@@ -254,44 +284,52 @@ def enable_fp8_all_gather(model: nn.Module) -> int:
 @torch.no_grad()
 def precompute_fp8_weight_scales(model: nn.Module) -> int:
     """After the optimizer step: the current-scaling scales of every FP8-gathered weight of
-    `model`, from one all-reduce(MAX) of their shards' amaxes per FSDP group (torchao's
-    `precompute_float8_dynamic_scale_for_fsdp` idea). Weights under delayed scaling need none (their
-    scale comes from the history). Every rank must call it. Returns how many scales it set."""
-    by_group: dict[Any, list] = {}
+    `model` (and the full amaxes of delayed-scaling GroupedLinear experts), from one
+    all-reduce(MAX) of their shards' amaxes per FSDP group, plus one over each TP group of
+    tensor-parallel ones (torchao's `precompute_float8_dynamic_scale_for_fsdp` idea). Other
+    delayed-scaling weights need none (their scale comes from the history). Every rank must
+    call it. Returns how many weights it precomputed."""
+    by_group: dict[tuple, list] = {}
     for module in model.modules():
-        for param_name in _WEIGHT_SLOTS.get(type(module), {}):
+        for param_name in _weight_slots(module):
             param = getattr(module, param_name)
             local = param.to_local() if hasattr(param, "to_local") else param
             if not isinstance(local, FP8AllGatherWeight) or module._dq_runtime is None:
                 continue
             quantizer = module._dq_runtime.fwd_quantizers[local._info.slot]
-            if not isinstance(quantizer, Float8CurrentScalingQuantizer):
+            delayed_full = isinstance(quantizer, Float8Quantizer) and local._info.folds_full_amax
+            if not (isinstance(quantizer, Float8CurrentScalingQuantizer) or delayed_full):
                 continue
             group = param.device_mesh.get_group() if hasattr(param, "device_mesh") else None
-            by_group.setdefault(group, []).append((local, quantizer))
-    for group, weights in by_group.items():
+            by_group.setdefault((group, local._info.tp_group), []).append((local, quantizer))
+    for (group, tp_group), weights in by_group.items():
         dtypes = [w._info.gather_dtype or w._hp.dtype for w, _ in weights]
         amaxes = torch.stack(
             [fp8_kernels.amax(w._hp.to(d)).reshape(()) for (w, _), d in zip(weights, dtypes)]
         )
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)  # shards -> full weights
+        allreduce_current_amax(amaxes, tp_group)  # TP shards -> whole weights
         for i, ((w, q), dtype) in enumerate(zip(weights, dtypes)):
-            scale, scale_inv = _scale_of(amaxes[i : i + 1], q)
-            w._info.precomputed = (scale, scale_inv, q, w._hp._version, dtype)
+            amax = amaxes[i : i + 1]
+            if isinstance(q, Float8Quantizer):
+                w._info.precomputed_amax = (amax, q, w._hp._version, dtype)
+            else:
+                scale, scale_inv = _scale_of(amax, q)
+                w._info.precomputed = (scale, scale_inv, q, w._hp._version, dtype)
     return sum(len(w) for w in by_group.values())
 
 
 def _per_tensor_weights(model: nn.Module) -> bool:
     """Whether every GEMM weight slot of `model` runs per-tensor scaling under its applied recipe
-    (a module without one, or a tensor-parallel one, says no)."""
+    (a module without one says no)."""
     found = False
     for module in model.modules():
-        slots = _WEIGHT_SLOTS.get(type(module))
-        if slots is None:
+        slots = _weight_slots(module)
+        if not slots:
             continue
         runtime = module._dq_runtime
-        if runtime is None or getattr(module, "tp_size", 1) > 1:
+        if runtime is None:
             return False
         for slot in slots.values():
             q = runtime.fwd_quantizers[slot]
@@ -312,6 +350,8 @@ def fully_shard_model(
     **fully_shard_kwargs: Any,
 ) -> bool:
     """`fully_shard` each of `blocks` and then `model` (keyword arguments go to every call).
+    Without `mesh=`, the mesh is every rank on the device the model's parameters are on (FSDP2's
+    own default is the accelerator, which would move a CPU model onto the GPU).
     `fp8_all_gather=None` turns FP8 weight all-gather on when every GEMM weight of `model` runs
     delayed or current scaling under the recipe applied to it (`dq.apply_recipe` first); True
     forces it (raising where it cannot be exact), False keeps the high-precision all-gather.
@@ -320,6 +360,11 @@ def fully_shard_model(
         fp8_all_gather = _per_tensor_weights(model)
     if fp8_all_gather:
         enable_fp8_all_gather(model)
+    if "mesh" not in fully_shard_kwargs:
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        if device.type != "meta":
+            mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+            fully_shard_kwargs = {**fully_shard_kwargs, "mesh": mesh}
     for block in blocks:
         fully_shard(block, **fully_shard_kwargs)
     fully_shard(model, **fully_shard_kwargs)

@@ -34,8 +34,9 @@ class GatheredFloat8Weight(Tensor):
 
     def __init__(self, fp8: Float8Tensor, meta: dict[str, Any]) -> None:
         self._fp8 = fp8
-        # quantizer: the slot it was cast for; shard_amax: this rank's shard amax (delayed
-        # scaling, folded into the history at the forward); group: the FSDP shard group; name
+        # quantizer: the slot it was cast for; shard_amax: the amax a delayed-scaling forward
+        # folds into the history (this rank's shard's, or the full weight's for GroupedLinear);
+        # group: the FSDP shard group; tp_group: the TP group of a TP shard, else None; name
         self._meta = meta
 
     def float8_tensor(self) -> Float8Tensor:
@@ -70,6 +71,41 @@ class GatheredFloat8Weight(Tensor):
         )
 
 
+class _EmptyGemm(torch.autograd.Function):
+    """`x @ weight.T + bias` for an input without rows and a weight gathered in FP8: the empty
+    output and the zero gradients F.linear gives a high-precision weight (FSDP2 reduce-scatters
+    every weight of a group, so each needs one), without reading the FP8 bytes."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        ctx.x_meta = (x.shape, x.dtype, x.device)
+        ctx.w_meta = (weight.shape, weight.dtype, weight.device)
+        ctx.b_meta = None if bias is None else (bias.shape, bias.dtype, bias.device)
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        def zeros(meta: tuple) -> Tensor:
+            shape, dtype, device = meta
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        return (
+            zeros(ctx.x_meta),
+            zeros(ctx.w_meta),
+            None if ctx.b_meta is None else zeros(ctx.b_meta),
+        )
+
+
+def empty_gemm(x: Tensor, weight: GatheredFloat8Weight, bias: Tensor | None) -> Tensor:
+    """A GEMM of an empty input (`x` has no rows; a GroupedLinear expert without tokens) with a
+    weight gathered in FP8: the output `(0, out_features)` and zero weight and bias gradients."""
+    if x.numel() != 0:
+        raise ValueError(
+            f"empty_gemm: the input of {weight._meta['name']} has {x.numel()} elements"
+        )
+    return _EmptyGemm.apply(x, weight, bias)
+
+
 def _group_covers(reduction_group: Any, shard_group: Any) -> bool:
     """Whether the amax reduction group holds every rank of the FSDP shard group."""
     shard = set(dist.get_process_group_ranks(shard_group))
@@ -77,6 +113,23 @@ def _group_covers(reduction_group: Any, shard_group: Any) -> bool:
         return True
     return reduction_group is not None and shard <= set(
         dist.get_process_group_ranks(reduction_group)
+    )
+
+
+def _same_slot(gathered: Quantizer, forward: Quantizer, tp_group: Any) -> bool:
+    """Whether the forward's weight quantizer is the one the all-gather cast for: the same
+    object, or (a TP shard under current scaling) the TP module's copy of it that reduces its amax
+    over the TP group, which the all-gather's scale was reduced over too."""
+    if gathered is forward:
+        return True
+    fields = ("fp8_dtype", "amax_epsilon", "use_power_2_scales")
+    return (
+        tp_group is not None
+        and type(gathered) is Float8CurrentScalingQuantizer
+        and type(forward) is Float8CurrentScalingQuantizer
+        and gathered.amax_reduction_group is None
+        and forward.amax_reduction_group is tp_group
+        and all(getattr(gathered, f) == getattr(forward, f) for f in fields)
     )
 
 
@@ -93,7 +146,7 @@ def gathered_weight_operand(
     the amax reduction over `reduction_group` (which must cover the FSDP ranks) makes it the full
     weight's amax, as quantizing the full weight on every rank would."""
     meta = weight._meta
-    if meta["quantizer"] is not quantizer:
+    if not _same_slot(meta["quantizer"], quantizer, meta["tp_group"]):
         raise RuntimeError(
             f"{owner}: {meta['name']} was all-gathered in FP8 for another quantizer than this "
             f"forward's weight slot ({quantizer!r}); the recipe changed between the all-gather "

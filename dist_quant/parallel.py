@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from dist_quant.quantizers import Float8CurrentScalingQuantizer, Quantizer
 from dist_quant.tensor import Float8Tensor, QuantizedTensor
@@ -87,12 +88,25 @@ def group_rank(group: Any) -> int:
 
 
 # ---- sharding of parameters ----------------------------------------------------------------------
-def mark_tp_split(param: nn.Parameter, dim: int, parts: int = 1) -> None:
-    """Record how `param` is a TP shard: the full tensor is cut along `dim` into `parts` equal
-    pieces (3 for fused QKV, 2 for SwiGLU's gate/up) and each piece is split over the ranks; the
-    rank's shard is its chunk of every piece, concatenated. Read by
-    `checkpoint.load_full_state_dict_into_shards` and the DCP layout."""
-    param.tp_split = (dim, parts)
+def mark_tp_split(module: nn.Module, name: str, dim: int, parts: int = 1) -> None:
+    """Record that parameter `name` of `module` is a TP shard: the full tensor is cut along `dim`
+    into `parts` equal pieces (3 for fused QKV, 2 for SwiGLU's gate/up) and each piece is split
+    over the ranks; the rank's shard is its chunk of every piece, concatenated. The record sits on
+    the module (`tp_splits` reads it) and on the parameter (`param.tp_split`): FSDP2's
+    `fully_shard` replaces the parameter, dropping its attributes, but keeps the module."""
+    split = (dim, parts)
+    getattr(module, name).tp_split = split
+    module.__dict__.setdefault("_tp_splits", {})[name] = split
+
+
+def tp_splits(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """`(dim, parts)` of every parameter of `model` marked by `mark_tp_split`, by state-dict key;
+    valid before and after `fully_shard`."""
+    out = {}
+    for prefix, module in model.named_modules():
+        for name, split in module.__dict__.get("_tp_splits", {}).items():
+            out[f"{prefix}.{name}" if prefix else name] = split
+    return out
 
 
 def mark_sequence_parallel(param: nn.Parameter) -> None:
@@ -118,6 +132,16 @@ def allreduce_sequence_parallel_grads(model: nn.Module, tp_group: Any) -> None:
     (Megatron-LM does the same for its norm weights)."""
     if group_size(tp_group) == 1:
         return
+    for name, module in model.named_modules():
+        sharded = any(isinstance(p, DTensor) for p in module.parameters(recurse=False))
+        if getattr(module, "sequence_parallel", False) and sharded:
+            # fully_shard replaced the parameters (dropping their marks) and reduce-scattered
+            # the partial sums already: summing nothing here would leave them partial
+            raise NotImplementedError(
+                f"allreduce_sequence_parallel_grads: module {name!r} is sequence-parallel and its "
+                "parameters are sharded by FSDP2 (fully_shard); sequence parallelism under FSDP2 "
+                "is not supported"
+            )
     grads = [
         p.grad
         for p in model.parameters()

@@ -8,8 +8,9 @@ Layout: `nproc < 4` shards every block over all ranks (FSDP2, 1D); `nproc >= 4` 
 DeviceMesh with tp=2, splits each block's heads and FFN over the TP pair (`tp_group=`) and shards
 over dp. Each block is checkpointed with `dq.activation_checkpoint`, whose recompute quantizes as
 the forward did. `--switch-at STEP --switch-to RECIPE` makes rank 0 request a switch itself, as
-`dist-quant switch RECIPE --at-step STEP` would. `--fp8-all-gather` (1D, per-tensor recipes: delayed
-or current scaling, switches between those) makes FSDP2 all-gather the GEMM weights in FP8.
+`dist-quant switch RECIPE --at-step STEP` would. `--fp8-all-gather` (per-tensor recipes: delayed
+or current scaling, switches between those; 1D and with TP) makes FSDP2 all-gather the GEMM
+weights in FP8.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def main() -> None:
     p.add_argument(
         "--fp8-all-gather",
         action="store_true",
-        help="all-gather the GEMM weights in FP8 (FSDP2 without TP; delayed or current scaling)",
+        help="all-gather the GEMM weights in FP8 (delayed or current scaling; with or without TP)",
     )
     p.add_argument("--run-dir", default=os.environ.get("DIST_QUANT_RUN_DIR", "dist_quant_run"))
     args = p.parse_args()
@@ -120,7 +121,7 @@ def main() -> None:
     dq.apply_recipe(model, dq.recipe_from_dict(args.recipe))
     participant = attach(model, tp_group=tp_group, run_dir=args.run_dir)
     if args.fp8_all_gather:
-        enable_fp8_all_gather(model)  # before fully_shard; refuses tensor-parallel blocks
+        enable_fp8_all_gather(model)  # before fully_shard; TP blocks gather their TP shards
     for layer in model.layers:
         fully_shard(layer, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)

@@ -9,6 +9,12 @@ tensor-parallel model would therefore keep one rank's weight shard and one rank'
   DeviceMesh of the TP group: the checkpoint holds the whole tensor and each rank reads its shard.
   A fused split (`parts` > 1, e.g. QKV) is viewed as `(..., parts, rows, ...)` so that each part is
   sharded on its own, as the shard loader of `parallel.py` cuts it;
+- under FSDP2 x TP (a `(dp, tp)` mesh) such a parameter is FSDP2's DTensor of the TP shard; it
+  is saved as a DTensor over a `(tp, dp)` mesh of the same process groups, placed `[Shard(tp dim),
+  Shard(0)]`, so each rank writes its FSDP2 slice of its TP shard at its offset in the whole
+  tensor. A fused split on dim 0 (QKV, SwiGLU's fc1) cannot be placed that way (FSDP2's slice of
+  the concatenated parts is not one block of the parts view): its TP shard is all-gathered over
+  the data-parallel ranks while saving and loading (one such parameter at a time);
 - other parameters and buffers are replicated within the TP group and saved once;
 - each dist-quant module's extra state is split in two: its description (recipe, key, roles,
   pinned), identical across a TP group (checked at save: no TP group runs two recipes), as one
@@ -20,8 +26,10 @@ Data-parallel replicas (same TP rank in other TP groups) write one copy, as for 
 
 Loading reads the checkpoint's metadata to learn which scaling buffers exist (a fresh model has no
 runtime, hence no buffers to load into), loads into fresh tensors, and hands the result to
-`checkpoint.load_state_dict`, which validates everything before touching the model. Resuming
-needs the same TP size (the scaling rows are per rank); the weights themselves reshard.
+`checkpoint.load_state_dict`, which validates everything before touching the model. Weights
+reshard to any data- and tensor-parallel size; a tensor whose saved shape is another TP layout's
+(a fused view loaded without TP, or the reverse) is read whole and cut. On another TP size the
+scaling rows must be identical across the saving TP ranks (amax reduced over TP), else refused.
 Optimizer state is not included: save it per rank with `torch.save` (see docs/checkpoint.md).
 """
 
@@ -43,7 +51,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from dist_quant.checkpoint.model import _dq_modules_by_key, load_state_dict
 from dist_quant.checkpoint.module_state import parse_extra_state
-from dist_quant.parallel import group_rank, group_size
+from dist_quant.parallel import group_rank, group_size, shard_of, tp_splits
 
 _MODEL, _JOB = "model", "job"  # top-level keys; the caller's `extra` sits beside them
 _SEP = "/"  # between a module's extra-state key and its buffer names (never in a module path)
@@ -53,6 +61,140 @@ def _mesh(tp_group: Any, device: torch.device) -> DeviceMesh | None:
     if group_size(tp_group) == 1:
         return None
     return DeviceMesh.from_group(tp_group, device.type)
+
+
+def _tp_dp_mesh(tp_group: Any, dp_mesh: DeviceMesh, device: torch.device) -> DeviceMesh:
+    """A `(tp, dp)` mesh over the existing TP and FSDP2 groups (no new process group): rank
+    (tp rank j, dp rank i) sits at [j, i]. Collective over the data-parallel group."""
+    dp_group = dp_mesh.get_group()
+    mine = sorted(
+        dist.get_process_group_ranks(tp_group), key=lambda r: dist.get_group_rank(tp_group, r)
+    )
+    columns: list[Any] = [None] * dist.get_world_size(dp_group)
+    dist.all_gather_object(columns, mine, group=dp_group)  # every replica's TP ranks, by dp rank
+    layout = torch.tensor(columns, dtype=torch.int).t().contiguous()
+    return DeviceMesh.from_group(
+        [tp_group, dp_group], device.type, mesh=layout, mesh_dim_names=("tp", "dp")
+    )
+
+
+class _Layout:
+    """Where each TP-split parameter goes in the checkpoint (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, tp_group: Any, device: torch.device) -> None:
+        self.tp_group, self.device = tp_group, device
+        self.mesh = _mesh(tp_group, device)
+        self.splits = tp_splits(model) if self.mesh is not None else {}
+        self._meshes: dict[Any, DeviceMesh] = {}
+        self.whole: set[str] = set()  # keys loaded as the whole tensor (another TP layout)
+
+    def split(self, key: str) -> tuple[int, int] | None:
+        return self.splits.get(key)
+
+    def mesh_2d(self, fsdp: DTensor, key: str) -> DeviceMesh:
+        if fsdp.device_mesh.ndim != 1 or tuple(fsdp.placements) != (Shard(0),):
+            raise ValueError(
+                f"dcp: {key!r} is tensor-parallel and sharded {fsdp.placements} over a "
+                f"{fsdp.device_mesh.ndim}-D mesh; FSDP2 x TP checkpoints support fully_shard's "
+                "default Shard(0) over a 1-D data-parallel mesh"
+            )
+        dp_mesh = fsdp.device_mesh
+        if dp_mesh not in self._meshes:
+            self._meshes[dp_mesh] = _tp_dp_mesh(self.tp_group, dp_mesh, self.device)
+        return self._meshes[dp_mesh]
+
+    def saved(self, key: str, t: Tensor) -> Tensor:
+        """`t` (a TP shard, or FSDP2's DTensor of one) as the checkpoint holds it."""
+        split = self.splits[key]
+        if not isinstance(t, DTensor):
+            view, dim = _split_view(t, split)
+            return _sharded(view, dim, self.mesh)
+        if _gathers(split):
+            return self.saved(key, t.full_tensor())  # dp slices -> this rank's TP shard
+        return self._placed(key, t, t.to_local())
+
+    def template(self, key: str, value: Tensor) -> Tensor:
+        """An empty tensor laid out as `saved(key, value)`, for DCP to load into."""
+        split = self.splits[key]
+        if not isinstance(value, DTensor):
+            return self.saved(key, torch.empty_like(value.detach()))
+        if _gathers(split):
+            return self.saved(key, torch.empty(value.shape, dtype=value.dtype, device=self.device))
+        return self._placed(key, value, torch.empty_like(value.to_local()))
+
+    def loaded(self, key: str, got: Tensor, value: Tensor) -> Tensor:
+        """What DCP filled in (`template`'s layout) -> the model parameter's own layout."""
+        local = _local(got)
+        if not isinstance(value, DTensor):
+            return local.reshape(value.shape)  # DCP checked the (parts, rows) view's shape
+        if _gathers(self.splits[key]):
+            return _fsdp_slice(local.reshape(value.shape), value)  # from this rank's TP shard
+        return _fsdp_slice(local.reshape(value.to_local().shape), value, sliced=True)
+
+    def cut(self, key: str, whole: Tensor, value: Tensor) -> Tensor:
+        """This rank's part of a whole saved tensor, in the parameter's layout (TP, FSDP2)."""
+        split = self.splits.get(key)
+        flat = list(value.shape)  # the TP shard's (FSDP2's global shape is the TP shard's)
+        if split is not None:
+            flat[split[0]] *= group_size(self.tp_group)
+        if whole.numel() != torch.Size(flat).numel():
+            raise ValueError(
+                f"dcp_load: {key!r} is {tuple(whole.shape)} in the checkpoint; the model's "
+                f"whole tensor is {tuple(flat)}"
+            )
+        whole = whole.reshape(flat)  # a saved (parts, rows) view flattens back exactly
+        mine = whole
+        if split is not None:
+            mine = shard_of(whole, *split, group_rank(self.tp_group), group_size(self.tp_group))
+        return _fsdp_slice(mine, value) if isinstance(value, DTensor) else mine
+
+    def _placed(self, key: str, fsdp: DTensor, local: Tensor) -> DTensor:
+        """`local` (FSDP2's slice of the TP shard, dim 0) at its offset in the whole tensor."""
+        dim, parts = self.splits[key]
+        tp = group_size(self.tp_group)
+        whole = list(fsdp.shape)  # FSDP2's global shape is the TP shard's
+        whole[dim] *= tp
+        view, tp_dim = _split_view(local, (dim, parts))
+        if parts > 1:
+            whole[dim : dim + 1] = [parts, whole[dim] // parts]
+        stride = torch.empty(whole, device="meta").stride()
+        return DTensor.from_local(
+            view,
+            self.mesh_2d(fsdp, key),
+            [Shard(tp_dim), Shard(0)],
+            run_check=False,
+            shape=torch.Size(whole),
+            stride=stride,
+        )
+
+
+def _fsdp_slice(tp_shard: Tensor, value: DTensor, *, sliced: bool = False) -> DTensor:
+    """FSDP2's DTensor of `value`'s layout from this rank's TP shard (FSDP2's dim-0 chunk of it),
+    or from its own slice already (`sliced`)."""
+    mine = tp_shard
+    if not sliced:
+        if value.device_mesh.ndim != 1 or tuple(value.placements) != (Shard(0),):
+            raise ValueError(
+                f"dcp_load: a parameter sharded {value.placements} over a "
+                f"{value.device_mesh.ndim}-D mesh cannot take a tensor saved under another "
+                "tensor-parallel layout (fully_shard's default Shard(0) over a 1-D mesh can)"
+            )
+        chunks = tp_shard.chunk(value.device_mesh.size(), 0)
+        rank = value.device_mesh.get_local_rank()
+        mine = chunks[rank] if rank < len(chunks) else tp_shard[:0]
+    return DTensor.from_local(
+        mine,
+        value.device_mesh,
+        value.placements,
+        run_check=False,
+        shape=value.shape,
+        stride=value.stride(),
+    )
+
+
+def _gathers(split: tuple[int, int]) -> bool:
+    """A fused split along FSDP2's dim 0: its FSDP2 slice is not one block of the parts view."""
+    return split[0] == 0 and split[1] > 1
 
 
 def _split_view(t: Tensor, split: tuple[int, int]) -> tuple[Tensor, int]:
@@ -88,8 +230,9 @@ def dcp_state_dict(model: nn.Module, *, tp_group: Any = None) -> dict[str, Any]:
     """The model's entries as `dcp_save` writes them (see the module docstring)."""
     state = model.state_dict(keep_vars=True)
     owners = _dq_modules_by_key(model)
-    device = next((t.device for t in state.values() if isinstance(t, Tensor)), torch.device("cpu"))
-    mesh = _mesh(tp_group, device)
+    device = _device(state)
+    layout = _Layout(model, tp_group, device)
+    mesh = layout.mesh
     out: dict[str, Any] = {}
     descriptions: dict[str, str] = {}
     for key, value in state.items():
@@ -101,13 +244,8 @@ def dcp_state_dict(model: nn.Module, *, tp_group: Any = None) -> dict[str, Any]:
             for name, t in buffers.items():
                 out[f"{key}{_SEP}{name}"] = _sharded(t.unsqueeze(0), 0, mesh)  # this rank's row
         elif isinstance(value, Tensor):
-            split = getattr(value, "tp_split", None)
             t = value.detach()
-            if split is not None and mesh is not None:
-                view, dim = _split_view(t, split)
-                out[key] = _sharded(view, dim, mesh)
-            else:
-                out[key] = t
+            out[key] = t if layout.split(key) is None else layout.saved(key, t)
         else:
             out[key] = value  # another library's extra state: DCP pickles it
     _check_same_recipes(descriptions, tp_group)
@@ -139,11 +277,8 @@ def dcp_save(
 def _buffer_template(md: Any, where: str, tp: int, mesh: DeviceMesh | None, device) -> Tensor:
     if not isinstance(md, TensorStorageMetadata) or len(md.size) < 1:
         raise ValueError(f"dcp_load: {where} is not a saved scaling buffer (corrupted checkpoint)")
-    if md.size[0] != tp:
-        raise ValueError(
-            f"dcp_load: {where} was saved by {md.size[0]} tensor-parallel rank(s); loading on {tp}"
-            ": scaling state is per rank, resume with the same tensor-parallel size"
-        )
+    if md.size[0] != tp:  # another TP size: every rank reads every row (`_rows` checks them)
+        return torch.empty(md.size, dtype=md.properties.dtype, device=device)
     local = torch.empty((1, *md.size[1:]), dtype=md.properties.dtype, device=device)
     return _sharded(local, 0, mesh)
 
@@ -163,8 +298,9 @@ def dcp_load(
     saved_md = reader.read_metadata().state_dict_metadata
     state = model.state_dict(keep_vars=True)
     owners = _dq_modules_by_key(model)
-    device = next((t.device for t in state.values() if isinstance(t, Tensor)), torch.device("cpu"))
-    mesh, tp = _mesh(tp_group, device), group_size(tp_group)
+    device = _device(state)
+    layout = _Layout(model, tp_group, device)
+    mesh, tp = layout.mesh, group_size(tp_group)
     target: dict[str, Any] = {}
     for key, value in state.items():
         if key in owners:
@@ -176,13 +312,16 @@ def dcp_load(
                     where = f"{key!r} buffer {name!r}"
                     target[key + _SEP + name] = _buffer_template(md, where, tp, mesh, device)
         elif isinstance(value, Tensor):
-            fresh = torch.empty_like(value.detach())  # DCP fills it; the model is untouched
-            split = getattr(value, "tp_split", None)
-            if split is not None and mesh is not None:
-                view, dim = _split_view(fresh, split)
-                target[key] = _sharded(view, dim, mesh)
+            if layout.split(key) is None:  # DCP fills it; the model is untouched
+                target[key] = torch.empty_like(value.detach())
             else:
-                target[key] = fresh
+                target[key] = layout.template(key, value)
+            md = saved_md.get(f"{_MODEL}.{key}")
+            if isinstance(md, TensorStorageMetadata) and md.size != target[key].shape:
+                # saved under another TP layout (a TP checkpoint on another TP size, with or
+                # without FSDP2): read the whole tensor, `_Layout.cut` takes this rank's part
+                target[key] = torch.empty(md.size, dtype=md.properties.dtype, device=device)
+                layout.whole.add(key)
         else:
             target[key] = value
     if strict:
@@ -193,18 +332,19 @@ def dcp_load(
     sd = {_MODEL: target, _JOB: "", "extra": extra if extra is not None else {}}
     planner = DefaultLoadPlanner(allow_partial_load=not strict)
     dcp.load(sd, checkpoint_id=checkpoint_id, storage_reader=reader, planner=planner)
-    load_state_dict(model, _reassemble(sd[_MODEL], state, owners), strict=strict)
+    load_state_dict(model, _reassemble(sd[_MODEL], state, owners, layout), strict=strict)
     return json.loads(sd[_JOB]) if sd[_JOB] else None
 
 
-def _reassemble(loaded: dict[str, Any], state: dict[str, Any], owners: dict) -> dict[str, Any]:
+def _reassemble(
+    loaded: dict[str, Any], state: dict[str, Any], owners: dict, layout: _Layout
+) -> dict[str, Any]:
     """DCP's layout -> a plain state dict for `checkpoint.load_state_dict`."""
     out: dict[str, Any] = {}
     for key, value in state.items():
         if key not in loaded:
             continue
         got = loaded[key]
-        split = isinstance(value, Tensor) and getattr(value, "tp_split", None) is not None
         if key in owners:
             if not isinstance(got, str):
                 raise ValueError(f"dcp_load: {key!r}: corrupted description ({type(got).__name__})")
@@ -218,17 +358,40 @@ def _reassemble(loaded: dict[str, Any], state: dict[str, Any], owners: dict) -> 
             rows = {n: loaded.get(f"{key}{_SEP}{n}") for n in names}
             if any(r is None for r in rows.values()):
                 raise ValueError(f"dcp_load: {key!r}: a scaling buffer is missing")
-            desc["buffers"] = {n: _local(r)[0] for n, r in rows.items()}
+            desc["buffers"] = {
+                n: _rows(_local(r), f"{key!r} buffer {n!r}") for n, r in rows.items()
+            }
             out[key] = desc
+        elif key in layout.whole:
+            out[key] = layout.cut(key, _local(got), value)
+        elif isinstance(value, Tensor) and layout.split(key) is not None:
+            out[key] = layout.loaded(key, got, value)
         elif isinstance(value, DTensor):
             out[key] = got  # a parameter sharded by its owner (FSDP2): loaded as the same DTensor
         elif isinstance(got, Tensor):
-            local = _local(got)
-            # a split param's template was its (parts, rows) view: DCP checked that shape
-            out[key] = local.reshape(value.shape) if split else local
+            out[key] = _local(got)
         else:
             out[key] = got
     return out
+
+
+def _rows(rows: Tensor, where: str) -> Tensor:
+    """This rank's scaling buffer from the rows DCP loaded: its own, or, loading on another TP
+    size, the one row every saving TP rank held (the amax reduced over TP); else refuse."""
+    if rows.shape[0] == 1:
+        return rows[0]
+    bits = rows.contiguous().view(torch.uint8).reshape(rows.shape[0], -1)
+    if not all(torch.equal(b, bits[0]) for b in bits[1:]):
+        raise ValueError(
+            f"dcp_load: {where} differs between the {rows.shape[0]} tensor-parallel ranks that "
+            "saved it (amaxes not reduced over the TP group): scaling state is per rank there, "
+            "resume with the same tensor-parallel size"
+        )
+    return rows[0]
+
+
+def _device(state: Mapping[str, Any]) -> torch.device:
+    return next((t.device for t in state.values() if isinstance(t, Tensor)), torch.device("cpu"))
 
 
 def _local(t: Tensor) -> Tensor:

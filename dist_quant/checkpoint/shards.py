@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from dist_quant.checkpoint.model import EXTRA_STATE_SUFFIX
-from dist_quant.parallel import group_rank, group_size, shard_of
+from dist_quant.parallel import group_rank, group_size, shard_of, tp_splits
 
 
 def load_full_state_dict_into_shards(
@@ -29,7 +29,8 @@ def load_full_state_dict_into_shards(
     module's extra state then validates itself as it loads.
     """
     rank, size = group_rank(tp_group), group_size(tp_group)
-    current = model.state_dict(keep_vars=True)  # the Parameter objects, with their marks
+    current = model.state_dict(keep_vars=True)
+    splits = tp_splits(model)  # read from the modules: fully_shard drops the parameters' marks
     extra = {k for k in current if k.rsplit(".", 1)[-1] == EXTRA_STATE_SUFFIX}
     targets = {k: v for k, v in current.items() if k not in extra}
     missing = sorted((targets.keys() | extra) - full_state_dict.keys())
@@ -41,7 +42,7 @@ def load_full_state_dict_into_shards(
     staged = []
     for name, target in targets.items():
         full = full_state_dict[name]
-        split = getattr(target, "tp_split", None)
+        split = splits.get(name)
         try:
             value = full if split is None else shard_of(full, split[0], split[1], rank, size)
         except ValueError as e:

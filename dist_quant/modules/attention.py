@@ -382,9 +382,9 @@ class MultiheadAttention(QuantizedModule):
             self.qkv = Linear(hidden_size, 3 * hidden_size, parallel_mode=column, **common)
         if tp_size > 1:
             # the qkv rows stack [q; k; v] (all heads each): a rank takes its heads of all three
-            mark_tp_split(self.qkv.weight, 0, parts=3)
+            mark_tp_split(self.qkv, "weight", 0, parts=3)
             if self.qkv.bias is not None:
-                mark_tp_split(self.qkv.bias, 0, parts=3)
+                mark_tp_split(self.qkv, "bias", 0, parts=3)
         self.core_attention = DotProductAttention(
             num_attention_heads,
             self.kv_channels,

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dist_quant.fsdp_tensor import GatheredFloat8Weight, empty_gemm
 from dist_quant.modules.base import check_sizes
 from dist_quant.modules.functional import LinearSlots
 from dist_quant.modules.linear import LinearBase
@@ -149,6 +150,9 @@ class GroupedLinear(LinearBase):
             m = x_i.shape[0]
             if m == 0:
                 # nothing to quantize; the empty GEMM still gives the expert zero gradients
+                if isinstance(weight, GatheredFloat8Weight):  # FP8 bytes: no weight.to(dtype)
+                    outs.append(empty_gemm(x_i, weight, bias))
+                    continue
                 outs.append(
                     F.linear(x_i, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
                 )

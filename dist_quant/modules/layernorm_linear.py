@@ -117,9 +117,9 @@ class LayerNormLinear(LinearBase):
         self.weight = nn.Parameter(torch.empty(rows, in_features, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.empty(rows, dtype=dtype, device=device)) if bias else None
         if self.tp_size > 1:
-            mark_tp_split(self.weight, 0)
+            mark_tp_split(self, "weight", 0)
             if self.bias is not None:
-                mark_tp_split(self.bias, 0)
+                mark_tp_split(self, "bias", 0)
             if sequence_parallel:  # the norm sees only this rank's sequence rows
                 mark_norm_sequence_parallel(self)
         self.reset_parameters()

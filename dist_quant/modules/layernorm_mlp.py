@@ -99,10 +99,10 @@ class LayerNormMLP(LinearBase):
         if self.tp_size > 1:
             # swiglu's fc1 stacks [gate; up]: each half is split, so a rank holds matching rows
             parts = 2 if activation == "swiglu" else 1
-            mark_tp_split(self.fc1_weight, 0, parts)
+            mark_tp_split(self, "fc1_weight", 0, parts)
             if bias:
-                mark_tp_split(self.fc1_bias, 0, parts)
-            mark_tp_split(self.fc2_weight, 1)
+                mark_tp_split(self, "fc1_bias", 0, parts)
+            mark_tp_split(self, "fc2_weight", 1)
             if sequence_parallel:
                 mark_norm_sequence_parallel(self)
                 if bias:

@@ -304,9 +304,9 @@ class Linear(LinearBase):
         self.weight = nn.Parameter(torch.empty(rows, cols, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.empty(rows, dtype=dtype, device=device)) if bias else None
         if self.tp_size > 1:
-            mark_tp_split(self.weight, 0 if parallel_mode == "column" else 1)
+            mark_tp_split(self, "weight", 0 if parallel_mode == "column" else 1)
             if self.bias is not None and parallel_mode == "column":
-                mark_tp_split(self.bias, 0)
+                mark_tp_split(self, "bias", 0)
             elif self.bias is not None and sequence_parallel:
                 mark_sequence_parallel(self.bias)  # row + SP: each rank sums its own rows
         self.reset_parameters()

@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import dist_quant as dq
@@ -54,6 +56,21 @@ class Stack(nn.Module):
         for layer in self.layers:
             x = dq.activation_checkpoint(layer, x) if self.checkpointed else layer(x)
         return x
+
+
+def cpu_mesh() -> DeviceMesh:
+    """Every rank, on the CPU: FSDP2's default mesh is the accelerator's, which would move these
+    CPU models onto a GPU on a machine that has one."""
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def shard(model: Stack, mesh: DeviceMesh | None = None, **kwargs) -> Stack:
+    """`fully_shard` per layer, then the root, over `mesh` (default: `cpu_mesh()`)."""
+    mesh = mesh if mesh is not None else cpu_mesh()
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, **kwargs)
+    fully_shard(model, mesh=mesh, **kwargs)
+    return model
 
 
 def batch(step: int, dp: int):
@@ -113,8 +130,11 @@ def train_dp(
     return out
 
 
-def train_one_process(model, recipe: str | None, dp: int, steps: range = range(STEPS)) -> list:
-    """The data-parallel ranks' slices as microbatches of one step; results sliced per rank."""
+def train_one_process(
+    model, recipe: str | None, dp: int, steps: range = range(STEPS), group=None
+) -> list:
+    """The data-parallel ranks' slices as microbatches of one step; results sliced per rank.
+    `group`: the amax reduction group (a TP model's TP group; None in one process)."""
     if recipe is not None:
         dq.apply_recipe(model, RECIPES[recipe]())
     params = list(model.named_parameters())
@@ -124,7 +144,7 @@ def train_one_process(model, recipe: str | None, dp: int, steps: range = range(S
         x_all, dy_all = batch(step, dp)
         xs = [local(x_all, r).clone().requires_grad_(True) for r in range(dp)]
         opt.zero_grad(set_to_none=True)
-        with dq.autocast():
+        with dq.autocast(amax_reduction_group=group):
             ys = [model(x) for x in xs]
         sum((y * local(dy_all, r)).sum() for r, y in enumerate(ys)).backward()
         for _, p in params:

@@ -21,11 +21,11 @@ from fsdp_check import (
     Stack,
     assert_equal_runs,
     rank_view,
+    shard,
     train_dp,
     train_one_process,
 )
 from harness import run_ranks
-from torch.distributed.fsdp import fully_shard
 
 import dist_quant as dq
 
@@ -35,11 +35,7 @@ SAVE_AT, END = 2, 4
 
 
 def fsdp_stack() -> Stack:
-    model = Stack()
-    for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    return model
+    return shard(Stack())
 
 
 def wire_roles(model: Stack) -> None:

@@ -35,3 +35,20 @@ def test_llama_fsdp_example_trains_and_switches_recipe_at_the_asked_step(tmp_pat
     assert [r for s, _, r in steps] == ["bf16"] * 3 + ["Float8CurrentScaling"] * 5
     assert "switch to current: committed=True at step 3" in proc.stdout
     assert steps[-1][1] < 0.8 * steps[0][1], steps
+
+
+@pytest.mark.slow  # 4 ranks with TP: ~1 min on 2 busy cores
+def test_llama_fsdp_example_on_4_ranks_runs_fsdp2_x_tp_with_fp8_all_gather(tmp_path):
+    """nproc 4: a (dp=2, tp=2) mesh, FP8 weight all-gather of the TP shards, delayed -> current."""
+    cmd = [
+        *(sys.executable, "-m", "dist_quant.launch.cli", "run", "--nproc", "4"),
+        *("--run-dir", str(tmp_path / "run"), str(SCRIPT), "--fp8-all-gather"),
+        *("--steps", "6", "--switch-at", "3", "--switch-to", "current", "--recipe", "delayed"),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "world 4: dp 2 x tp 2 on cpu" in proc.stdout
+    steps = [LINE.match(line.split("]:")[-1].strip()) for line in proc.stdout.splitlines()]
+    steps = [(int(m[1]), float(m[2]), m[3]) for m in steps if m]
+    assert [r for s, _, r in steps] == ["DelayedScaling"] * 3 + ["Float8CurrentScaling"] * 3
+    assert steps[-1][1] < steps[0][1], steps

@@ -13,6 +13,9 @@ process agree bit for bit: outputs, input and parameter gradients, and the whole
 the same two-term data-parallel mean); against one process the tolerance is test_tp_transformer's
 1e-3, for its reason: TP's cross-rank fp32 sums reassociate additions (measured there at most 4e-7
 of each tensor's largest value), which can also flip an FP8 cast sitting on a rounding boundary.
+MXFP8 and block scaling also cut their blocks from the TP shard (a 128x128 weight block's scale
+is the shard's, a 32-row column block of fused QKV spans other rows): measured at most 1.2e-6
+here (2 steps, this model), so the same bound holds with a wide margin.
 """
 
 from __future__ import annotations
@@ -20,14 +23,16 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from fsdp_check import Stack, assert_equal_runs, rank_view, train_dp, train_one_process
-from harness import run_ranks
+from fsdp_check import Stack, assert_equal_runs, rank_view, shard, train_dp, train_one_process
+from harness import expect_error, run_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from tp_check import assert_close
 
+import dist_quant as dq
 from dist_quant.checkpoint import load_full_state_dict_into_shards
+from dist_quant.parallel import allreduce_sequence_parallel_grads
 
 pytestmark = pytest.mark.distributed
 
@@ -39,9 +44,7 @@ def _fsdp_1d(rank: int, world: int, recipes: list[str], checkpointed: bool) -> i
     for recipe in recipes:
         fsdp = Stack()
         fsdp.checkpointed = checkpointed
-        for layer in fsdp.layers:
-            fully_shard(layer)
-        fully_shard(fsdp)
+        shard(fsdp)
         ddp = nn.parallel.DistributedDataParallel(Stack())
         got = train_dp(fsdp, list(fsdp.named_parameters()), recipe, rank, world)
         want = train_dp(ddp, list(ddp.module.named_parameters()), recipe, rank, world)
@@ -76,10 +79,7 @@ def _fsdp_2d(rank: int, world: int, recipes: list[str]) -> int:
             load_full_state_dict_into_shards(model, ref.state_dict(), tp_group)
             return model
 
-        fsdp = tp_stack()
-        for layer in fsdp.layers:
-            fully_shard(layer, mesh=mesh["dp"])
-        fully_shard(fsdp, mesh=mesh["dp"])
+        fsdp = shard(tp_stack(), mesh["dp"])
         ddp = nn.parallel.DistributedDataParallel(tp_stack(), process_group=dp_group)
         got = train_dp(fsdp, list(fsdp.named_parameters()), recipe, dp_rank, 2)
         want = train_dp(ddp, list(ddp.module.named_parameters()), recipe, dp_rank, 2)
@@ -104,8 +104,10 @@ def shard_of(t: torch.Tensor, split, tp_rank: int, tp: int = 2) -> torch.Tensor:
     return torch.cat([p.chunk(tp, dim)[tp_rank] for p in t.chunk(parts, dim)], dim)
 
 
-def test_fsdp2_x_tp_equals_ddp_x_tp_and_one_process():
-    recipes = ["identity", "delayed", "current", "custom"]
+@pytest.mark.parametrize(
+    "recipes", [["identity", "delayed", "current", "custom"], ["mxfp8", "block"]]
+)
+def test_fsdp2_x_tp_equals_ddp_x_tp_and_one_process(recipes):
     assert run_ranks(_fsdp_2d, 4, recipes, timeout_s=400.0) == [len(recipes)] * 4
 
 
@@ -124,3 +126,19 @@ def test_tp_layers_under_activation_checkpoint_equal_the_plain_tp_run():
     """The recompute replays the TP layers' quantizers, amax reduction groups and collectives."""
     recipes = ["delayed", "current", "custom"]
     assert run_ranks(_tp_checkpointed, 2, recipes, timeout_s=240.0) == [3, 3]
+
+
+def _sp_under_fsdp(rank: int, world: int) -> str:
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    tp_group = mesh["tp"].get_group()
+    model = nn.Sequential(dq.TransformerLayer(32, 64, 4, tp_group=tp_group, sequence_parallel=True))
+    fully_shard(model, mesh=mesh["dp"])
+    return expect_error(
+        lambda: allreduce_sequence_parallel_grads(model, tp_group), NotImplementedError
+    )
+
+
+def test_sequence_parallel_grads_under_fsdp2_are_refused_not_left_partial():
+    """FSDP2 drops the parameters' sequence_parallel marks: the all-reduce would sum nothing."""
+    for message in run_ranks(_sp_under_fsdp, 2, timeout_s=60.0):
+        assert "sequence-parallel" in message and "FSDP2" in message, message
