@@ -262,9 +262,9 @@ def precompute_fp8_weight_scales(model: nn.Module) -> int:
         for param_name in _WEIGHT_SLOTS.get(type(module), {}):
             param = getattr(module, param_name)
             local = param.to_local() if hasattr(param, "to_local") else param
-            if not isinstance(local, FP8AllGatherWeight) or module._dq_runtime is None:
+            if not isinstance(local, FP8AllGatherWeight) or module.quant_binding.runtime is None:
                 continue
-            quantizer = module._dq_runtime.fwd_quantizers[local._info.slot]
+            quantizer = module.quant_binding.runtime.fwd_quantizers[local._info.slot]
             if not isinstance(quantizer, Float8CurrentScalingQuantizer):
                 continue
             group = param.device_mesh.get_group() if hasattr(param, "device_mesh") else None
@@ -290,7 +290,7 @@ def _per_tensor_weights(model: nn.Module) -> bool:
         slots = _WEIGHT_SLOTS.get(type(module))
         if slots is None:
             continue
-        runtime = module._dq_runtime
+        runtime = module.quant_binding.runtime
         if runtime is None or getattr(module, "tp_size", 1) > 1:
             return False
         for slot in slots.values():
