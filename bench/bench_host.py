@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
-import statistics
 import time
 from collections.abc import Callable
 
@@ -56,19 +55,39 @@ def make_step(module: nn.Module, x: torch.Tensor, recipe: dq.Recipe | None) -> C
 
 
 def host_us_per_step(step: Callable[[], None], steps: int, repeats: int, device: str) -> float:
-    """Median over `repeats` of the mean wall time of `steps` back-to-back steps, in microseconds."""
+    """The fastest of `repeats` runs of `steps` back-to-back steps, as microseconds per step. CPU:
+    this process's CPU time (on a shared machine, wall time mostly measures the neighbours; the
+    fastest run is the one they disturbed least); CUDA: wall time up to a final synchronize."""
     for _ in range(20):
         step()
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    sync()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    clock = time.perf_counter if device == "cuda" else time.process_time
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         for _ in range(steps):
             step()
-        sync()
-        times.append((time.perf_counter() - start) / steps * 1e6)
-    return statistics.median(times)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append((clock() - start) / steps * 1e6)
+    return min(times)
+
+
+def calls_per_step(step: Callable[[], None], steps: int) -> tuple[float, float]:
+    """(all Python-level calls, calls into dist_quant's own files outside kernels/) per step, from
+    cProfile: a count, so unlike times it does not move with the machine's load."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    profiler.disable()
+    total = ours = 0
+    for (filename, _, _), (_, ncalls, *_rest) in pstats.Stats(profiler).stats.items():
+        total += ncalls
+        if "/dist_quant/" in filename and "/kernels/" not in filename:
+            ours += ncalls
+    return total / steps, ours / steps
 
 
 def main() -> None:
@@ -82,14 +101,17 @@ def main() -> None:
     )
     args = parser.parse_args()
     torch.manual_seed(0)
-    print(f"host time per step (us), {args.device}, median of {args.repeats} x {args.steps} steps")
+    torch.set_num_threads(1)  # tiny shapes: intra-op threads only add CPU time
+    print(f"host time per step (us), {args.device}, best of {args.repeats} x {args.steps} steps")
     print(f"{'module':<8}" + "".join(f"{name:>10}" for name in RECIPES) + f"{'bf16/off':>10}")
+    counts = {}
     for kind in args.modules.split(","):
         row = {}
         for name, make_recipe in RECIPES.items():
             module, x = build(kind, args.device)
             step = make_step(module, x, make_recipe())
             row[name] = host_us_per_step(step, args.steps, args.repeats, args.device)
+            counts[kind, name] = calls_per_step(step, 20)
             if args.profile == name:
                 profiler = cProfile.Profile()
                 profiler.enable()
@@ -100,6 +122,10 @@ def main() -> None:
                 pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
         ratio = row["bf16"] / row["off"]
         print(f"{kind:<8}" + "".join(f"{row[n]:>10.1f}" for n in RECIPES) + f"{ratio:>10.3f}")
+    print("Python calls per step: all / in dist_quant outside kernels/ (a count, load-independent)")
+    for kind in args.modules.split(","):
+        cells = "".join(f"{f'{t:.0f}/{o:.0f}':>12}" for t, o in (counts[kind, n] for n in RECIPES))
+        print(f"{kind:<8}{cells}")
 
 
 if __name__ == "__main__":

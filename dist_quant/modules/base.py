@@ -176,7 +176,7 @@ class QuantizedModule(nn.Module):
         if ctx is None or not ctx.enabled:
             binding.last_forward_runtime = None
             return None
-        if binding.seen_revision != _context.recipe_revision() or binding.runtime is None:
+        if binding.seen_revision != _context.recipe_revision():  # -1 while no runtime is installed
             self._resolve_runtime(ctx)
         plan = binding.forward_plan
         group = ctx.region.reduction_group
