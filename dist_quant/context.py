@@ -9,8 +9,7 @@ whether its runtime is still current.
 from __future__ import annotations
 
 import threading
-import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -19,8 +18,11 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from dist_quant import binding
+from dist_quant.amax import discard_step, reduce_and_update
+from dist_quant.recipes import DelayedScaling, Float8CurrentScaling, Recipe
+
 if TYPE_CHECKING:
-    from dist_quant.recipes import Recipe
     from dist_quant.state import DelayedGroup
 
 
@@ -57,40 +59,15 @@ _local = _Local()
 _revision_lock = threading.Lock()
 _recipe_revision = 0
 _last_entered_key: Any = object()
-_unplanned: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-_unplanned_generation = 0
-CallPlanner = Callable[[nn.Module], None]
-_call_planner: CallPlanner | None = None
 
 
 def track_unplanned(module: nn.Module) -> None:
     """`module` (a dist-quant module just built or unpickled) has not been planned yet: while any
     such module lives, outermost autocast regions plan each module as it is called."""
-    global _unplanned_generation
-    _unplanned.add(module)
-    _unplanned_generation += 1
+    binding.add_unplanned(module)
     ctx = current_context()
     if ctx is not None and ctx.region.planning_hook is None:  # built inside a region
         ctx.region.planning_hook = _plan_modules_as_called(ctx.region)
-
-
-def mark_planned(module: nn.Module) -> None:
-    _unplanned.discard(module)
-
-
-def is_unplanned(module: nn.Module) -> bool:
-    return module in _unplanned
-
-
-def unplanned_generation() -> int:
-    """Bumped whenever a module joins the unplanned set (lets the planner memoise its walks)."""
-    return _unplanned_generation
-
-
-def set_call_planner(planner: CallPlanner) -> None:
-    """Install the function that plans a module called inside autocast (the modules layer's)."""
-    global _call_planner
-    _call_planner = planner
 
 
 def _plan_modules_as_called(region: AmaxRegion) -> RemovableHandle | None:
@@ -98,8 +75,7 @@ def _plan_modules_as_called(region: AmaxRegion) -> RemovableHandle | None:
     region: every module called gets the chance to plan the unplanned modules of its subtree, so
     each top-level block called in the region names its own subtree (not only the first one).
     It removes itself as soon as nothing is left to plan, so a planned model pays nothing."""
-    planner = _call_planner
-    if planner is None or not _unplanned:
+    if not binding.any_unplanned():
         return None
     handle: RemovableHandle | None = None
 
@@ -107,9 +83,9 @@ def _plan_modules_as_called(region: AmaxRegion) -> RemovableHandle | None:
         ctx = current_context()
         if ctx is None or ctx.region is not region:
             return  # another thread's region, whose own hook plans its modules
-        if _unplanned:
-            planner(module)
-        if not _unplanned:
+        if binding.any_unplanned():
+            binding.plan_called_module(module)
+        if not binding.any_unplanned():
             handle.remove()
             region.planning_hook = None
 
@@ -139,8 +115,6 @@ def in_autocast() -> bool:
 def default_recipe() -> Recipe:
     """`DelayedScaling()` on Hopper (sm90), where its fused kernels pay off; `Float8CurrentScaling()`
     elsewhere, including CPU emulation, because it needs no history to be correct from step one."""
-    from dist_quant.recipes import DelayedScaling, Float8CurrentScaling
-
     if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
         return DelayedScaling()
     return Float8CurrentScaling()
@@ -189,14 +163,10 @@ def autocast(
             region.planning_hook.remove()
         if outer is None:
             if ok and not region.failed:
-                from dist_quant.amax import reduce_and_update
-
                 reduce_and_update(list(region.fwd_groups.values()), region.reduction_group)
             elif region.fwd_groups:
                 # A failed step (e.g. a lazy recipe change that raised) leaves the recorded amaxes
                 # unreduced: reducing a half-updated set of buffers would corrupt every rank's scales.
-                from dist_quant.amax import discard_step
-
                 discard_step(list(region.fwd_groups.values()))
 
 

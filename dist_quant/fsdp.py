@@ -294,9 +294,9 @@ def precompute_fp8_weight_scales(model: nn.Module) -> int:
         for param_name in _weight_slots(module):
             param = getattr(module, param_name)
             local = param.to_local() if hasattr(param, "to_local") else param
-            if not isinstance(local, FP8AllGatherWeight) or module._dq_runtime is None:
+            if not isinstance(local, FP8AllGatherWeight) or module.quant_binding.runtime is None:
                 continue
-            quantizer = module._dq_runtime.fwd_quantizers[local._info.slot]
+            quantizer = module.quant_binding.runtime.fwd_quantizers[local._info.slot]
             delayed_full = isinstance(quantizer, Float8Quantizer) and local._info.folds_full_amax
             if not (isinstance(quantizer, Float8CurrentScalingQuantizer) or delayed_full):
                 continue
@@ -328,7 +328,7 @@ def _per_tensor_weights(model: nn.Module) -> bool:
         slots = _weight_slots(module)
         if not slots:
             continue
-        runtime = module._dq_runtime
+        runtime = module.quant_binding.runtime
         if runtime is None:
             return False
         for slot in slots.values():

@@ -43,23 +43,25 @@ class GraphInvalidated(RuntimeError):
     """The model's recipe changed since the graph was captured; capture again."""
 
 
-class _Binding:
+class _CapturedRuntimes:
     """The runtimes a graph was captured with, checked before every replay."""
 
     def __init__(self, model: nn.Module, what: str) -> None:
         self.modules = dist_quant_modules(model)
-        unplanned = [m.role_name or type(m).__name__ for m in self.modules if m._dq_runtime is None]
+        unplanned = [
+            m.role_name or type(m).__name__ for m in self.modules if m.quant_binding.runtime is None
+        ]
         if unplanned:
             raise ValueError(
                 f"{what}: modules {unplanned} have no recipe yet; call "
                 "dist_quant.apply_recipe(model, recipe) before capturing"
             )
-        self.runtimes = [m._dq_runtime for m in self.modules]
+        self.runtimes = [m.quant_binding.runtime for m in self.modules]
         self.what = what
 
     def check(self) -> None:
         for m, rt in zip(self.modules, self.runtimes):
-            if m._dq_runtime is not rt:
+            if m.quant_binding.runtime is not rt:
                 name = m.role_name or type(m).__name__
                 raise GraphInvalidated(
                     f"{self.what}: module {name!r} switched recipe since the capture "
@@ -102,7 +104,7 @@ def make_graphed_callables(
     what = f"dist_quant.make_graphed_callables({type(module).__name__})"
     if _context.in_autocast():
         raise RuntimeError(f"{what}: call it outside autocast (it captures in its own region)")
-    binding = _Binding(module, what)
+    binding = _CapturedRuntimes(module, what)
     buffers = binding.state_buffers()
     saved = [b.clone() for b in buffers]
     recorder = Recorder()
@@ -150,7 +152,7 @@ class GraphedStep:
     """
 
     def __init__(self, step_fn: Callable[[], Any], model: nn.Module, *, warmup_steps: int = 3):
-        self.binding = _Binding(model, f"dist_quant.GraphedStep({type(model).__name__})")
+        self.binding = _CapturedRuntimes(model, f"dist_quant.GraphedStep({type(model).__name__})")
         if warmup_steps < 1:
             raise ValueError(f"GraphedStep: warmup_steps must be >= 1, got {warmup_steps}")
         side = torch.cuda.Stream()

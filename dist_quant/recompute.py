@@ -29,10 +29,10 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.utils._python_dispatch import _disable_current_modes
 
 from dist_quant import context as _context
+from dist_quant.binding import BoundModule
 from dist_quant.quantizers import IdentityQuantizer
 
 if TYPE_CHECKING:
-    from dist_quant.modules.base import QuantizedModule
     from dist_quant.runtime import ModuleRuntime
 
 
@@ -42,7 +42,7 @@ class RecomputeError(RuntimeError):
 
 @dataclass
 class _CallRecord:
-    module: QuantizedModule
+    module: BoundModule
     runtime: ModuleRuntime | None
     reduction_group: Any
     scales: list[torch.Tensor]  # the forward delayed groups' scales when the call ran
@@ -66,7 +66,7 @@ class _Frame:
         self.replaying, self.recorded = self.recorded, True
         self.cursor = 0
 
-    def record(self, module: QuantizedModule, runtime: ModuleRuntime | None) -> None:
+    def record(self, module: BoundModule, runtime: ModuleRuntime | None) -> None:
         ctx = _context.current_context()
         scales = []
         if runtime is not None:
@@ -76,7 +76,7 @@ class _Frame:
         group = ctx.region.reduction_group if ctx is not None else None
         self.records.append(_CallRecord(module, runtime, group, scales))
 
-    def replay(self, module: QuantizedModule) -> ModuleRuntime | None:
+    def replay(self, module: BoundModule) -> ModuleRuntime | None:
         if self.cursor >= len(self.records) or self.records[self.cursor].module is not module:
             expected = (
                 _name(self.records[self.cursor].module)
@@ -126,14 +126,14 @@ class _Local(threading.local):
 _local = _Local()
 
 
-def _name(module: QuantizedModule) -> str:
+def _name(module: BoundModule) -> str:
     return module.role_name or type(module).__name__
 
 
-def note_delayed_enrolment(module: QuantizedModule) -> None:
-    """A forward enrolled delayed-scaling groups (`dist_quant::enrol_forward` runs, compiled or
-    not): inside a recording frame, a module that left no call record ran compiled, and its
-    recompute could not replay the forward's scales; the frame refuses the recompute."""
+def note_delayed_enrolment(module: BoundModule) -> None:
+    """A compiled forward enrolled delayed-scaling groups (`dist_quant::enrol_forward`; eager
+    forwards enrol directly): inside a recording frame, a module that left no call record ran
+    compiled, and its recompute could not replay the forward's scales; the frame refuses it."""
     frame = _local.frame
     if frame is None or frame.replaying or any(r.module is module for r in frame.records):
         return
@@ -151,7 +151,7 @@ def replaying() -> bool:
     return frame is not None and frame.replaying
 
 
-def reduction_group(module: QuantizedModule) -> Any:
+def reduction_group(module: BoundModule) -> Any:
     """The amax reduction group of this forward: the recorded one in a replay, else the region's."""
     frame = _local.frame
     if frame is not None and frame.replaying:
@@ -169,7 +169,7 @@ def quantizes(runtime: ModuleRuntime | None) -> bool:
 
 
 def runtime_for(
-    module: QuantizedModule, resolve: Callable[[], ModuleRuntime | None]
+    module: BoundModule, resolve: Callable[[], ModuleRuntime | None]
 ) -> ModuleRuntime | None:
     """The runtime of a forward inside a frame (recorded or replayed) or during backward."""
     frame = _local.frame
@@ -178,7 +178,7 @@ def runtime_for(
     runtime = resolve()
     if frame is not None:
         frame.record(module, runtime)
-    elif quantizes(runtime) or quantizes(module._dq_forward_runtime):
+    elif quantizes(runtime) or quantizes(module.quant_binding.last_forward_runtime):
         raise RecomputeError(
             f"module {_name(module)!r} ({type(module).__name__}) runs its forward during backward, "
             "as torch.utils.checkpoint's recompute does, with FP8 quantization in the forward or "

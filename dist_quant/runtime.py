@@ -23,18 +23,15 @@ import logging
 import os
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from dist_quant import context as _context
+from dist_quant.binding import BoundModule, ForwardPlan, assign_role_names, binding_of
 from dist_quant.recipes import Recipe
 from dist_quant.roles import QuantizerRole
 from dist_quant.state import RecipeState
-
-if TYPE_CHECKING:
-    from dist_quant.modules.base import QuantizedModule
 
 log = logging.getLogger("dist_quant.runtime")
 
@@ -77,11 +74,13 @@ class ModuleRuntime:
 
 @dataclass
 class ModuleCandidate:
-    module: QuantizedModule
+    module: BoundModule
     runtime: ModuleRuntime
     unchanged: bool
     state_notes: list[str] = field(default_factory=list)
     on_publish: list[Callable[[], None]] = field(default_factory=list)
+    forward_plan: ForwardPlan | None = None
+    """Built for the amax reduction group of the module's last forward (None before its first)."""
 
 
 @dataclass
@@ -102,7 +101,7 @@ def _error(name: str, cause: BaseException) -> RecipeUpdateError:
     return RecipeUpdateError(text if text.startswith(prefix) else f"{prefix}: {text}")
 
 
-def _roles_of(module: QuantizedModule, fwd: bool) -> tuple:
+def _roles_of(module: BoundModule, fwd: bool) -> tuple:
     n = module.num_quantizers(fwd=fwd)
     return tuple(module.get_quantizer_roles(fwd=fwd, num_quantizers=n))
 
@@ -140,7 +139,7 @@ def _carry_delayed_state(old: RecipeState | None, new: RecipeState, where: str) 
 
 
 def plan_module(
-    module: QuantizedModule, recipe: Recipe, recipe_key: Hashable | None = None
+    module: BoundModule, recipe: Recipe, recipe_key: Hashable | None = None
 ) -> ModuleCandidate:
     """Build (not publish) the runtime `module` would run under `recipe`; raises RecipeUpdateError."""
     name = module.role_name or type(module).__name__
@@ -151,7 +150,8 @@ def plan_module(
         bwd_roles = _roles_of(module, fwd=False)
     except Exception as e:
         raise RecipeUpdateError(f"module {name!r}: cannot compute quantizer roles: {e}") from e
-    active: ModuleRuntime | None = module._dq_runtime
+    binding = module.quant_binding
+    active: ModuleRuntime | None = binding.runtime
     if active is not None and active.key == (recipe_key, fwd_roles, bwd_roles):
         return ModuleCandidate(module, active, unchanged=True)
     device = module.quantizer_device()
@@ -195,6 +195,11 @@ def plan_module(
     rt = ModuleRuntime(recipe, recipe_key, fwd_roles, bwd_roles, fwd_state, bwd_state, fwd_q, bwd_q)
     candidate = ModuleCandidate(module, rt, unchanged=False, state_notes=notes, on_publish=hooks)
     validate_candidate(candidate)
+    if binding.reduction_group_known:
+        try:
+            candidate.forward_plan = module.plan_forward(rt, binding.last_reduction_group)
+        except (ValueError, TypeError, NotImplementedError) as e:
+            raise _error(name, e) from e
     return candidate
 
 
@@ -258,7 +263,7 @@ def publish_candidates(candidates: list[ModuleCandidate], recipe_key: Hashable) 
         if c.unchanged:
             report.kept.append(label)
             continue
-        c.module._install_runtime(c.runtime)
+        c.module.quant_binding.install(c.runtime, c.forward_plan)
         for hook in c.on_publish:
             hook()
         report.changed.append(label)
@@ -268,12 +273,10 @@ def publish_candidates(candidates: list[ModuleCandidate], recipe_key: Hashable) 
     return report
 
 
-def dist_quant_modules(model: nn.Module) -> list[QuantizedModule]:
+def dist_quant_modules(model: nn.Module) -> list[BoundModule]:
     """Every dist-quant module that owns quantizers, in `named_modules` order, names assigned."""
-    from dist_quant.modules.base import QuantizedModule, assign_role_names
-
     assign_role_names(model)
-    return [m for m in model.modules() if isinstance(m, QuantizedModule) and m.owns_quantizers]
+    return [m for m in model.modules() if binding_of(m) is not None and m.owns_quantizers]
 
 
 @dataclass
@@ -290,7 +293,7 @@ class ModelPlan:
         report = publish_candidates(self.candidates, self.recipe_key)
         if pin:
             for c in self.candidates:
-                c.module._dq_pinned_recipe = self.recipe
+                c.module.quant_binding.pin(self.recipe)
         return report
 
 
@@ -306,7 +309,7 @@ def quantizers_fingerprint(candidates: list[ModuleCandidate]) -> str:
     return h.hexdigest()
 
 
-def roles_fingerprint(modules: list[QuantizedModule]) -> str:
+def roles_fingerprint(modules: list[BoundModule]) -> str:
     h = hashlib.sha256()
     for m in modules:
         h.update(repr((m.role_name, _roles_of(m, True), _roles_of(m, False))).encode())
@@ -314,7 +317,7 @@ def roles_fingerprint(modules: list[QuantizedModule]) -> str:
 
 
 def plan_modules(
-    modules: list[QuantizedModule], recipe: Recipe, recipe_key: Hashable
+    modules: list[BoundModule], recipe: Recipe, recipe_key: Hashable
 ) -> list[ModuleCandidate]:
     """Plan and validate every module; the first failure raises and nothing is published."""
     return [plan_module(m, recipe, recipe_key) for m in modules]
@@ -357,7 +360,7 @@ def current_recipe(model: nn.Module) -> Recipe | None:
     """The recipe every dist-quant module of `model` runs, or None if they have none or differ."""
     keys, recipe = set(), None
     for m in dist_quant_modules(model):
-        rt = m._dq_runtime
+        rt = m.quant_binding.runtime
         if rt is None:
             return None
         keys.add(rt.recipe_key)

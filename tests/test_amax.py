@@ -46,7 +46,7 @@ def test_names_follow_the_buffer_not_the_group_object():
     lin = dq.Linear(8, 8, name="blk.fc")
     with dq.autocast(recipe=dq.DelayedScaling(amax_history_len=2)):
         lin(torch.randn(4, 8))
-    rt = lin._dq_runtime
+    rt = lin.quant_binding.runtime
     rebuilt = rt.delayed_groups(fwd=True)[0]  # a fresh object viewing the same buffers
 
     assert _name_of(rebuilt) == "blk.fc"

@@ -63,7 +63,7 @@ def dq_linears(model: nn.Module) -> list[dq.Linear]:
 def scaling_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for m in dq_linears(model):
-        rt = m._dq_runtime
+        rt = m.quant_binding.runtime
         for d, st in (("fwd", rt.fwd_state), ("bwd", rt.bwd_state)):
             out.update(
                 {f"{m.role_name}.{d}.{k}": v.clone() for k, v in st.persistent_buffers().items()}
@@ -207,13 +207,22 @@ def snapshot(model: nn.Module) -> list:
     """Identity and bytes of everything a refused load must leave alone."""
     out = [(name, p, p.detach().clone()) for name, p in model.named_parameters()]
     for m in dq_linears(model):
-        rt = m._dq_runtime
+        rt = m.quant_binding.runtime
         bufs = []
         if rt is not None:
             for st in (rt.fwd_state, rt.bwd_state):
                 bufs += [(t, t.clone()) for _, t in sorted(st.persistent_buffers().items())]
             out.append((rt, list(rt.fwd_quantizers), list(rt.bwd_quantizers)))
-        out.append((m, rt, m._dq_pinned_recipe, m._dq_path_name, m._dq_role_revision, bufs))
+        out.append(
+            (
+                m,
+                rt,
+                m.quant_binding.pinned_recipe,
+                m.quant_binding.path_name,
+                m.quant_binding.role_revision,
+                bufs,
+            )
+        )
     return out
 
 
@@ -246,10 +255,10 @@ def test_extra_state_records_recipe_key_roles_and_copies_of_the_buffers():
         "forward": [["linear", "input", "2"], ["linear", "weight", "2"], None],
         "backward": [["linear", "grad_output", "2"], None],
     }
-    live = {"forward.scale": lin._dq_runtime.fwd_state.scale}
-    live["forward.amax_history"] = lin._dq_runtime.fwd_state.amax_history
-    live["backward.scale"] = lin._dq_runtime.bwd_state.scale
-    live["backward.amax_history"] = lin._dq_runtime.bwd_state.amax_history
+    live = {"forward.scale": lin.quant_binding.runtime.fwd_state.scale}
+    live["forward.amax_history"] = lin.quant_binding.runtime.fwd_state.amax_history
+    live["backward.scale"] = lin.quant_binding.runtime.bwd_state.scale
+    live["backward.amax_history"] = lin.quant_binding.runtime.bwd_state.amax_history
     assert state["buffers"].keys() == live.keys()
     for name, t in live.items():
         assert torch.equal(state["buffers"][name], t)
@@ -268,10 +277,12 @@ def test_fresh_model_takes_the_checkpoint_recipe_names_pin_and_buffers():
     ckpt.load_state_dict(fresh, sd)
     for old, new in zip(dq_linears(model), dq_linears(fresh)):
         assert new.role_name == old.role_name
-        assert new._dq_runtime.key == old._dq_runtime.key
-        assert new._dq_pinned_recipe == DELAYED
-        fq = new._dq_runtime.fwd_quantizers[0]
-        assert fq.scale.data_ptr() == new._dq_runtime.fwd_state.scale.data_ptr()  # views kept
+        assert new.quant_binding.runtime.key == old.quant_binding.runtime.key
+        assert new.quant_binding.pinned_recipe == DELAYED
+        fq = new.quant_binding.runtime.fwd_quantizers[0]
+        assert (
+            fq.scale.data_ptr() == new.quant_binding.runtime.fwd_state.scale.data_ptr()
+        )  # views kept
     assert scaling_buffers(fresh).keys() == scaling_buffers(model).keys()
     for name, t in scaling_buffers(model).items():
         assert torch.equal(scaling_buffers(fresh)[name], t), name
@@ -283,10 +294,13 @@ def test_module_with_runtime_keeps_its_tensor_objects_and_receives_the_values():
     model, _ = trained()
     sd = model.state_dict()
     other, _ = trained(seed=1, steps=1)
-    before = {m: (m._dq_runtime, m._dq_runtime.fwd_state.scale) for m in dq_linears(other)}
+    before = {
+        m: (m.quant_binding.runtime, m.quant_binding.runtime.fwd_state.scale)
+        for m in dq_linears(other)
+    }
     other.load_state_dict(sd)  # torch's own loader, through set_extra_state
     for m, (rt, scale) in before.items():
-        assert m._dq_runtime is rt and m._dq_runtime.fwd_state.scale is scale
+        assert m.quant_binding.runtime is rt and m.quant_binding.runtime.fwd_state.scale is scale
     for name, t in scaling_buffers(model).items():
         assert torch.equal(scaling_buffers(other)[name], t), name
 
@@ -384,7 +398,7 @@ def test_unserialisable_recipe_needs_the_same_recipe_object_applied_first():
         ckpt.recipe_of(sd)
     dq.apply_recipe(fresh, recipe)
     ckpt.load_state_dict(fresh, sd)
-    assert fresh[0]._dq_runtime.recipe is recipe
+    assert fresh[0].quant_binding.runtime.recipe is recipe
 
 
 def test_module_without_recipe_in_the_checkpoint_drops_its_runtime():
@@ -392,7 +406,10 @@ def test_module_without_recipe_in_the_checkpoint_drops_its_runtime():
     assert sd["0._extra_state"]["recipe"] is None
     model, _ = trained()
     ckpt.load_state_dict(model, sd)
-    assert all(m._dq_runtime is None and m._dq_pinned_recipe is None for m in dq_linears(model))
+    assert all(
+        m.quant_binding.runtime is None and m.quant_binding.pinned_recipe is None
+        for m in dq_linears(model)
+    )
     with pytest.raises(ValueError, match="no dist-quant module in this state dict ran a recipe"):
         ckpt.recipe_of(sd)
 

@@ -67,10 +67,10 @@ def test_converted_model_runs_fp8_with_roles_named_by_path():
         y = model(torch.randn(4, 16, device=DEVICE))
     y.sum().backward()
     assert model[0].mlp[1].role_name == "0.mlp.1"
-    assert model[0].mlp[1]._dq_runtime.fwd_roles[0] == dq.QuantizerRole(
+    assert model[0].mlp[1].quant_binding.runtime.fwd_roles[0] == dq.QuantizerRole(
         "linear", "input", "0.mlp.1"
     )
-    assert model[1]._dq_runtime.fwd_roles[1] == dq.QuantizerRole("linear", "weight", "1")
+    assert model[1].quant_binding.runtime.fwd_roles[1] == dq.QuantizerRole("linear", "weight", "1")
 
 
 def test_filter_sees_each_linear_with_its_fqn_and_false_keeps_it_and_its_norm():

@@ -107,22 +107,24 @@ def test_weight_cache_reused_across_microbatches_and_dropped_on_update_or_recipe
     recipe = dq.Float8CurrentScaling()
     with dq.autocast(recipe=recipe):
         lin(x, is_first_microbatch=True)
-    wq_first = lin._dq_weight_cache["weight"][1]
+    wq_first = lin.quant_binding.cached_weight("weight")
     with dq.autocast(recipe=recipe):
         lin(x, is_first_microbatch=False)
-    assert lin._dq_weight_cache["weight"][1] is wq_first, (
+    assert lin.quant_binding.cached_weight("weight") is wq_first, (
         "second microbatch must reuse the FP8 weight"
     )
     with torch.no_grad():
         lin.weight.add_(1.0)  # optimizer step: new weight version
     with dq.autocast(recipe=recipe):
         lin(x, is_first_microbatch=False)
-    wq_after_update = lin._dq_weight_cache["weight"][1]
+    wq_after_update = lin.quant_binding.cached_weight("weight")
     assert wq_after_update is not wq_first
     expected = current_qdq(lin.weight, E4M3).float()
     assert torch.equal(wq_after_update.dequantize(torch.float32), expected)
     dq.apply_recipe(lin, dq.MXFP8BlockScaling())
-    assert "weight" not in lin._dq_weight_cache, "a committed recipe change drops the cached weight"
+    assert lin.quant_binding.cached_weight("weight") is None, (
+        "a committed recipe change drops the cached weight"
+    )
 
 
 def test_linear_roles_follow_transformer_engine_slot_order():

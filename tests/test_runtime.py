@@ -40,27 +40,27 @@ def snapshot(model):
     out = []
     for m in model.modules():
         if isinstance(m, dq.Linear):
-            rt = m._dq_runtime
+            rt = m.quant_binding.runtime
             bufs = []
             for d, st in (("fwd", rt.fwd_state), ("bwd", rt.bwd_state)):
                 for name, t in sorted(st.persistent_buffers().items()):
                     bufs.append(((d, name), t, t.clone()))
-            cache = {k: v[1] for k, v in m._dq_weight_cache.items()}
+            cache = m.quant_binding.cached_weights()
             out.append((m, rt, list(rt.fwd_quantizers), list(rt.bwd_quantizers), bufs, cache))
     return out
 
 
 def assert_unchanged(snap):
     for m, rt, fq, bq, bufs, cache in snap:
-        assert m._dq_runtime is rt, m.role_name
-        assert all(a is b for a, b in zip(m._dq_runtime.fwd_quantizers, fq))
-        assert all(a is b for a, b in zip(m._dq_runtime.bwd_quantizers, bq))
+        assert m.quant_binding.runtime is rt, m.role_name
+        assert all(a is b for a, b in zip(m.quant_binding.runtime.fwd_quantizers, fq))
+        assert all(a is b for a, b in zip(m.quant_binding.runtime.bwd_quantizers, bq))
         now = {}
         for d, st in (("fwd", rt.fwd_state), ("bwd", rt.bwd_state)):
             now.update({(d, k): v for k, v in st.persistent_buffers().items()})
         for name, t, saved in bufs:
             assert now[name] is t and torch.equal(t, saved), (m.role_name, name)
-        assert {k: v[1] for k, v in m._dq_weight_cache.items()} == cache
+        assert m.quant_binding.cached_weights() == cache
 
 
 def test_round_trip_current_custom_current_is_bit_identical_to_uninterrupted():
@@ -92,8 +92,7 @@ def test_transition_gives_same_numerics_as_fresh_model_under_new_recipe():
     fresh = copy.deepcopy(a)
     for m in fresh.modules():
         if isinstance(m, dq.Linear):
-            m._dq_runtime = None
-            m._dq_pinned_recipe = None
+            m.quant_binding.clear()
     dq.apply_recipe(fresh, dq.MXFP8BlockScaling())
     x = batch(7).requires_grad_(True)
     x2 = x.detach().clone().requires_grad_(True)
@@ -132,15 +131,15 @@ def test_weight_cache_survives_equal_key_and_failed_candidate_and_drops_on_commi
     dq.apply_recipe(model, dq.Float8CurrentScaling())
     with dq.autocast():
         model[0](batch(0), is_first_microbatch=True)
-    cached = model[0]._dq_weight_cache["weight"][1]
+    cached = model[0].quant_binding.cached_weight("weight")
     report = dq.apply_recipe(model, dq.Float8CurrentScaling())
-    assert report.changed == [] and model[0]._dq_weight_cache["weight"][1] is cached
+    assert report.changed == [] and model[0].quant_binding.cached_weight("weight") is cached
     bad = dq.CustomRecipe(lambda role: None)
     with pytest.raises(dq.RecipeUpdateError):
         dq.apply_recipe(model, bad)
-    assert model[0]._dq_weight_cache["weight"][1] is cached
+    assert model[0].quant_binding.cached_weight("weight") is cached
     dq.apply_recipe(model, dq.Float8CurrentScaling(use_power_2_scales=True))
-    assert "weight" not in model[0]._dq_weight_cache
+    assert model[0].quant_binding.cached_weight("weight") is None
 
 
 def _delayed_steps(model, n, start=0):
@@ -153,10 +152,10 @@ def test_delayed_history_length_change_keeps_newest_entries():
     model = mlp(4, n=1)
     dq.apply_recipe(model, dq.DelayedScaling(amax_history_len=8))
     _delayed_steps(model, 5)
-    old = model[0]._dq_runtime.fwd_state.delayed_groups()[0]
+    old = model[0].quant_binding.runtime.fwd_state.delayed_groups()[0]
     old_hist, old_scale = old.amax_history.clone(), old.scale.clone()
     report = dq.apply_recipe(model, dq.DelayedScaling(amax_history_len=4))
-    new = model[0]._dq_runtime.fwd_state.delayed_groups()[0]
+    new = model[0].quant_binding.runtime.fwd_state.delayed_groups()[0]
     assert new.amax_history.shape[0] == 4 and any("resized" in n for n in report.inherited)
     assert torch.equal(new.amax_history[1:], old_hist[-3:])  # the 3 newest past steps
     assert torch.equal(new.scale, old_scale)
@@ -166,10 +165,10 @@ def test_delayed_margin_change_recomputes_scale_from_kept_history():
     model = mlp(5, n=1)
     dq.apply_recipe(model, dq.DelayedScaling(amax_history_len=6))
     _delayed_steps(model, 4)
-    group = model[0]._dq_runtime.fwd_state.delayed_groups()[0]
+    group = model[0].quant_binding.runtime.fwd_state.delayed_groups()[0]
     hist_before, scale_before = group.amax_history.clone(), group.scale.clone()
     dq.apply_recipe(model, dq.DelayedScaling(amax_history_len=6, margin=2))
-    g = model[0]._dq_runtime.fwd_state.delayed_groups()[0]
+    g = model[0].quant_binding.runtime.fwd_state.delayed_groups()[0]
     assert g.amax_history is group.amax_history, "same slots and length: buffers are re-bound"
     assert torch.equal(g.amax_history, hist_before)
     amax = hist_before.max(dim=0).values
@@ -244,7 +243,7 @@ def test_fp8_attention_slot_with_unsupported_quantizer_is_refused_at_plan_time()
     model = nn.Sequential(dq.MultiheadAttention(32, 4, name="attn"))
     with pytest.raises(dq.RecipeUpdateError, match=r"attn.*dpa/(qkv|s)"):
         dq.apply_recipe(model, dq.CustomRecipe(block_everywhere, fp8_dpa=True))
-    assert model[0].core_attention._dq_runtime is None, "nothing published"
+    assert model[0].core_attention.quant_binding.runtime is None, "nothing published"
     # without fp8_dpa the attention slots are never applied, so the same factory is accepted
     dq.apply_recipe(model, dq.CustomRecipe(block_everywhere))
 

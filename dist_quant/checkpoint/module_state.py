@@ -98,7 +98,7 @@ def _runtime_buffers(rt: ModuleRuntime) -> dict[str, Tensor]:
 
 def module_extra_state(module: QuantizedModule) -> dict[str, Any]:
     """What `QuantizedModule.get_extra_state` returns (see the module docstring)."""
-    rt = module._dq_runtime if module.owns_quantizers else None
+    rt = module.quant_binding.runtime if module.owns_quantizers else None
     state: dict[str, Any] = {
         "format": FORMAT,
         "module": module.role_name,
@@ -118,7 +118,7 @@ def module_extra_state(module: QuantizedModule) -> dict[str, Any]:
         state["recipe_note"] = str(e)
     state["recipe_key"] = key_digest(rt.recipe_key)
     state["recipe_key_repr"] = repr(rt.recipe_key)
-    state["pinned"] = module._dq_pinned_recipe is not None
+    state["pinned"] = module.quant_binding.pinned_recipe is not None
     state["roles"] = {
         "forward": _encode_roles(rt.fwd_roles),
         "backward": _encode_roles(rt.bwd_roles),
@@ -222,13 +222,12 @@ class StagedLoad:
         if self.names is not None:
             assign_role_names(m, self.names)
         if self.action == "clear":
-            m._dq_runtime, m._dq_pinned_recipe = None, None
-            m._dq_weight_cache, m._dq_seen = {}, (-1, -1)
+            m.quant_binding.clear()
             return
         if self.action == "install":
             publish_candidates([self.candidate], self.candidate.runtime.recipe_key)
         if self.action in ("keep", "install"):
-            m._dq_pinned_recipe = m._dq_runtime.recipe if self.pinned else None
+            m.quant_binding.pin(m.quant_binding.recipe if self.pinned else None)
         with torch.no_grad():
             for dst, src in self.copies:
                 dst.copy_(src)  # in place: quantizers view these tensors
@@ -296,8 +295,8 @@ def _stage_planned(module: QuantizedModule, saved: dict[str, Any], where: str) -
             )
         return StagedLoad(module, "none")
     if saved["recipe_key"] is None:
-        return StagedLoad(module, "clear" if module._dq_runtime is not None else "none")
-    rt = module._dq_runtime
+        return StagedLoad(module, "clear" if module.quant_binding.runtime is not None else "none")
+    rt = module.quant_binding.runtime
     if rt is not None:
         if read_digest(key_digest(rt.recipe_key)) != saved["recipe_key"]:
             raise _mismatch(where, saved, rt)

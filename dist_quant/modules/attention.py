@@ -35,14 +35,16 @@ import torch
 import torch.nn.functional as F
 
 from dist_quant.amax import enrol_backward
+from dist_quant.binding import ForwardPlan
 from dist_quant.kinds import ScalingKind
-from dist_quant.modules.base import QuantizedModule, check_sizes
+from dist_quant.modules.base import QuantizedModule, check_sizes, delayed_anchor
 from dist_quant.modules.functional import fake_quantize
 from dist_quant.modules.layernorm_linear import LayerNormLinear
 from dist_quant.modules.linear import Linear
 from dist_quant.parallel import group_size, mark_tp_split, tp_amax_quantizer
 from dist_quant.quantizers import Quantizer
 from dist_quant.roles import QuantizerRole
+from dist_quant.runtime import ModuleRuntime
 
 MASK_TYPES = ("no_mask", "causal", "padding", "padding_causal")
 QKV_FORMATS = ("sbhd", "bshd")
@@ -167,7 +169,6 @@ class DotProductAttention(QuantizedModule):
             )
         self.num_attention_heads, self.kv_channels = num_attention_heads, kv_channels
         self.local_heads = num_attention_heads // self.tp_size  # the heads this rank computes
-        self._dq_tp_quantizers: tuple[Any, list | None] = (None, None)
         self.attn_mask_type, self.qkv_format = attn_mask_type, qkv_format
         # no parameters to take the device from: this empty buffer carries it through .to()
         self.register_buffer("_device_anchor", torch.empty(0, device=device), persistent=False)
@@ -211,9 +212,14 @@ class DotProductAttention(QuantizedModule):
                     "per-tensor FP8 (delayed or current), MXFP8 or identity"
                 )
 
-    def _fp8_slots(self, runtime: Any) -> _AttentionSlots | None:
-        """The quantizers FP8 attention applies, or None when attention runs in high precision
-        (no `fp8_dpa`, or every slot identity)."""
+    def plan_forward(self, runtime: ModuleRuntime, reduction_group: Any) -> ForwardPlan:
+        """The quantizers FP8 attention applies (the plan's one "GEMM"), or None when attention
+        runs in high precision (no `fp8_dpa`, or every slot identity); then nothing is enrolled."""
+        slots = self._fp8_slots(runtime, reduction_group)
+        anchor = None if slots is None else delayed_anchor(runtime)
+        return ForwardPlan(runtime, reduction_group, (slots,), anchor)
+
+    def _fp8_slots(self, runtime: ModuleRuntime, reduction_group: Any) -> _AttentionSlots | None:
         if not getattr(runtime.recipe, "fp8_dpa", False):
             return None
         # identity: nothing to round; an unsupported kind (only possible on a boundary slot
@@ -222,20 +228,14 @@ class DotProductAttention(QuantizedModule):
             None if q.scaling is ScalingKind.IDENTITY or not q.scaling.fp8_attention else q
             for q in (*runtime.fwd_quantizers, *runtime.bwd_quantizers)
         ]
-        if self.tp_size > 1:
-            cached_runtime, shard_qs = self._dq_tp_quantizers
-            if cached_runtime is not runtime:
-                shard_qs = [
-                    None if q is None else tp_amax_quantizer(q, self.tp_group) for q in applied
-                ]
-                self._dq_tp_quantizers = (runtime, shard_qs)
-            applied = shard_qs
+        if self.tp_size > 1:  # copies reducing their amax over the heads' TP group
+            applied = [None if q is None else tp_amax_quantizer(q, self.tp_group) for q in applied]
         if all(q is None for q in applied):
             return None
         return _AttentionSlots(
             *applied,
             bwd_groups=tuple(runtime.delayed_groups(fwd=False)),
-            reduction_group=self._amax_reduction_group(),
+            reduction_group=reduction_group,
         )
 
     # ---- forward ----------------------------------------------------------------------------
@@ -283,14 +283,13 @@ class DotProductAttention(QuantizedModule):
             t.permute(1, 2, 0, 3) if sbhd else t.transpose(1, 2) for t in (query, key, value)
         )
         masked = self._masked(attention_mask, q.shape[2], k.shape[2], q.device)
-        runtime = self.active_runtime()
-        slots = self._fp8_slots(runtime) if runtime is not None else None
+        plan = self.forward_plan()
+        slots = None if plan is None else plan.gemms[0]
         if slots is None:
             causal_only = self.attn_mask_type == "causal"
             keep = None if causal_only or masked is None else ~masked  # SDPA: True = attend
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, is_causal=causal_only)
         else:
-            self.register_amax_groups(runtime)
             out = fp8_attention(q, k, v, masked, slots)
         # (batch, h, sq, d) -> the input's layout, heads flattened
         out = out.permute(2, 0, 1, 3) if sbhd else out.transpose(1, 2)

@@ -1,32 +1,42 @@
 """`QuantizedModule`: what every dist-quant module shares.
 
-A module that owns quantizers declares its slots (`num_quantizers`, `get_quantizer_roles`), and asks
-`active_runtime()` at the start of each forward. That call is the hot path: when neither the recipe
-revision nor the module's role revision moved since the last forward, it is two integer comparisons.
-Otherwise it resolves the recipe (pinned by `apply_recipe` / the coordinator, else autocast's, else
-the default) and, if the runtime key changed, plans, validates and publishes this module alone.
+A module that owns quantizers declares its slots (`num_quantizers`, `get_quantizer_roles`) and its
+forward plan (`plan_forward`: per GEMM, the slot objects its forward runs), and reads its
+`quant_binding` (`dist_quant.binding.QuantBinding`) once per forward through `forward_plan()`. That
+is the hot path: one autocast context read and one integer comparison (the recipe revision) when
+nothing moved since the last forward, then the plan the runtime built at publish. Otherwise it
+resolves the recipe (pinned by `apply_recipe` / the coordinator, else autocast's, else the default)
+and, if the runtime key changed, plans, validates and publishes this module (or its planned root).
 """
 
 from __future__ import annotations
 
 import warnings
-import weakref
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from dist_quant import context as _context
 from dist_quant import recompute
-from dist_quant.modules.enrol import enrol_forward, module_key
+from dist_quant.binding import (  # noqa: F401 - provisional_role_names: the modules layer's name
+    ForwardPlan,
+    QuantBinding,
+    assign_role_names,
+    planned_root,
+    provisional_role_names,
+)
+from dist_quant.modules.enrol import enrol_forward, enrol_forward_now, module_key
 from dist_quant.quantizers import IdentityQuantizer, Quantizer
+from dist_quant.recipes import Recipe
 from dist_quant.roles import QuantizerRole
-
-if TYPE_CHECKING:
-    from dist_quant.recipes import Recipe
-    from dist_quant.runtime import ModuleRuntime
+from dist_quant.runtime import (
+    ModuleRuntime,
+    dist_quant_modules,
+    plan_module,
+    plan_modules,
+    publish_candidates,
+)
 
 
 def check_sizes(owner: str, **sizes: object) -> None:
@@ -39,7 +49,10 @@ def check_sizes(owner: str, **sizes: object) -> None:
 
 
 class QuantizedModule(nn.Module):
-    """Base of dist-quant modules. Subclasses that own quantizers set `owns_quantizers = True`."""
+    """Base of dist-quant modules. Subclasses that own quantizers set `owns_quantizers = True`.
+
+    `quant_binding` is the module's quantization binding (installed runtime, pinned recipe, forward
+    plan, cached weights, role names): see `dist_quant.binding.QuantBinding`."""
 
     module_type: str = ""
     owns_quantizers: bool = False
@@ -48,52 +61,27 @@ class QuantizedModule(nn.Module):
         super().__init__()
         if name is not None and not isinstance(name, str):
             raise ValueError(f"{type(self).__name__}(name=...) must be a str, got {name!r}")
-        self._dq_explicit_name = name
-        self._dq_path_name: str | None = None
-        self._dq_output_role: QuantizerRole | None = None
-        self._dq_grad_input_role: QuantizerRole | None = None
-        self._dq_role_revision = 0
-        self._dq_runtime: ModuleRuntime | None = None
-        self._dq_forward_runtime: ModuleRuntime | None = None  # of the last forward, for recompute
-        self._dq_seen = (-1, -1)
-        self._dq_pinned_recipe: Recipe | None = None
-        self._dq_warned_override = False
-        self._dq_weight_cache: dict[str, tuple[tuple, Any]] = {}
-        self._dq_planned = False
-        self._dq_enrol_key = module_key(self)
-        self._dq_resolved_for: Any = None  # autocast's recipe key at the last eager resolve
-        self._dq_planned_roles = -1  # the role revision the runtime was planned with
+        self.quant_binding = QuantBinding(name, module_key(self))
         _context.track_unplanned(self)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # a copy or an unpickled module keeps its names but not its planned root: the next plan
         # (or call under autocast) records the root again; it enrols as itself
         super().__setstate__(state)
-        self._dq_enrol_key = module_key(self)
+        self.quant_binding = self.quant_binding.copied(module_key(self))
         _context.track_unplanned(self)
 
     # ---- names and roles -------------------------------------------------------------------
     @property
     def role_name(self) -> str:
         """The hierarchical name used in roles: explicit `name=`, else the path in the model."""
-        if self._dq_explicit_name is not None:
-            return self._dq_explicit_name
-        return self._dq_path_name or ""
+        return self.quant_binding.role_name
 
     @property
     def is_planned(self) -> bool:
         """Whether this module's names and boundary roles are fixed (it was part of a planned
         model: `apply_recipe`, a call under autocast, `attach`, a checkpoint load)."""
-        return self._dq_planned
-
-    def _set_path_name(self, name: str) -> None:
-        # The first path wins: a module keeps the name its roles were first built with.
-        if self._dq_explicit_name is None and self._dq_path_name is None:
-            self._dq_path_name = name
-            self._roles_changed()
-
-    def _roles_changed(self) -> None:
-        self._dq_role_revision += 1
+        return self.quant_binding.planned
 
     def _wire_boundary_roles(self) -> None:
         """Called once, when the module is first planned and every module below it is named: a
@@ -117,20 +105,21 @@ class QuantizedModule(nn.Module):
     @property
     def output_quantizer_role(self) -> QuantizerRole | None:
         """Role of the output slot: who consumes this module's output (e.g. `dpa/qkv`)."""
-        return self._dq_output_role
+        return self.quant_binding.output_role
 
     @output_quantizer_role.setter
     def output_quantizer_role(self, role: QuantizerRole | None) -> None:
         if role is not None and not isinstance(role, QuantizerRole):
             raise ValueError(f"output_quantizer_role must be a QuantizerRole or None, got {role!r}")
-        if role != self._dq_output_role:
-            self._dq_output_role = role
-            self._roles_changed()
+        binding = self.quant_binding
+        if role != binding.output_role:
+            binding.output_role = role
+            binding.roles_changed()
 
     @property
     def grad_input_quantizer_role(self) -> QuantizerRole | None:
         """Role of the grad-input slot: who consumes this module's input gradient."""
-        return self._dq_grad_input_role
+        return self.quant_binding.grad_input_role
 
     @grad_input_quantizer_role.setter
     def grad_input_quantizer_role(self, role: QuantizerRole | None) -> None:
@@ -138,9 +127,10 @@ class QuantizedModule(nn.Module):
             raise ValueError(
                 f"grad_input_quantizer_role must be a QuantizerRole or None, got {role!r}"
             )
-        if role != self._dq_grad_input_role:
-            self._dq_grad_input_role = role
-            self._roles_changed()
+        binding = self.quant_binding
+        if role != binding.grad_input_role:
+            binding.grad_input_role = role
+            binding.roles_changed()
 
     # ---- checkpoints: recipe and scaling state (format and rules in checkpoint/module_state.py) --
     def get_extra_state(self) -> dict[str, Any]:
@@ -169,17 +159,64 @@ class QuantizedModule(nn.Module):
             return p.device
         return torch.device("cpu")
 
-    # ---- runtime ----------------------------------------------------------------------------
-    def _install_runtime(self, runtime: ModuleRuntime) -> None:
-        self._dq_runtime = runtime
-        # A cached FP8 weight is only valid under the runtime key it was quantized with.
-        self._dq_weight_cache = {
-            slot: entry
-            for slot, entry in self._dq_weight_cache.items()
-            if entry[0][0] == runtime.key
-        }
-        self._dq_seen = (-1, -1)
-        self._dq_planned_roles = self._dq_role_revision  # planned just now, from these roles
+    def plan_forward(self, runtime: ModuleRuntime, reduction_group: Any) -> ForwardPlan:
+        """What a forward under `runtime` needs (built at plan time, or by the first forward under
+        a new amax reduction group): subclasses with GEMMs add their slot objects. The default
+        enrols the runtime's delayed-scaling groups, if any, and runs no GEMM."""
+        return ForwardPlan(runtime, reduction_group, (), delayed_anchor(runtime))
+
+    # ---- the forward's binding ---------------------------------------------------------------
+    def forward_plan(self) -> ForwardPlan | None:
+        """This forward's plan, or None when autocast is off (exact high precision); enrols the
+        plan's delayed-scaling groups in the autocast region. In an activation-checkpoint
+        recompute: the forward's runtime (`dist_quant.recompute`), enrolling nothing."""
+        binding = self.quant_binding
+        if torch.compiler.is_compiling() or recompute.intercepts():
+            return self._intercepted_plan()
+        ctx = _context.current_context()
+        if ctx is None or not ctx.enabled:
+            binding.last_forward_runtime = None
+            return None
+        if binding.seen_revision != _context.recipe_revision():  # -1 while no runtime is installed
+            self._resolve_runtime(ctx)
+        plan = binding.forward_plan
+        group = ctx.region.reduction_group
+        if plan is None or plan.reduction_group is not group:
+            plan = self._store_plan(binding.runtime, group)
+        binding.last_forward_runtime = plan.runtime
+        if plan.enrol_anchor is not None:
+            enrol_forward_now(binding.enrol_key, plan.runtime, ctx)
+        return plan
+
+    def _store_plan(self, runtime: ModuleRuntime, reduction_group: Any) -> ForwardPlan:
+        binding = self.quant_binding
+        plan = binding.forward_plan = self.plan_forward(runtime, reduction_group)
+        binding.last_reduction_group = reduction_group
+        return plan
+
+    def _intercepted_plan(self) -> ForwardPlan | None:
+        """`forward_plan` while torch.compile traces, in a checkpoint frame, or during backward."""
+        runtime = self.active_runtime()
+        if runtime is None:
+            return None
+        binding = self.quant_binding
+        if torch.compiler.is_compiling():
+            # built in the graph's trace, not stored on the module (a traced forward must not
+            # mutate it)
+            plan = self.plan_forward(runtime, _context.current_context().region.reduction_group)
+        else:
+            group = recompute.reduction_group(self)  # the recorded one in a recompute
+            plan = binding.forward_plan
+            if plan is None or plan.runtime is not runtime or plan.reduction_group is not group:
+                if runtime is binding.runtime:
+                    plan = self._store_plan(runtime, group)
+                else:
+                    plan = self.plan_forward(runtime, group)
+        if plan.enrol_anchor is not None and not recompute.replaying():
+            # an op, so that a compiled forward enrols on every call, not once while tracing; not
+            # in a recompute: the forward enrolled them
+            enrol_forward(plan.enrol_anchor, binding.enrol_key)
+        return plan
 
     def active_runtime(self) -> ModuleRuntime | None:
         """The runtime for this forward, or None when autocast is off (exact high precision).
@@ -188,7 +225,7 @@ class QuantizedModule(nn.Module):
             return self._current_runtime()  # a recompute of a compiled region is eager
         if recompute.intercepts():
             return recompute.runtime_for(self, self._current_runtime)
-        runtime = self._dq_forward_runtime = self._current_runtime()
+        runtime = self.quant_binding.last_forward_runtime = self._current_runtime()
         return runtime
 
     def _current_runtime(self) -> ModuleRuntime | None:
@@ -197,10 +234,10 @@ class QuantizedModule(nn.Module):
             return None
         if torch.compiler.is_compiling():
             return self._traced_runtime(ctx)
-        seen = (_context.recipe_revision(), self._dq_role_revision)
-        if seen == self._dq_seen and self._dq_runtime is not None:
-            return self._dq_runtime
-        return self._resolve_runtime(ctx, seen)
+        binding = self.quant_binding
+        if binding.seen_revision == _context.recipe_revision() and binding.runtime is not None:
+            return binding.runtime
+        return self._resolve_runtime(ctx)
 
     def _traced_runtime(self, ctx: _context.AutocastContext) -> ModuleRuntime:
         """`active_runtime` while torch.compile traces: the revision counter is not read (a graph
@@ -208,46 +245,40 @@ class QuantizedModule(nn.Module):
         values the graph's guards can hold (autocast's recipe key, the role revision), so a switch
         retraces. Planning allocates state and cannot be traced: a stale runtime is resolved
         eagerly, outside the graph (a graph break; under fullgraph=True, dynamo refuses it)."""
-        rt = self._dq_runtime
+        binding = self.quant_binding
+        rt = binding.runtime
         stale = (
             rt is None
-            or self._dq_planned_roles != self._dq_role_revision
-            or (self._dq_pinned_recipe is None and self._dq_resolved_for != ctx.recipe_key)
+            or binding.planned_roles != binding.role_revision
+            or (binding.pinned_recipe is None and binding.resolved_for != ctx.recipe_key)
         )
         return _resolve_outside_graph(self) if stale else rt
 
-    def _resolve_runtime(
-        self, ctx: _context.AutocastContext, seen: tuple[int, int]
-    ) -> ModuleRuntime:
-        from dist_quant.runtime import (
-            dist_quant_modules,
-            plan_module,
-            plan_modules,
-            publish_candidates,
-        )
-
-        if not self._dq_planned:
+    def _resolve_runtime(self, ctx: _context.AutocastContext) -> ModuleRuntime:
+        binding = self.quant_binding
+        if not binding.planned:
             # built or first called where no planned model reaches it: it is its own root
             assign_role_names(self)
-
-        if self._dq_pinned_recipe is not None:
-            recipe = self._dq_pinned_recipe
+        revision = _context.recipe_revision()
+        pinned = binding.pinned_recipe
+        if pinned is not None:
+            recipe = pinned
             if (
                 ctx.recipe is not None
                 and ctx.recipe_key != recipe.key()
-                and not self._dq_warned_override
+                and not binding.warned_override
             ):
-                self._dq_warned_override = True
+                binding.warned_override = True
                 warnings.warn(
                     f"module {self.role_name!r} runs the recipe pinned by apply_recipe / the "
                     "coordinator; autocast's recipe argument is ignored for it",
-                    stacklevel=3,
+                    stacklevel=4,
                 )
         else:
             recipe = ctx.recipe if ctx.recipe is not None else _context.default_recipe()
         key = recipe.key()
         try:
-            if self._dq_runtime is not None and self._dq_runtime.recipe_key == key:
+            if binding.runtime is not None and binding.runtime.recipe_key == key:
                 candidates = [plan_module(self, recipe, key)]  # only this module's roles moved
             else:
                 # A new recipe switches every unpinned module of the planned model at once, so
@@ -255,8 +286,10 @@ class QuantizedModule(nn.Module):
                 # apply_recipe does).
                 root = planned_root(self)
                 modules = [self]
-                if root is not None and self._dq_pinned_recipe is None:
-                    unpinned = [m for m in dist_quant_modules(root) if m._dq_pinned_recipe is None]
+                if root is not None and pinned is None:
+                    unpinned = [
+                        m for m in dist_quant_modules(root) if m.quant_binding.pinned_recipe is None
+                    ]
                     if any(m is self for m in unpinned):
                         modules = unpinned
                 candidates = plan_modules(modules, recipe, key)
@@ -265,25 +298,11 @@ class QuantizedModule(nn.Module):
             raise
         if any(not c.unchanged for c in candidates):
             publish_candidates(candidates, key)
-            seen = (_context.recipe_revision(), self._dq_role_revision)
-        self._dq_seen = seen
-        self._dq_resolved_for = ctx.recipe_key
-        self._dq_planned_roles = seen[1]
-        return self._dq_runtime
-
-    def register_amax_groups(self, runtime: ModuleRuntime) -> None:
-        """Enrol this forward's delayed-scaling groups in the autocast region's reduction (an op, so
-        that a compiled forward enrols on every call, not once while tracing); not in a recompute:
-        the forward enrolled them."""
-        if recompute.replaying():
-            return
-        groups = runtime.delayed_groups(fwd=True) or runtime.delayed_groups(fwd=False)
-        if groups:
-            enrol_forward(groups[0].scale, self._dq_enrol_key)
-
-    def _amax_reduction_group(self) -> Any:
-        """The group this forward's quantizers reduce over (the recorded one in a recompute)."""
-        return recompute.reduction_group(self)
+            revision = _context.recipe_revision()
+        binding.seen_revision = revision
+        binding.resolved_for = ctx.recipe_key
+        binding.planned_roles = binding.role_revision
+        return binding.runtime
 
     # ---- cached quantized weights ------------------------------------------------------------
     def quantize_weight(
@@ -300,18 +319,27 @@ class QuantizedModule(nn.Module):
         when it was built under the same runtime key from the same weight version, else re-quantizes.
         """
         if (
-            isinstance(quantizer, IdentityQuantizer)
-            or is_first_microbatch is None
+            is_first_microbatch is None
+            or isinstance(quantizer, IdentityQuantizer)
             or torch.compiler.is_compiling()  # a traced forward cannot keep Python-side copies
         ):
             return quantizer.quantize(weight)
         tag = (runtime.key, weight._version, weight.data_ptr())
-        cached = self._dq_weight_cache.get(slot)
-        if is_first_microbatch is False and cached is not None and cached[0] == tag:
-            return cached[1]
+        binding = self.quant_binding
+        if is_first_microbatch is False:
+            cached = binding.cached_weight(slot, tag)
+            if cached is not None:
+                return cached
         qw = quantizer.quantize(weight)
-        self._dq_weight_cache[slot] = (tag, qw)
+        binding.cache_weight(slot, tag, qw)
         return qw
+
+
+def delayed_anchor(runtime: ModuleRuntime) -> torch.Tensor | None:
+    """The tensor a forward enrols `runtime`'s delayed-scaling groups with (one of their scales),
+    or None when it has none in either direction."""
+    groups = runtime.delayed_groups(fwd=True) or runtime.delayed_groups(fwd=False)
+    return groups[0].scale if groups else None
 
 
 @torch.compiler.disable
@@ -320,117 +348,3 @@ def _resolve_outside_graph(module: QuantizedModule) -> ModuleRuntime:
     role change): plan it eagerly. Under `torch.compile(..., fullgraph=True)` this graph break is
     refused; switch with `apply_recipe` (or the coordinator) instead, whose publish retraces."""
     return module.active_runtime()
-
-
-_planned_roots: weakref.WeakKeyDictionary[QuantizedModule, weakref.ref[nn.Module]] = (
-    weakref.WeakKeyDictionary()
-)
-_walked: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
-
-
-def planned_root(module: QuantizedModule) -> nn.Module | None:
-    """The outermost model `module` was planned in (its unit of a lazy recipe switch), if alive."""
-    ref = _planned_roots.get(module)
-    return None if ref is None else ref()
-
-
-def assign_role_names(model: nn.Module, names: Mapping[nn.Module, str] | None = None) -> None:
-    """Plan `model`'s structure: every dist-quant module under it that has no name yet takes its
-    path in `model` (under an explicitly named module the path restarts at that name:
-    `name="mlp"` -> `mlp.fc1`), or the name `names` gives it (a checkpoint's); a module planned for
-    the first time then wires its boundary roles. Names already set are kept: a module keeps the
-    name its roles were first built with, and replanning from an inner module gives the same paths.
-
-    A module reached at two paths (the same object used twice) keeps the first path in
-    `named_modules` order, with a warning naming both. `model` becomes the planned root (the unit
-    of a lazy recipe switch) of every module under it, unless it was planned inside a larger model.
-    """
-    names = names or {}
-    # torch.compile's wrapper holds the model as `_orig_mod`: names are the model's own paths
-    model = getattr(model, "_orig_mod", model)
-    prefix_of: dict[str, str] = {}  # structural path -> the role-name prefix of its children
-    first_path: dict[int, str] = {}
-    warned: set[str] = set()  # paths of reported second uses, and everything below them
-    reached: list[QuantizedModule] = []
-    for path, module in model.named_modules(remove_duplicate=False):
-        parent, _, leaf = path.rpartition(".")
-        if not path:
-            candidate = ""
-        else:
-            base = prefix_of[parent]
-            candidate = f"{base}.{leaf}" if base else leaf
-        if id(module) in first_path:
-            if path and parent in warned:
-                warned.add(path)
-            elif isinstance(module, QuantizedModule):
-                warned.add(path)
-                warnings.warn(
-                    f"{type(module).__name__} {module.role_name!r} is used at two places in "
-                    f"the model ({first_path[id(module)]!r} and {path!r}): both uses share one "
-                    f"module, its quantizer roles (named {module.role_name!r}, the first path) "
-                    "and its scaling state",
-                    stacklevel=3,
-                )
-        else:
-            first_path[id(module)] = path
-            if isinstance(module, QuantizedModule):
-                module._set_path_name(names.get(module, candidate))
-                reached.append(module)
-        prefix_of[path] = module.role_name if isinstance(module, QuantizedModule) else candidate
-    inside = set(first_path)
-    for module in reached:
-        if not module._dq_planned:
-            module._dq_planned = True
-            module._wire_boundary_roles()
-        root = planned_root(module)
-        if root is None or id(root) in inside:
-            _planned_roots[module] = weakref.ref(model)
-        _context.mark_planned(module)
-
-
-def _plan_called_module(module: nn.Module) -> None:
-    """Autocast's call planner: `module` was just called while unplanned modules exist; it plans
-    the unplanned modules below it (itself included), as the root they are found under. Each
-    module's subtree is searched once per generation of the unplanned set."""
-    generation = _context.unplanned_generation()
-    if _walked.get(module) == generation:
-        return
-    _walked[module] = generation
-    if any(_context.is_unplanned(m) for m in module.modules()):
-        assign_role_names(module)
-
-
-_context.set_call_planner(_plan_called_module)
-
-
-@contextmanager
-def provisional_role_names(model: nn.Module) -> Iterator[None]:
-    """Inside the block, `assign_role_names` may plan `model` (to stage a checkpoint load against
-    the roles it will have); on exit every module's names, boundary roles, role revision and
-    planned state are as they were before."""
-    modules = [m for m in model.modules() if isinstance(m, QuantizedModule)]
-    saved = [
-        (
-            m,
-            m._dq_path_name,
-            m._dq_output_role,
-            m._dq_grad_input_role,
-            m._dq_role_revision,
-            m._dq_planned,
-            _planned_roots.get(m),
-            _context.is_unplanned(m),
-        )
-        for m in modules
-    ]
-    try:
-        yield
-    finally:
-        for m, path, out_role, gin_role, revision, planned, root, unplanned in saved:
-            m._dq_path_name, m._dq_output_role, m._dq_grad_input_role = path, out_role, gin_role
-            m._dq_role_revision, m._dq_planned = revision, planned
-            if root is None:
-                _planned_roots.pop(m, None)
-            else:
-                _planned_roots[m] = root
-            if unplanned:
-                _context.track_unplanned(m)

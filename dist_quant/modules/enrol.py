@@ -86,7 +86,7 @@ def _recorder() -> Recorder | None:
 def _entry(key: int) -> tuple[Any, list[Any]]:
     entry = _modules.get(key)
     module = entry[0]() if entry is not None else None
-    if module is None or module._dq_runtime is None:
+    if module is None or module.quant_binding.runtime is None:
         raise RuntimeError(f"dist_quant::enrol: no live module with a runtime has key {key}")
     return module, entry
 
@@ -99,28 +99,38 @@ def enrol_forward(anchor: Tensor, key: int) -> None:
     lifetimes (torch 2.13 frees a graph input before its last use)."""
     module, entry = _entry(key)
     if recompute.replaying() or torch._C._current_graph_task_id() != -1:
-        # an eager recompute never gets here (register_amax_groups skips it); a compiled forward
+        # an eager recompute never gets here (`QuantizedModule.forward_plan` skips it); a compiled forward
         # does, and it would quantize with the scales of now, not those of its forward
         raise recompute.RecomputeError(
             f"module {module.role_name!r}: a torch.compile'd forward with delayed scaling is being "
             "recomputed by activation checkpointing, which cannot replay its forward scales; "
             "checkpoint the eager block (dist_quant.activation_checkpoint) or compile without it"
         )
-    recompute.note_delayed_enrolment(module)
-    runtime = module._dq_runtime
-    if entry[2] is not runtime:  # name once per runtime: the name orders the packed amaxes
-        name_groups(runtime.delayed_groups(fwd=True), module.role_name)
-        name_groups(runtime.delayed_groups(fwd=False), module.role_name)
-        entry[2] = runtime
     ctx = _context.current_context()
     if ctx is None:
         raise RuntimeError(
             f"module {module.role_name!r}: a quantized forward ran outside autocast (a compiled "
             "or graphed step must be called inside dist_quant.autocast)"
         )
+    recompute.note_delayed_enrolment(module)  # a compiled forward: eager ones enrol directly
+    _enrol(module, entry, module.quant_binding.runtime, ctx)
+
+
+def enrol_forward_now(key: int, runtime: Any, ctx: _context.AutocastContext) -> None:
+    """What `enrol_forward` does, called directly by an eager forward that is not a recompute
+    (its module runs its installed `runtime` inside `ctx`): no dispatcher, no lookups."""
+    entry = _modules[key]
+    _enrol(entry[0](), entry, runtime, ctx)
+
+
+def _enrol(module: Any, entry: list[Any], runtime: Any, ctx: _context.AutocastContext) -> None:
+    if entry[2] is not runtime:  # name once per runtime: the name orders the packed amaxes
+        name_groups(runtime.delayed_groups(fwd=True), module.role_name)
+        name_groups(runtime.delayed_groups(fwd=False), module.role_name)
+        entry[2] = runtime
     entry[1] = ctx.region.reduction_group
     groups = runtime.delayed_groups(fwd=True)
-    recorder = _recorder()
+    recorder = _active_recorder
     if recorder is not None:
         recorder.add(groups, backward=False)
         recorder.add(runtime.delayed_groups(fwd=False), backward=True)

@@ -11,7 +11,7 @@ checkpointing and CPU offload, see them). Identity quantizers leave an operand i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,14 +46,14 @@ class LinearSlots:
     reduction_group: Any = None
     enrol_key: int = -1
     """The owning module's `enrol.module_key`: its backward enrols `bwd_groups` through it."""
+    high_precision: bool = field(init=False)
+    """Every GEMM operand stays in high precision (decided once, when the plan is built)."""
 
-    @property
-    def high_precision(self) -> bool:
-        return (
-            isinstance(self.input, IdentityQuantizer)
-            and isinstance(self.weight, IdentityQuantizer)
-            and isinstance(self.grad_output, IdentityQuantizer)
+    def __post_init__(self) -> None:
+        hp = all(
+            isinstance(q, IdentityQuantizer) for q in (self.input, self.weight, self.grad_output)
         )
+        object.__setattr__(self, "high_precision", hp)  # frozen: set once, here
 
 
 def rowwise(t: Any) -> Any:

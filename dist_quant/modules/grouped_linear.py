@@ -27,7 +27,7 @@ from torch import nn
 from dist_quant.fsdp_tensor import GatheredFloat8Weight, empty_gemm
 from dist_quant.modules.base import check_sizes
 from dist_quant.modules.functional import LinearSlots
-from dist_quant.modules.linear import LinearBase
+from dist_quant.modules.linear import GemmLayout, LinearBase
 from dist_quant.roles import QuantizerRole
 
 
@@ -106,6 +106,10 @@ class GroupedLinear(LinearBase):
             )
         return [QuantizerRole(t, "grad_output", name)] * n + [self.grad_input_quantizer_role] * n
 
+    def gemm_layout(self) -> list[GemmLayout]:
+        n = self.num_gemms  # expert i: slots i, n + i, 2n + i forward; i, n + i backward
+        return [((i, n + i, 2 * n + i), (i, n + i), None) for i in range(n)]
+
     def _check_splits(self, m_splits: object, tokens: int) -> list[int]:
         owner = f"GroupedLinear {self.role_name!r}"
         if not isinstance(m_splits, (list, tuple)) or len(m_splits) != self.num_gemms:
@@ -135,15 +139,12 @@ class GroupedLinear(LinearBase):
         """`x`: (..., in_features), its rows (all leading dims flattened) split by `m_splits`."""
         x2d = x.reshape(-1, self.in_features)  # (tokens, in_features)
         splits = self._check_splits(m_splits, x2d.shape[0])
-        runtime = self.active_runtime()
-        n = self.num_gemms
-        slots: list[LinearSlots | None] = [None] * n
+        plan = self.forward_plan()
+        runtime = None
+        slots: Sequence[LinearSlots | None] = [None] * self.num_gemms
         align = 1
-        if runtime is not None:
-            self.register_amax_groups(runtime)
-            slots = self._gemm_slots(
-                runtime, [((i, n + i, 2 * n + i), (i, n + i)) for i in range(n)]
-            )
+        if plan is not None:
+            runtime, slots = plan.runtime, plan.gemms
             align = row_alignment(slots, x.device)
         outs = []
         for i, (x_i, (weight, bias)) in enumerate(zip(x2d.split(splits), self._experts())):

@@ -28,14 +28,15 @@ from dist_quant.modules.layernorm_linear import (
     make_norm_params,
     mark_norm_sequence_parallel,
 )
-from dist_quant.modules.linear import LinearBase, init_linear_
+from dist_quant.modules.linear import GemmLayout, LinearBase, init_linear_
 from dist_quant.parallel import mark_sequence_parallel, mark_tp_split
 from dist_quant.roles import QuantizerRole
 
 ACTIVATIONS = ("gelu", "swiglu")
 FWD_SLOTS = 6
 BWD_SLOTS = 4
-GEMM_SLOTS = (((0, 1, 2), (0, 1)), ((3, 4, 5), (2, 3)))  # fc1, fc2: (fwd slots, bwd slots)
+# fc1 (column-parallel), fc2 (row-parallel): ((fwd slots), (bwd slots), tensor-parallel mode)
+GEMM_SLOTS = (((0, 1, 2), (0, 1), "column"), ((3, 4, 5), (2, 3), "row"))
 
 
 def activate(h: torch.Tensor, activation: str) -> torch.Tensor:
@@ -142,12 +143,14 @@ class LayerNormMLP(LinearBase):
             QuantizerRole(t, "grad_output", fc1),
         ]
 
+    def gemm_layout(self) -> tuple[GemmLayout, ...]:
+        return GEMM_SLOTS
+
     def forward(self, x: torch.Tensor, *, is_first_microbatch: bool | None = None) -> torch.Tensor:
-        runtime = self.active_runtime()
-        fc1_slots = fc2_slots = None
-        if runtime is not None:
-            self.register_amax_groups(runtime)
-            fc1_slots, fc2_slots = self._gemm_slots(runtime, GEMM_SLOTS)
+        plan = self.forward_plan()
+        runtime = fc1_slots = fc2_slots = None
+        if plan is not None:
+            runtime, (fc1_slots, fc2_slots) = plan.runtime, plan.gemms
         ln_out = apply_norm(
             x, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps
         )

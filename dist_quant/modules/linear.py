@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dist_quant import context as _context
 from dist_quant import recompute
+from dist_quant.binding import ForwardPlan
 from dist_quant.fsdp_tensor import GatheredFloat8Weight, gathered_weight_operand
-from dist_quant.modules.base import QuantizedModule, check_sizes
+from dist_quant.modules.base import QuantizedModule, check_sizes, delayed_anchor
 from dist_quant.modules.functional import LinearSlots, parallel_linear_hp, quantized_linear
 from dist_quant.parallel import (
     PARALLEL_MODES,
@@ -30,10 +30,13 @@ from dist_quant.parallel import (
     mark_tp_split,
 )
 from dist_quant.roles import QuantizerRole
+from dist_quant.runtime import ModuleRuntime
 
 FWD_SLOTS = 3
 BWD_SLOTS = 2
-_LINEAR_LAYOUT = (((0, 1, 2), (0, 1)),)  # `_gemm_slots` layout of the one GEMM
+GemmLayout = tuple[tuple[int, int, int], tuple[int, int], str | None]
+"""One GEMM's slots: ((input, weight, output), (grad_output, grad_input)) indices into the
+runtime's forward and backward quantizers, and its tensor-parallel mode."""
 
 
 class LinearBase(QuantizedModule):
@@ -46,7 +49,6 @@ class LinearBase(QuantizedModule):
     tp_size: int = 1
     parallel_mode: str | None = None
     sequence_parallel: bool = False
-    _dq_gemm_slots: tuple | None = None  # `_gemm_slots` cache: (runtime, group, layout, slots)
 
     def num_quantizers(self, *, fwd: bool) -> int:
         return FWD_SLOTS if fwd else BWD_SLOTS
@@ -90,7 +92,6 @@ class LinearBase(QuantizedModule):
             raise ValueError(f"{owner}: sequence_parallel needs parallel_mode {' or '.join(modes)}")
         self.tp_group, self.tp_size = tp_group, group_size(tp_group)
         self.parallel_mode, self.sequence_parallel = parallel_mode, sequence_parallel
-        self._dq_tp_quantizers: tuple[Any, dict] = (None, {})
 
     def _check_divisible(self, owner: str, what: str, value: int) -> int:
         """`value // tp_size`, or ValueError naming the field."""
@@ -108,22 +109,6 @@ class LinearBase(QuantizedModule):
             self.tp_group, mode, self.sequence_parallel, self.role_name or type(self).__name__
         )
 
-    def _tp_slots(self, runtime: Any, slots: LinearSlots, tp: TPLayout) -> LinearSlots:
-        """`slots` with the quantizers of sharded operands reducing their amax over the TP group
-        (`TPLayout.shard_quantizers`); the copies live as long as the runtime."""
-        cached_runtime, table = self._dq_tp_quantizers
-        if cached_runtime is not runtime:  # the runtime keeps its quantizers alive: ids are unique
-            table = {}
-            self._dq_tp_quantizers = (runtime, table)
-            if tp.group is not None and slots.reduction_group is None:
-                self._warn_unreduced_delayed(runtime)
-        names = ("input", "weight", "output", "grad_output", "grad_input")
-        key = (*(id(getattr(slots, n)) for n in names), tp.mode)
-        replaced = table.get(key)
-        if replaced is None:
-            replaced = table[key] = tp.shard_quantizers({n: getattr(slots, n) for n in names})
-        return dataclasses.replace(slots, **replaced)
-
     def _warn_unreduced_delayed(self, runtime: Any) -> None:
         if runtime.delayed_groups(fwd=True) or runtime.delayed_groups(fwd=False):
             warnings.warn(
@@ -134,35 +119,21 @@ class LinearBase(QuantizedModule):
                 stacklevel=4,
             )
 
-    # ---- dispatch ------------------------------------------------------------------------------
-    def _gemm_slots(self, runtime: Any, layout: Sequence[tuple[tuple, tuple]]) -> list[LinearSlots]:
-        """One `LinearSlots` per GEMM: `layout[i] = ((input, weight, output), (grad_output,
-        grad_input))`, indices into the runtime's forward and backward quantizers. Built once per
-        runtime and amax-reduction group, not on every forward (eager; a traced forward builds
-        them in the graph's trace instead of mutating the module)."""
-        if torch.compiler.is_compiling():
-            reduction_group = _context.current_context().region.reduction_group
-            return self._build_gemm_slots(runtime, layout, reduction_group)
-        reduction_group = self._amax_reduction_group()  # the recorded one in a recompute
-        cached = self._dq_gemm_slots
-        if (
-            cached is not None
-            and cached[0] is runtime
-            and cached[1] is reduction_group
-            and cached[2] == layout
-        ):
-            return cached[3]
-        slots = self._build_gemm_slots(runtime, layout, reduction_group)
-        self._dq_gemm_slots = (runtime, reduction_group, layout, slots)
-        return slots
+    # ---- the forward plan ------------------------------------------------------------------
+    def gemm_layout(self) -> Sequence[GemmLayout]:
+        """The module's GEMMs, in forward order (Transformer Engine's slot order)."""
+        return (((0, 1, 2), (0, 1), self.parallel_mode),)
 
-    def _build_gemm_slots(
-        self, runtime: Any, layout: Sequence[tuple[tuple, tuple]], reduction_group: Any
-    ) -> list[LinearSlots]:
+    def plan_forward(self, runtime: ModuleRuntime, reduction_group: Any) -> ForwardPlan:
+        """One `LinearSlots` per GEMM of `gemm_layout()`; the quantizers of tensor-parallel
+        operands replaced by copies reducing their amax over the TP group
+        (`TPLayout.shard_quantizers`)."""
         fq, bq = runtime.fwd_quantizers, runtime.bwd_quantizers
         bwd_groups = tuple(runtime.delayed_groups(fwd=False))
-        return [
-            LinearSlots(
+        key = self.quant_binding.enrol_key
+        gemms, split = [], False
+        for (i, w, o), (g, gi), mode in self.gemm_layout():
+            slots = LinearSlots(
                 input=fq[i],
                 weight=fq[w],
                 output=fq[o],
@@ -170,17 +141,24 @@ class LinearBase(QuantizedModule):
                 grad_input=bq[gi],
                 bwd_groups=bwd_groups,
                 reduction_group=reduction_group,
-                enrol_key=self._dq_enrol_key,
+                enrol_key=key,
             )
-            for (i, w, o), (g, gi) in layout
-        ]
+            tp = self._tp_layout(mode)
+            if tp is not None:
+                names = ("input", "weight", "output", "grad_output", "grad_input")
+                shards = tp.shard_quantizers({n: getattr(slots, n) for n in names})
+                slots, split = dataclasses.replace(slots, **shards), True
+            gemms.append(slots)
+        if split and reduction_group is None:
+            self._warn_unreduced_delayed(runtime)
+        return ForwardPlan(runtime, reduction_group, tuple(gemms), delayed_anchor(runtime))
 
     def _linear(
         self,
         x: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
-        runtime: Any,
+        runtime: ModuleRuntime | None,
         slots: LinearSlots | None,
         cache_slot: str,
         is_first_microbatch: bool | None,
@@ -189,7 +167,8 @@ class LinearBase(QuantizedModule):
         tp: TPLayout | None = None,
     ) -> torch.Tensor:
         """One GEMM triple: exact PyTorch when autocast is off or every operand is high precision,
-        else quantized (the weight cached under `cache_slot`); `tp` splits it over ranks."""
+        else quantized with `slots` (the forward plan's; the weight cached under `cache_slot`);
+        `tp` splits it over ranks."""
         gathered_fp8 = isinstance(weight, GatheredFloat8Weight)
         if runtime is None or (slots.high_precision and not (fp8_output or fp8_grad_input)):
             if gathered_fp8:
@@ -201,8 +180,6 @@ class LinearBase(QuantizedModule):
             if tp is not None:
                 return parallel_linear_hp(x, weight, bias, tp)
             return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
-        if tp is not None:
-            slots = self._tp_slots(runtime, slots, tp)
         slots.weight.set_usage(rowwise=True, columnwise=x.requires_grad)
         if gathered_fp8:  # FSDP2 gathered the bytes `slots.weight` would cast: no re-cast
             weight_q = gathered_weight_operand(
@@ -234,11 +211,8 @@ class LinearBase(QuantizedModule):
         fp8_output: bool = False,
         fp8_grad_input: bool = False,
     ) -> torch.Tensor:
-        runtime = self.active_runtime()
-        slots = None
-        if runtime is not None:
-            (slots,) = self._gemm_slots(runtime, _LINEAR_LAYOUT)
-            self.register_amax_groups(runtime)
+        plan = self.forward_plan()
+        runtime, slots = (None, None) if plan is None else (plan.runtime, plan.gemms[0])
         tp = self._tp_layout(self.parallel_mode)
         return self._linear(
             x,

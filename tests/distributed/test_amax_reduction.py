@@ -50,11 +50,11 @@ def train_step(model, x, dy, recipe, group, counts: dict | None = None) -> None:
 
 
 def fwd_state(module):
-    return module._dq_runtime.fwd_state
+    return module.quant_binding.runtime.fwd_state
 
 
 def bwd_state(module):
-    return module._dq_runtime.bwd_state
+    return module.quant_binding.runtime.bwd_state
 
 
 def _reduction_and_count(rank: int, world: int) -> dict:

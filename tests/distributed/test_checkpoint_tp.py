@@ -60,8 +60,11 @@ def batch(step: int) -> torch.Tensor:
 def scaling_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for m in model.modules():
-        if isinstance(m, (dq.Linear, dq.LayerNormMLP)) and m._dq_runtime is not None:
-            for d, st in (("fwd", m._dq_runtime.fwd_state), ("bwd", m._dq_runtime.bwd_state)):
+        if isinstance(m, (dq.Linear, dq.LayerNormMLP)) and m.quant_binding.runtime is not None:
+            for d, st in (
+                ("fwd", m.quant_binding.runtime.fwd_state),
+                ("bwd", m.quant_binding.runtime.bwd_state),
+            ):
                 out.update(
                     {
                         f"{m.role_name}.{d}.{k}": v.clone()

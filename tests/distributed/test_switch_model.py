@@ -70,7 +70,7 @@ def train_step(model, opt, step, dp_rank, tp_pg, dp_pg, dp_size) -> tuple[float,
         dist.all_reduce(p.grad, group=dp_pg)  # data-parallel gradient sum -> mean below
         p.grad /= dp_size
     opt.step()
-    return loss.item(), type(model[0]._dq_runtime.fwd_quantizers[0]).__name__
+    return loss.item(), type(model[0].quant_binding.runtime.fwd_quantizers[0]).__name__
 
 
 def switch_worker(rank: int, world: int, cfg: dict) -> dict:

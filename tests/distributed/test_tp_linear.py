@@ -164,7 +164,7 @@ def _outlier(rank: int, world: int) -> dict:
             if recipe_name == "current":
                 out[key] = casts[("lin", "fwd", 0)][0]["scale_inv"].item()
             else:  # the reduced history drives the next step's scale
-                out[key] = lin._dq_runtime.fwd_state.scale[0].item()
+                out[key] = lin.quant_binding.runtime.fwd_state.scale[0].item()
     return out
 
 

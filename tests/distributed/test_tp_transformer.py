@@ -227,13 +227,15 @@ def _asymmetric(rank: int, world: int) -> dict:
         losses.append(loss.item())
         counts["fwd"].append(fwd_count.packed)
         counts["bwd"].append(bwd_count.packed)
-    s_states = [blk.self_attention.core_attention._dq_runtime.fwd_state for blk in model]
+    s_states = [blk.self_attention.core_attention.quant_binding.runtime.fwd_state for blk in model]
     return {
         "losses": losses,
         "counts": counts,
         "s_scale": [float(st.scale[0]) for st in s_states],
         "s_hist": [float(st.amax_history[:, 0].max()) for st in s_states],
-        "bwd_delayed": [bool(blk.mlp._dq_runtime.delayed_groups(fwd=False)) for blk in model],
+        "bwd_delayed": [
+            bool(blk.mlp.quant_binding.runtime.delayed_groups(fwd=False)) for blk in model
+        ],
     }
 
 

@@ -80,7 +80,7 @@ class Recorder:
 def label_quantizers(model: torch.nn.Module) -> None:
     """Call after `apply_recipe(model, ...)`: tag every runtime quantizer with its label."""
     for m in dist_quant_modules(model):
-        rt = m._dq_runtime
+        rt = m.quant_binding.runtime
         for direction, quantizers in (("fwd", rt.fwd_quantizers), ("bwd", rt.bwd_quantizers)):
             for slot, q in enumerate(quantizers):
                 q._rec_label = (m.role_name, direction, slot)

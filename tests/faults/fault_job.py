@@ -62,7 +62,7 @@ def train_step(model: nn.Module, rank: int, step: int) -> torch.Tensor:
 def state_tensors(model: nn.Module) -> list[torch.Tensor]:
     out = [t for p in model.parameters() for t in (p.detach(), p.grad) if t is not None]
     for m in model.modules():
-        rt = getattr(m, "_dq_runtime", None)
+        rt = getattr(getattr(m, "quant_binding", None), "runtime", None)
         if rt is not None:
             for state in (rt.fwd_state, rt.bwd_state):
                 out += [t for _, t in sorted(state.persistent_buffers().items())]
@@ -110,7 +110,7 @@ def fault_worker(rank: int, world: int, cfg: dict) -> dict:
             loss, twin_loss = train_step(model, rank, step), train_step(twin, rank, step)
             record["recipes"].append(recipe_name(model))
             record["twin_equal"].append(same_bits(loss, twin_loss))
-            record["kinds"].append(type(model[0]._dq_runtime.fwd_quantizers[0]).__name__)
+            record["kinds"].append(type(model[0].quant_binding.runtime.fwd_quantizers[0]).__name__)
             if step == 0:
                 (run_dir / f"ready{rank}").touch()
             stop = Path(cfg["stop_file"])

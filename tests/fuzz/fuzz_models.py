@@ -88,7 +88,7 @@ class Snapshot:
         self.model = model
         self.entries = []
         for m in quantized_modules(model):
-            rt = m._dq_runtime
+            rt = m.quant_binding.runtime
             buffers = {}
             if rt is not None:
                 for direction, state in (("fwd", rt.fwd_state), ("bwd", rt.bwd_state)):
@@ -101,8 +101,8 @@ class Snapshot:
                     None if rt is None else list(rt.fwd_quantizers),
                     None if rt is None else list(rt.bwd_quantizers),
                     buffers,
-                    {slot: entry[1] for slot, entry in m._dq_weight_cache.items()},
-                    m._dq_pinned_recipe,
+                    m.quant_binding.cached_weights(),
+                    m.quant_binding.pinned_recipe,
                 )
             )
         self.params = [(p, p.detach().clone()) for p in model.parameters()]
@@ -111,7 +111,7 @@ class Snapshot:
         out = []
         for m, rt, fq, bq, buffers, cache, pinned in self.entries:
             name = m.role_name
-            now = m._dq_runtime
+            now = m.quant_binding.runtime
             if now is not rt:
                 out.append(f"{name}: runtime replaced")
                 continue
@@ -129,10 +129,10 @@ class Snapshot:
                         out.append(f"{name}: buffer {key} replaced")
                     elif not _same_bits(t, saved):
                         out.append(f"{name}: buffer {key} bytes changed")
-            now_cache = {slot: entry[1] for slot, entry in m._dq_weight_cache.items()}
+            now_cache = m.quant_binding.cached_weights()
             if now_cache.keys() != cache.keys() or any(now_cache[k] is not cache[k] for k in cache):
                 out.append(f"{name}: cached weights changed")
-            if m._dq_pinned_recipe is not pinned:
+            if m.quant_binding.pinned_recipe is not pinned:
                 out.append(f"{name}: pinned recipe changed")
         for i, (p, saved) in enumerate(self.params):
             if not _same_bits(p.detach(), saved):
@@ -159,7 +159,7 @@ def state_tensors(model: nn.Module) -> list[torch.Tensor]:
         if p.grad is not None:
             out.append(p.grad)
     for m in quantized_modules(model):
-        rt = m._dq_runtime
+        rt = m.quant_binding.runtime
         if rt is not None:
             for state in (rt.fwd_state, rt.bwd_state):
                 for _, t in sorted(state.persistent_buffers().items()):

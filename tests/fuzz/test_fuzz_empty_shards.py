@@ -29,7 +29,7 @@ LAYOUTS = [("column", False), ("column", True), ("row", False), ("row", True)]
 
 
 def delayed_state(m: dq.Linear) -> list[torch.Tensor]:
-    rt = m._dq_runtime
+    rt = m.quant_binding.runtime
     return [
         rt.fwd_state.amax_history,
         rt.fwd_state.scale,

@@ -80,7 +80,7 @@ def sums_agree(a: torch.Tensor, b: torch.Tensor, left: torch.Tensor, right: torc
 def delayed_columns(grouped: dq.GroupedLinear, i: int, n: int) -> list[torch.Tensor]:
     """Expert i's slots of the grouped state: forward input i, weight n+i, output 2n+i;
     backward grad_output i, grad_input n+i; as (history, scale) pairs in Linear's slot order."""
-    rt = grouped._dq_runtime
+    rt = grouped.quant_binding.runtime
     out = []
     for state, cols in ((rt.fwd_state, (i, n + i, 2 * n + i)), (rt.bwd_state, (i, n + i))):
         out += [state.amax_history[:, list(cols)], state.scale[list(cols)]]
@@ -88,7 +88,7 @@ def delayed_columns(grouped: dq.GroupedLinear, i: int, n: int) -> list[torch.Ten
 
 
 def linear_delayed(ref: dq.Linear) -> list[torch.Tensor]:
-    rt = ref._dq_runtime
+    rt = ref.quant_binding.runtime
     return [
         rt.fwd_state.amax_history,
         rt.fwd_state.scale,

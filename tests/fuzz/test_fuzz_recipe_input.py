@@ -154,7 +154,7 @@ def test_the_largest_accepted_margin_trains_a_step_with_the_expected_scales():
     # forward slots: input, weight, output (quantizes nothing here, so it keeps scale 1)
     expected = [scale_from_amax(amax(t), FP8_MAX[E4M3], margin=margin) for t in (x, fc.weight)]
     want = torch.tensor([*expected, 1.0], dtype=torch.float64)
-    assert torch.equal(fc._dq_runtime.fwd_state.scale.double(), want)
+    assert torch.equal(fc.quant_binding.runtime.fwd_state.scale.double(), want)
     assert all(torch.isfinite(p.grad).all() for p in fc.parameters())
 
 

@@ -124,7 +124,7 @@ def test_delayed_scales_keep_the_previous_value_on_zero_inf_nan_and_empty_steps(
         # output / grad_input slots quantize nothing without fp8_output / fp8_grad_input
         fwd.step([amax(x), amax(fc.weight), 0.0])
         bwd.step([amax(dy), 0.0])
-        rt = fc._dq_runtime
+        rt = fc.quant_binding.runtime
         check_state(fwd.matches(rt.fwd_state), f"step {i} ({x_kind}): forward scale/history")
         check_state(bwd.matches(rt.bwd_state), f"step {i} ({dy_kind}): backward scale/history")
         assert y.shape == dx.shape == (tokens, WIDTH) and dw.shape == (WIDTH, WIDTH)

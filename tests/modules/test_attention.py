@@ -60,12 +60,12 @@ def test_attention_without_fp8_dpa_is_sdpa_bit_for_bit(mask_type, recipe):
     for a, b in zip(got, [out, q2.grad, k2.grad, v2.grad]):
         assert torch.equal(a, b)
     if recipe is not None:
-        assert [str(r) for r in dpa._dq_runtime.fwd_roles] == [
+        assert [str(r) for r in dpa.quant_binding.runtime.fwd_roles] == [
             "dpa/qkv@attn",
             "dpa/s@attn",
             "dpa/o@attn",
         ]
-        assert [str(r) for r in dpa._dq_runtime.bwd_roles] == [
+        assert [str(r) for r in dpa.quant_binding.runtime.bwd_roles] == [
             "dpa/do@attn",
             "dpa/dp@attn",
             "dpa/dqkv@attn",
@@ -165,15 +165,18 @@ def test_mha_wires_boundary_roles_when_first_planned_and_a_forward_never_rewires
     assert boundary_roles(block.attn)["qkv.output"] is None
     dq.apply_recipe(block, dq.Float8CurrentScaling())  # plans before any forward
     assert boundary_roles(block.attn) == EXPECTED_BOUNDARY
-    assert block.attn.qkv._dq_runtime.fwd_roles[2] == EXPECTED_BOUNDARY["qkv.output"]
-    assert block.attn.core_attention._dq_runtime.bwd_roles[2] == EXPECTED_BOUNDARY["dpa.grad_input"]
+    assert block.attn.qkv.quant_binding.runtime.fwd_roles[2] == EXPECTED_BOUNDARY["qkv.output"]
+    assert (
+        block.attn.core_attention.quant_binding.runtime.bwd_roles[2]
+        == EXPECTED_BOUNDARY["dpa.grad_input"]
+    )
 
     block.attn.proj.grad_input_quantizer_role = None  # set by hand after the plan: it stays
     with dq.autocast():
         block(torch.randn(S, B, HIDDEN, device=DEVICE))
     dq.apply_recipe(block, dq.Float8CurrentScaling())  # a later plan does not rewire either
     assert boundary_roles(block.attn) == {**EXPECTED_BOUNDARY, "proj.grad_input": None}
-    assert block.attn.proj._dq_runtime.bwd_roles[1] is None
+    assert block.attn.proj.quant_binding.runtime.bwd_roles[1] is None
 
 
 def test_setting_an_equal_role_does_not_rebuild():
@@ -190,17 +193,17 @@ def test_setting_an_equal_role_does_not_rebuild():
     with dq.autocast(recipe=recipe):
         block(x)
     children = [block.attn.qkv, block.attn.core_attention, block.attn.proj]
-    runtimes = [c._dq_runtime for c in children]
-    revisions = [c._dq_role_revision for c in children]
+    runtimes = [c.quant_binding.runtime for c in children]
+    revisions = [c.quant_binding.role_revision for c in children]
     n_calls = len(calls)
     # equal but distinct role objects, then two more forwards that rewire them
     block.attn.qkv.output_quantizer_role = dq.QuantizerRole("dpa", "qkv", "attn.core_attention")
     for _ in range(2):
         with dq.autocast(recipe=recipe):
             block(x)
-    assert [c._dq_runtime for c in children] == runtimes
-    assert all(a is b for a, b in zip((c._dq_runtime for c in children), runtimes))
-    assert [c._dq_role_revision for c in children] == revisions
+    assert [c.quant_binding.runtime for c in children] == runtimes
+    assert all(a is b for a, b in zip((c.quant_binding.runtime for c in children), runtimes))
+    assert [c.quant_binding.role_revision for c in children] == revisions
     assert len(calls) == n_calls
 
 
@@ -209,7 +212,7 @@ def test_dpa_delayed_scaling_buffers_survive_a_role_change():
     q, k, v, do = qkv(5)
     recipe = dq.DelayedScaling(fp8_dpa=True)
     run_dpa(dpa, q, k, v, do, recipe=recipe)
-    states = [dpa._dq_runtime.fwd_state, dpa._dq_runtime.bwd_state]
+    states = [dpa.quant_binding.runtime.fwd_state, dpa.quant_binding.runtime.bwd_state]
     old = [(s.scale, s.amax_history, s.scale.clone(), s.amax_history.clone()) for s in states]
     assert all(o[2].ne(1).any() for o in old), "one step must have moved the scales off 1"
     dpa.output_quantizer_role = dq.QuantizerRole("linear", "input", "proj")

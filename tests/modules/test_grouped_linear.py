@@ -183,8 +183,8 @@ def test_weight_cache_keeps_one_entry_per_expert_and_skips_empty_ones():
     recipe = dq.Float8CurrentScaling()
     with dq.autocast(recipe=recipe):
         mod(x, SPLITS, is_first_microbatch=True)
-    first = {k: v[1] for k, v in mod._dq_weight_cache.items()}
+    first = mod.quant_binding.cached_weights()
     assert sorted(first) == ["weight0", "weight2", "weight3"]  # expert 1 got no rows
     with dq.autocast(recipe=recipe):
         mod(x, SPLITS, is_first_microbatch=False)
-    assert all(mod._dq_weight_cache[k][1] is v for k, v in first.items())
+    assert all(mod.quant_binding.cached_weight(k) is v for k, v in first.items())

@@ -83,7 +83,7 @@ def test_fp8_output_rounds_the_output_through_the_output_role_slot():
     scale = torch.tensor(448.0, device=DEVICE) / plain.detach().abs().max()
     expected = (plain.detach() * scale).clamp(-448, 448).to(e4m3).float() * (1.0 / scale)
     assert torch.equal(rounded.detach(), expected)
-    assert mod._dq_runtime.fwd_roles[2] == dq.QuantizerRole("dpa", "qkv", "attn")
+    assert mod.quant_binding.runtime.fwd_roles[2] == dq.QuantizerRole("dpa", "qkv", "attn")
 
 
 def test_roles_are_linear_roles_and_constructor_rejects_bad_arguments():

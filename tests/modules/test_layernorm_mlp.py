@@ -101,7 +101,7 @@ def test_fc1_and_fc2_use_their_own_slots():
     ref_hp = reference(mod, x, dy, "gelu", fp8=False)
     for name, a, r8, rhp in zip(names, got, ref8, ref_hp):
         assert_fp8_close(a, r8, rhp, name)
-    fq = mod._dq_runtime.fwd_quantizers
+    fq = mod.quant_binding.runtime.fwd_quantizers
     assert [type(q).__name__ for q in fq] == [
         "Float8CurrentScalingQuantizer",
         "Float8CurrentScalingQuantizer",
@@ -170,7 +170,7 @@ def test_delayed_scaling_buffers_survive_an_output_role_change():
     mod = make(seed=5)
     x, dy = inputs(5)
     run(mod, x, dy, dq.DelayedScaling())
-    groups = mod._dq_runtime.fwd_state.delayed_groups()
+    groups = mod.quant_binding.runtime.fwd_state.delayed_groups()
     old = [(g.scale, g.amax_history, g.scale.clone(), g.amax_history.clone()) for g in groups]
     assert old[0][2].ne(1).any(), "one step must have moved the scales off their initial 1"
     mod.output_quantizer_role = dq.QuantizerRole("linear", "input", "head")
@@ -188,8 +188,8 @@ def test_weight_cache_keeps_one_entry_per_gemm():
     recipe = dq.Float8CurrentScaling()
     with dq.autocast(recipe=recipe):
         mod(x, is_first_microbatch=True)
-    first = {k: v[1] for k, v in mod._dq_weight_cache.items()}
+    first = mod.quant_binding.cached_weights()
     assert sorted(first) == ["fc1_weight", "fc2_weight"]
     with dq.autocast(recipe=recipe):
         mod(x, is_first_microbatch=False)
-    assert all(mod._dq_weight_cache[k][1] is v for k, v in first.items())
+    assert all(mod.quant_binding.cached_weight(k) is v for k, v in first.items())

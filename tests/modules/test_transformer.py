@@ -149,10 +149,10 @@ def test_per_layer_targeting_keeps_first_and_last_layer_in_high_precision():
         }
         expected = dq.IdentityQuantizer if i in (0, 3) else dq.Float8CurrentScalingQuantizer
         for what, (module, slot) in gemm_inputs.items():
-            got = module._dq_runtime.fwd_quantizers[slot]
+            got = module.quant_binding.runtime.fwd_quantizers[slot]
             assert type(got) is expected, f"layer {i} {what}: {type(got).__name__}"
         for module, slot in ((attn.qkv, 0), (attn.proj, 0), (mlp, 0), (mlp, 2)):  # grad outputs
-            assert type(module._dq_runtime.bwd_quantizers[slot]) is expected
+            assert type(module.quant_binding.runtime.bwd_quantizers[slot]) is expected
 
 
 def test_explicit_layer_name_prefixes_the_children():
@@ -161,6 +161,6 @@ def test_explicit_layer_name_prefixes_the_children():
         layer(torch.randn(S, B, HIDDEN, device=DEVICE))
     assert layer.self_attention.qkv.role_name == "blocks.7.self_attention.qkv"
     assert layer.self_attention.core_attention.role_name == "blocks.7.self_attention.core_attention"
-    assert layer.mlp._dq_runtime.fwd_roles[3] == dq.QuantizerRole(
+    assert layer.mlp.quant_binding.runtime.fwd_roles[3] == dq.QuantizerRole(
         "linear", "input", "blocks.7.mlp.fc2"
     )
