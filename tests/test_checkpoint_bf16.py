@@ -17,6 +17,7 @@ from torch import nn
 
 import dist_quant as dq
 from dist_quant import checkpoint as ckpt
+from dist_quant import coordinator
 from dist_quant import factories
 
 # The old spelling, written out as old checkpoints hold it (not derived from today's classes).
@@ -123,12 +124,12 @@ def test_a_job_whose_last_commit_was_the_old_bf16_resumes_on_bf16(tmp_path):
     (tmp_path / "a" / "decisions.jsonl").write_text(
         "".join(json.dumps(r, sort_keys=True) + "\n" for r in records)
     )
-    state = ckpt.job_state(_Participant(), step=8, run_dir=tmp_path / "a")
+    state = coordinator.job_state(_Participant(), step=8, run_dir=tmp_path / "a")
     _, sd = _bf16_state_dict()
     fresh = _model(4)
     ckpt.load_state_dict(fresh, _legacy(sd))
-    commit = ckpt.restore_job_state(state, run_dir=tmp_path / "b", model=fresh)
+    commit = coordinator.restore_job_state(state, run_dir=tmp_path / "b", model=fresh)
     assert commit["switch_id"] == 1
     dq.apply_recipe(fresh, dq.Float8CurrentScaling())
     with pytest.raises(ValueError, match="last committed switch"):
-        ckpt.restore_job_state(state, run_dir=tmp_path / "c", model=fresh)
+        coordinator.restore_job_state(state, run_dir=tmp_path / "c", model=fresh)
