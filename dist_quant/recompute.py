@@ -59,8 +59,9 @@ class _Frame:
     # id(group) -> (group, its live scale, its live amax row 0), saved before the first swap
     live: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     groups: dict[int, Any] = field(default_factory=dict)  # id(module) -> its reduction group
-    # delayed-scaling modules whose forward ran compiled (their calls left no record to replay)
-    compiled_delayed: list[str] = field(default_factory=list)
+    # id(module) -> [(group, its forward scale)] of delayed-scaling modules whose forward ran
+    # compiled: their calls leave no record, the frame swaps these scales in for the recompute
+    compiled: dict[int, list[tuple[Any, torch.Tensor]]] = field(default_factory=dict)
 
     def begin(self) -> None:
         self.replaying, self.recorded = self.recorded, True
@@ -99,6 +100,15 @@ class _Frame:
                     g.scale.copy_(scale)
         return rec.runtime
 
+    def swap_in_compiled_scales(self) -> None:
+        """Before a recompute: the forward scales of every compiled module, the live ones kept."""
+        with _disable_current_modes(), torch.no_grad():
+            for pairs in self.compiled.values():
+                for g, scale in pairs:
+                    if id(g) not in self.live:
+                        self.live[id(g)] = (g, g.scale.clone(), g.amax_history[0].clone())
+                    g.scale.copy_(scale)
+
     def check_complete(self) -> None:
         if self.replaying and self.cursor != len(self.records):
             raise RecomputeError(
@@ -130,14 +140,15 @@ def _name(module: BoundModule) -> str:
     return module.role_name or type(module).__name__
 
 
-def note_delayed_enrolment(module: BoundModule) -> None:
-    """A compiled forward enrolled delayed-scaling groups (`dist_quant::enrol_forward`; eager
-    forwards enrol directly): inside a recording frame, a module that left no call record ran
-    compiled, and its recompute could not replay the forward's scales; the frame refuses it."""
+def record_compiled_forward(module: BoundModule, groups: list) -> None:
+    """A compiled forward enrolled its delayed-scaling `groups` (`dist_quant::enrol_forward`; an
+    eager forward records itself in `runtime_for`): inside a recording frame, keep a copy of their
+    scales, which the recompute swaps back in (the graph's casts read the scale buffers)."""
     frame = _local.frame
-    if frame is None or frame.replaying or any(r.module is module for r in frame.records):
+    if frame is None or frame.replaying or id(module) in frame.compiled:
         return
-    frame.compiled_delayed.append(_name(module))
+    with _disable_current_modes(), torch.no_grad():
+        frame.compiled[id(module)] = [(g, g.scale.clone()) for g in groups]
 
 
 def intercepts() -> bool:
@@ -225,14 +236,8 @@ def activation_checkpoint(
         if not frame.replaying:
             forward_context.append(_context.current_context())
         try:
-            if frame.replaying and frame.compiled_delayed:
-                raise RecomputeError(
-                    f"activation_checkpoint: modules {sorted(set(frame.compiled_delayed))} ran "
-                    "torch.compile'd with delayed scaling: a compiled recompute cannot replay "
-                    "the forward's scales (they moved at the autocast exit) and would fold its "
-                    "amaxes into the history again; checkpoint the eager block, or use a recipe "
-                    "without history (current, mxfp8, block) for compiled checkpointed blocks"
-                )
+            if frame.replaying:
+                frame.swap_in_compiled_scales()
             # the recompute runs in the forward's autocast context, usually exited by now: a
             # torch.compile'd block then replays the graph it ran (same guards, same saved tensors)
             with _context.reenter(forward_context[0] if frame.replaying else None):

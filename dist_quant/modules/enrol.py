@@ -98,13 +98,17 @@ def enrol_forward(anchor: Tensor, key: int) -> None:
     buffers) is only read by nothing: an op without tensor inputs confuses inductor's buffer
     lifetimes (torch 2.13 frees a graph input before its last use)."""
     module, entry = _entry(key)
-    if recompute.replaying() or torch._C._current_graph_task_id() != -1:
-        # an eager recompute never gets here (`QuantizedModule.forward_plan` skips it); a compiled forward
-        # does, and it would quantize with the scales of now, not those of its forward
+    if recompute.replaying():
+        # a compiled block's recompute under activation_checkpoint: the frame swapped the forward's
+        # scales in and restores the amax rows after it; nothing is enrolled a second time
+        return
+    if torch._C._current_graph_task_id() != -1:
+        # a compiled forward run again by plain torch checkpointing: it would quantize with the
+        # scales of now, not those of its forward
         raise recompute.RecomputeError(
             f"module {module.role_name!r}: a torch.compile'd forward with delayed scaling is being "
-            "recomputed by activation checkpointing, which cannot replay its forward scales; "
-            "checkpoint the eager block (dist_quant.activation_checkpoint) or compile without it"
+            "recomputed by torch.utils.checkpoint, which cannot replay its forward scales; wrap "
+            "the block in dist_quant.activation_checkpoint instead"
         )
     ctx = _context.current_context()
     if ctx is None:
@@ -112,8 +116,9 @@ def enrol_forward(anchor: Tensor, key: int) -> None:
             f"module {module.role_name!r}: a quantized forward ran outside autocast (a compiled "
             "or graphed step must be called inside dist_quant.autocast)"
         )
-    recompute.note_delayed_enrolment(module)  # a compiled forward: eager ones enrol directly
-    _enrol(module, entry, module.quant_binding.runtime, ctx)
+    runtime = module.quant_binding.runtime
+    recompute.record_compiled_forward(module, runtime.delayed_groups(fwd=True))
+    _enrol(module, entry, runtime, ctx)
 
 
 def enrol_forward_now(key: int, runtime: Any, ctx: _context.AutocastContext) -> None:
