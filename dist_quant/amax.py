@@ -1,12 +1,11 @@
-"""Amax reduction: the only core file that talks to other ranks about amaxes (parallel.py moves
-activations and gradients, telemetry.py gathers statistics).
+"""Amax reduction: delayed scaling's all-reduce of every slot's amax (parallel.py moves activations
+and gradients, telemetry.py gathers statistics, a current-scaling quantizer with a reduction group
+all-reduces its own amax: `quantizers.allreduce_current_amax`).
 
 Delayed scaling: the amaxes recorded in a step by every slot of every module in one autocast region
 (forward) or one backward pass are packed into one fp32 buffer and reduced with ONE all-reduce(MAX)
-over the amax-reduction group, then each group's history/scale update runs. Current scaling reduces
-its per-tensor amax over the tensor-parallel group where a quantized all-gather follows
-(`allreduce_current_amax`). Numerics never reduce by themselves: this file reduces and hands the
-result back.
+over the amax-reduction group, then each group's history/scale update runs. Numerics never reduce
+by themselves: this file reduces and hands the result back.
 
 The guard (ranks that ran different modules). The buffer is
 
@@ -302,9 +301,3 @@ def discard_step(groups: Sequence[DelayedGroup]) -> None:
     """Forget the amaxes recorded in a step that failed, leaving scales and past history as they were."""
     for g in groups:
         g.amax_history[0].zero_()
-
-
-def allreduce_current_amax(amax: torch.Tensor, group: Any) -> None:
-    """In-place all-reduce(MAX) of a current-scaling fp32 amax over `group` (no-op for one rank)."""
-    if _group_size(group) > 1:
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)  # local amax -> group's amax

@@ -40,11 +40,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from dist_quant import kernels as fp8_kernels
-from dist_quant.amax import allreduce_current_amax
 from dist_quant.fsdp_tensor import GatheredFloat8Weight
 from dist_quant.modules import GroupedLinear, LayerNormLinear, LayerNormMLP, Linear
 from dist_quant.modules.base import QuantizedModule
-from dist_quant.quantizers import Float8CurrentScalingQuantizer, Float8Quantizer
+from dist_quant.quantizers import (
+    Float8CurrentScalingQuantizer,
+    Float8Quantizer,
+    allreduce_current_amax,
+)
 from dist_quant.tensor import Float8Tensor
 
 # parameter name -> index of its forward weight slot (the modules' `get_quantizer_roles` order)

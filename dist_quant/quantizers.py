@@ -49,6 +49,16 @@ def _observe(q: Quantizer, x: Tensor, scale: Tensor | None) -> None:
         observer(q, x, scale)
 
 
+def allreduce_current_amax(amax: Tensor, group: Any) -> None:
+    """In-place all-reduce(MAX) of a current-scaling fp32 amax over `group` (no-op for a group of
+    one rank, or without torch.distributed): the quantizers' one collective, which FSDP's FP8 weight
+    all-gather shares (`dist_quant.fsdp`)."""
+    if group is None or not dist.is_available() or not dist.is_initialized():
+        return
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)  # local amax -> group's amax
+
+
 class Quantizer(abc.ABC):
     """Base of every quantizer: ``quantize(x)``, ``set_usage``, ``scaling``, ``fp8_dtype`` and
     ``describe()``.
@@ -159,7 +169,9 @@ class Float8Quantizer(Quantizer):
         # the history slot; on CUDA a single Triton launch, no host sync.
         transpose = self.columnwise_usage and x.dim() >= 1
         # scale_inv is 1/scale as of this cast: the update changes scale later
-        out = fp8_kernels.delayed_cast(x, self.scale, self.fp8_dtype, self.amax, transpose=transpose)
+        out = fp8_kernels.delayed_cast(
+            x, self.scale, self.fp8_dtype, self.amax, transpose=transpose
+        )
         if _cast_observers:
             _observe(self, x, self.scale)
         return Float8Tensor(out.data, out.scale_inv, dtype=x.dtype, data_t=out.data_t)
@@ -218,11 +230,6 @@ class Float8CurrentScalingQuantizer(Quantizer):
                 _observe(self, x, out.scale)
             return Float8Tensor(out.data, out.scale_inv, dtype=x.dtype, data_t=out.data_t)
         x_amax = fp8_kernels.amax(x).reshape(1)  # (1,): a plain 1-element buffer to all-reduce
-        # Imported here: amax.py is the only core module that talks to other ranks.
-        # Contract: allreduce_current_amax(amax, group) all-reduces the fp32 tensor `amax` in
-        # place with MAX over `group` (a no-op for a group of one rank) and returns None.
-        from dist_quant.amax import allreduce_current_amax
-
         allreduce_current_amax(x_amax, self.amax_reduction_group)
         scale, scale_inv = fp8_kernels.current_scale(
             x_amax,

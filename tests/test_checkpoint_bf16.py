@@ -17,8 +17,7 @@ from torch import nn
 
 import dist_quant as dq
 from dist_quant import checkpoint as ckpt
-from dist_quant import coordinator
-from dist_quant import factories
+from dist_quant import coordinator, factories
 
 # The old spelling, written out as old checkpoints hold it (not derived from today's classes).
 LEGACY_DICT = {

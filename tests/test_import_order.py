@@ -41,6 +41,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "dist_quant.roles",
             "dist_quant.factory_keys",
             "dist_quant.jsonl",
+            "dist_quant.kinds",
         ),
     ),
     ("recipes", ("dist_quant.recipes",)),
@@ -48,8 +49,11 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("factories", ("dist_quant.factories",)),
     ("state", ("dist_quant.state",)),
     ("amax/parallel", ("dist_quant.amax", "dist_quant.parallel", "dist_quant.fsdp_tensor")),
+    ("binding", ("dist_quant.binding",)),
     ("context", ("dist_quant.context",)),
     ("runtime", ("dist_quant.runtime", "dist_quant.recompute")),
+    # a module's extra-state format: the modules' get/set_extra_state call it
+    ("module state", ("dist_quant.checkpoint.module_state",)),
     (
         "modules",
         (
@@ -92,34 +96,8 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
     ("dist_quant.launch.demo_guard", "dist_quant.runtime"): "triton",
 }
 
-# Violations in files other branches are rewriting now; each must disappear, then leave this list.
-KNOWN_VIOLATIONS: frozenset[str] = frozenset(
-    {
-        # to be removed by `bind` (modules/base.py <-> runtime.py <-> context.py)
-        "in function: dist_quant.modules.base -> dist_quant.checkpoint",
-        "in function: dist_quant.modules.base -> dist_quant.runtime",
-        "in function: dist_quant.runtime -> dist_quant.modules.base",
-        "in function: dist_quant.context -> dist_quant.recipes",
-        "in function: dist_quant.context -> dist_quant.amax",
-        # to be removed by `vocab` (quantizers.py, recipes.py)
-        "in function: dist_quant.quantizers -> dist_quant.amax",
-        "in function: dist_quant.recipes -> dist_quant.factories",
-        # to be removed by `psm` (dist_quant/checkpoint/, job state into the coordinator package,
-        # coordinator/participant.py)
-        "in function: dist_quant.checkpoint -> dist_quant.checkpoint_dcp",
-        "in function: dist_quant.checkpoint_job -> dist_quant.coordinator.endpoint",
-        "in function: dist_quant.checkpoint_job -> dist_quant.coordinator.log",
-        "in function: dist_quant.checkpoint_job -> dist_quant.checkpoint",
-        "in function: dist_quant.checkpoint_job -> dist_quant.recipes",
-        "in function: dist_quant.checkpoint_job -> dist_quant.runtime",
-        "in function: dist_quant.coordinator.participant -> dist_quant.runtime",
-        "in function: dist_quant.coordinator.participant -> dist_quant.recipes",
-        # cycles through the files above
-        "cycle: dist_quant.factories, dist_quant.recipes",
-        "cycle: dist_quant.checkpoint, dist_quant.checkpoint_dcp, dist_quant.checkpoint_job, "
-        "dist_quant.modules.base, dist_quant.runtime",
-    }
-)
+# Known violations awaiting a fix (none): an entry that no longer happens fails the test.
+KNOWN_VIOLATIONS: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)

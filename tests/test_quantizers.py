@@ -165,7 +165,7 @@ def test_current_scaling_with_a_group_scales_by_the_reduced_amax(monkeypatch):
         calls.append((amax.dtype, amax.numel(), group))
         amax.copy_(torch.maximum(amax, torch.tensor(56.0)))
 
-    monkeypatch.setattr("dist_quant.amax.allreduce_current_amax", fake_allreduce)
+    monkeypatch.setattr("dist_quant.quantizers.allreduce_current_amax", fake_allreduce)
     out = Float8CurrentScalingQuantizer(E4M3, amax_reduction_group="tp").quantize(torch.ones(8))
     assert calls == [(torch.float32, 1, "tp")]
     assert out.scale_inv.item() == f32(1.0 / f32(448.0 / 56.0))

@@ -12,27 +12,35 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from dist_quant.checkpoint.model import CHECKPOINT_FORMAT, load, load_state_dict, recipe_of, save
-from dist_quant.checkpoint.module_state import (
-    FORMAT,
-    ONE_LINER,
-    load_module_extra_state,
-    module_extra_state,
-    read_digest,
-)
-from dist_quant.checkpoint.shards import load_full_state_dict_into_shards
-
-_DCP_NAMES = ("dcp_load", "dcp_save", "dcp_state_dict")
-
+# Every name is imported on first use: `modules/base.py` imports `module_state` (the extra-state
+# format sits below the modules), and must not pull in `model.py`, which sits above them.
+_EXPORTS = {
+    "CHECKPOINT_FORMAT": "dist_quant.checkpoint.model",
+    "load": "dist_quant.checkpoint.model",
+    "load_state_dict": "dist_quant.checkpoint.model",
+    "recipe_of": "dist_quant.checkpoint.model",
+    "save": "dist_quant.checkpoint.model",
+    "FORMAT": "dist_quant.checkpoint.module_state",
+    "ONE_LINER": "dist_quant.checkpoint.module_state",
+    "load_module_extra_state": "dist_quant.checkpoint.module_state",
+    "module_extra_state": "dist_quant.checkpoint.module_state",
+    "read_digest": "dist_quant.checkpoint.module_state",
+    "load_full_state_dict_into_shards": "dist_quant.checkpoint.shards",
+    # torch.distributed.checkpoint is imported only by jobs that use it (it adds ~1 s to import)
+    "dcp_load": "dist_quant.checkpoint.dcp",
+    "dcp_save": "dist_quant.checkpoint.dcp",
+    "dcp_state_dict": "dist_quant.checkpoint.dcp",
+}
 
 # The switch protocol's part of a checkpoint lives with the protocol.
 _MOVED = {"job_state": "dist_quant.coordinator", "restore_job_state": "dist_quant.coordinator"}
 
 
 def __getattr__(name: str) -> Any:
-    # torch.distributed.checkpoint is imported only by jobs that use it (it adds ~1 s to import)
-    if name in _DCP_NAMES:
-        return getattr(importlib.import_module("dist_quant.checkpoint.dcp"), name)
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
     if name in _MOVED:
         raise AttributeError(
             f"{__name__}.{name} moved to {_MOVED[name]}.{name} (the checkpoint stores the job "
@@ -41,17 +49,8 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = [
-    "CHECKPOINT_FORMAT",
-    "FORMAT",
-    "ONE_LINER",
-    "load",
-    "load_full_state_dict_into_shards",
-    "load_module_extra_state",
-    "load_state_dict",
-    "module_extra_state",
-    "read_digest",
-    "recipe_of",
-    "save",
-    *_DCP_NAMES,
-]
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+__all__ = sorted(_EXPORTS)

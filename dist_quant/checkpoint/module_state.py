@@ -35,13 +35,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
+from dist_quant.binding import assign_role_names, provisional_role_names
 from dist_quant.kinds import Direction
-from dist_quant.modules.base import QuantizedModule, assign_role_names, provisional_role_names
 from dist_quant.recipes import HighPrecision, Recipe, key_digest, recipe_from_dict
 from dist_quant.runtime import (
     ModuleCandidate,
@@ -50,6 +50,9 @@ from dist_quant.runtime import (
     plan_module,
     publish_candidates,
 )
+
+if TYPE_CHECKING:  # the modules sit above this format: they call it from get/set_extra_state
+    from dist_quant.modules.base import QuantizedModule
 
 FORMAT = "dist_quant.extra_state/1"
 ONE_LINER = "dq.apply_recipe(model, dq.checkpoint.recipe_of(state_dict))"

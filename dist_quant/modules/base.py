@@ -26,6 +26,7 @@ from dist_quant.binding import (  # noqa: F401 - provisional_role_names: the mod
     planned_root,
     provisional_role_names,
 )
+from dist_quant.checkpoint.module_state import load_module_extra_state, module_extra_state
 from dist_quant.modules.enrol import enrol_forward, enrol_forward_now, module_key
 from dist_quant.quantizers import IdentityQuantizer, Quantizer
 from dist_quant.recipes import Recipe
@@ -134,14 +135,10 @@ class QuantizedModule(nn.Module):
 
     # ---- checkpoints: recipe and scaling state (format and rules in checkpoint/module_state.py) --
     def get_extra_state(self) -> dict[str, Any]:
-        from dist_quant.checkpoint.module_state import module_extra_state
-
         return module_extra_state(self)
 
     def set_extra_state(self, state: Any) -> None:
         """Validates everything first; raises ValueError / RecipeUpdateError leaving it unchanged."""
-        from dist_quant.checkpoint.module_state import load_module_extra_state
-
         load_module_extra_state(self, state)
 
     # ---- validation hook for runtime.validate_candidate -------------------------------------
