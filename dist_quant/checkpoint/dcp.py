@@ -91,13 +91,7 @@ class _Layout:
     def split(self, key: str) -> tuple[int, int] | None:
         return self.splits.get(key)
 
-    def mesh_2d(self, fsdp: DTensor, key: str) -> DeviceMesh:
-        if fsdp.device_mesh.ndim != 1 or tuple(fsdp.placements) != (Shard(0),):
-            raise ValueError(
-                f"dcp: {key!r} is tensor-parallel and sharded {fsdp.placements} over a "
-                f"{fsdp.device_mesh.ndim}-D mesh; FSDP2 x TP checkpoints support fully_shard's "
-                "default Shard(0) over a 1-D data-parallel mesh"
-            )
+    def mesh_2d(self, fsdp: DTensor) -> DeviceMesh:
         dp_mesh = fsdp.device_mesh
         if dp_mesh not in self._meshes:
             self._meshes[dp_mesh] = _tp_dp_mesh(self.tp_group, dp_mesh, self.device)
@@ -109,6 +103,7 @@ class _Layout:
         if not isinstance(t, DTensor):
             view, dim = _split_view(t, split)
             return _sharded(view, dim, self.mesh)
+        _check_fsdp(t, key)
         if _gathers(split):
             return self.saved(key, t.full_tensor())  # dp slices -> this rank's TP shard
         return self._placed(key, t, t.to_local())
@@ -118,6 +113,7 @@ class _Layout:
         split = self.splits[key]
         if not isinstance(value, DTensor):
             return self.saved(key, torch.empty_like(value.detach()))
+        _check_fsdp(value, key)
         if _gathers(split):
             return self.saved(key, torch.empty(value.shape, dtype=value.dtype, device=self.device))
         return self._placed(key, value, torch.empty_like(value.to_local()))
@@ -128,8 +124,8 @@ class _Layout:
         if not isinstance(value, DTensor):
             return local.reshape(value.shape)  # DCP checked the (parts, rows) view's shape
         if _gathers(self.splits[key]):
-            return _fsdp_slice(local.reshape(value.shape), value)  # from this rank's TP shard
-        return _fsdp_slice(local.reshape(value.to_local().shape), value, sliced=True)
+            return _fsdp_slice(local.reshape(value.shape), value, key)  # from the TP shard
+        return _fsdp_slice(local.reshape(value.to_local().shape), value, key, sliced=True)
 
     def cut(self, key: str, whole: Tensor, value: Tensor) -> Tensor:
         """This rank's part of a whole saved tensor, in the parameter's layout (TP, FSDP2)."""
@@ -146,7 +142,7 @@ class _Layout:
         mine = whole
         if split is not None:
             mine = shard_of(whole, *split, group_rank(self.tp_group), group_size(self.tp_group))
-        return _fsdp_slice(mine, value) if isinstance(value, DTensor) else mine
+        return _fsdp_slice(mine, value, key) if isinstance(value, DTensor) else mine
 
     def _placed(self, key: str, fsdp: DTensor, local: Tensor) -> DTensor:
         """`local` (FSDP2's slice of the TP shard, dim 0) at its offset in the whole tensor."""
@@ -160,7 +156,7 @@ class _Layout:
         stride = torch.empty(whole, device="meta").stride()
         return DTensor.from_local(
             view,
-            self.mesh_2d(fsdp, key),
+            self.mesh_2d(fsdp),
             [Shard(tp_dim), Shard(0)],
             run_check=False,
             shape=torch.Size(whole),
@@ -168,17 +164,22 @@ class _Layout:
         )
 
 
-def _fsdp_slice(tp_shard: Tensor, value: DTensor, *, sliced: bool = False) -> DTensor:
+def _check_fsdp(fsdp: DTensor, key: str) -> None:
+    """The layouts above assume fully_shard's default: dim 0 chunked over a 1-D mesh."""
+    if fsdp.device_mesh.ndim != 1 or tuple(fsdp.placements) != (Shard(0),):
+        raise ValueError(
+            f"dcp: {key!r} is sharded {fsdp.placements} over a {fsdp.device_mesh.ndim}-D mesh; a "
+            "tensor-parallel parameter, or one saved under another tensor-parallel layout, needs "
+            "fully_shard's default Shard(0) over a 1-D data-parallel mesh"
+        )
+
+
+def _fsdp_slice(tp_shard: Tensor, value: DTensor, key: str, *, sliced: bool = False) -> DTensor:
     """FSDP2's DTensor of `value`'s layout from this rank's TP shard (FSDP2's dim-0 chunk of it),
     or from its own slice already (`sliced`)."""
     mine = tp_shard
     if not sliced:
-        if value.device_mesh.ndim != 1 or tuple(value.placements) != (Shard(0),):
-            raise ValueError(
-                f"dcp_load: a parameter sharded {value.placements} over a "
-                f"{value.device_mesh.ndim}-D mesh cannot take a tensor saved under another "
-                "tensor-parallel layout (fully_shard's default Shard(0) over a 1-D mesh can)"
-            )
+        _check_fsdp(value, key)
         chunks = tp_shard.chunk(value.device_mesh.size(), 0)
         rank = value.device_mesh.get_local_rank()
         mine = chunks[rank] if rank < len(chunks) else tp_shard[:0]

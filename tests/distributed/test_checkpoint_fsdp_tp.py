@@ -84,7 +84,9 @@ def _resume_1x2(rank: int, world: int, path: str) -> list:
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "custom"])
-def test_fsdp2_x_tp_checkpoint_resumes_bit_for_bit_and_loads_on_tp_without_fsdp(recipe, tmp_path):
+def test_fsdp2_x_tp_checkpoint_resumes_bit_for_bit_and_reshards_to_1x2_2x1_and_one_process(
+    recipe, tmp_path
+):
     path = str(tmp_path / "ckpt")
     four = run_ranks(_save_2x2_and_resume, 4, recipe, path, timeout_s=300.0)
     two = run_ranks(_resume_1x2, 2, path, timeout_s=240.0)
