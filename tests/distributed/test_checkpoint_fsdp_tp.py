@@ -46,7 +46,8 @@ from harness import expect_error, run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 
 import dist_quant as dq
-from dist_quant.parallel import load_full_state_dict_into_shards, tp_splits
+from dist_quant.checkpoint import load_full_state_dict_into_shards
+from dist_quant.parallel import tp_splits
 
 pytestmark = pytest.mark.distributed
 

@@ -39,8 +39,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dist_quant as dq
+from dist_quant.checkpoint import load_full_state_dict_into_shards
 from dist_quant.fsdp import enable_fp8_all_gather, precompute_fp8_weight_scales
-from dist_quant.parallel import load_full_state_dict_into_shards, shard_of, tp_splits
+from dist_quant.parallel import shard_of, tp_splits
 
 pytestmark = pytest.mark.distributed
 
