@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -234,22 +234,13 @@ class Coordinator:
         switch_id = decision.switch_id
         inject(self._faults, "decide", rank=None, switch_id=switch_id)
         t0 = time.monotonic()
-        log_error = self._append_outcome("decision", decision)
-        if log_error is not None:
-            self._say.error(
-                f"cannot record the decision, aborting: {log_error}", switch_id=switch_id
-            )
-        settled = settle_decision(
+        decision = self._log_settled(
+            "decision",
             decision,
-            log_error=log_error,
-            logged_late_s=time.monotonic() - sw.deadline,
-            commit_window_s=self._commit_window_s,
+            settle_decision,
+            sw.deadline,
+            "cannot record the decision, aborting",
         )
-        if settled is not decision:
-            if log_error is None:
-                self._say.error(settled.summary, switch_id=switch_id)
-            self._append_best_effort({"event": "decision", **settled.to_dict()})
-        decision = settled
         sw.log_s = time.monotonic() - t0
         sw.decision = decision
         inject(self._faults, "publish", rank=None, switch_id=switch_id)
@@ -258,32 +249,40 @@ class Coordinator:
         self._broadcast(decision)
         self._reply(sw.request_id, "result", switch_id, body=self._result(sw).to_dict())
 
-    def _record_cancel(self, sw: _Switch, outcome: CancelDecision) -> None:
-        """Log the cancel's outcome durably, then tell the ranks and the client (as a decision)."""
-        cancel = sw.cancel
-        switch_id = outcome.switch_id
-        log_error = self._append_outcome("cancel", outcome)
+    def _log_settled(
+        self, event: str, outcome: Any, settle: Callable[..., Any], deadline: float, failure: str
+    ) -> Any:
+        """Log `outcome` durably and settle it by the protocol's abort rules (`settle`: a log
+        that failed, or an outcome logged after the commit window); a changed outcome is reported
+        and logged as well, best effort. Returns the settled outcome."""
+        log_error = self._append_outcome(event, outcome)
         if log_error is not None:
-            self._say.error(
-                f"cannot record the cancel, keeping the commit: {log_error}", switch_id=switch_id
-            )
-        settled = settle_cancel(
+            self._say.error(f"{failure}: {log_error}", switch_id=outcome.switch_id)
+        settled = settle(
             outcome,
             log_error=log_error,
-            logged_late_s=time.monotonic() - cancel.deadline,
+            logged_late_s=time.monotonic() - deadline,
             commit_window_s=self._commit_window_s,
         )
         if settled is not outcome:
             if log_error is None:
-                self._say.error(settled.summary, switch_id=switch_id)
-            self._append_best_effort({"event": "cancel", **settled.to_dict()})
-        outcome = settled
+                self._say.error(settled.summary, switch_id=outcome.switch_id)
+            self._append_best_effort({"event": event, **settled.to_dict()})
+        return settled
+
+    def _record_cancel(self, sw: _Switch, outcome: CancelDecision) -> None:
+        """Log the cancel's outcome durably, then tell the ranks and the client (as a decision)."""
+        cancel = sw.cancel
+        outcome = self._log_settled(
+            "cancel", outcome, settle_cancel, cancel.deadline,
+            "cannot record the cancel, keeping the commit",
+        )  # fmt: skip
         sw.cancel = None
         self._transition(Phase.CANCELLED if outcome.cancelled else Phase.COMMITTED)
         if outcome.cancelled:
             self._history[-1]["cancelled"] = True
         self._broadcast(outcome)
-        self._reply(cancel.request_id, "result", switch_id, body=outcome.to_dict())
+        self._reply(cancel.request_id, "result", outcome.switch_id, body=outcome.to_dict())
 
     def _append_outcome(self, event: str, outcome: Decision | CancelDecision) -> str | None:
         """Record a switch's or a cancel's outcome durably; the error text if the log failed."""
