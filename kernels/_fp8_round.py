@@ -170,7 +170,9 @@ def scale_from_amax(a, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
 
 @triton.jit
 def current_scale_from_amax(a, eps, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
-    """Current scaling: floor ``a`` at ``eps`` (NaN kept), then ``scale_from_amax``."""
+    """Current scaling: floor ``a`` at ``eps`` (NaN kept), then ``scale_from_amax``. ``eps`` is
+    rounded to fp32 here: Triton's launcher passes a Python float as fp32, inductor's as fp64."""
+    eps = tl.cast(eps, tl.float32)
     a = tl.where(a < eps, eps, a)
     return scale_from_amax(a, FP8_MAX, POW2)
 

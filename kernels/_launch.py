@@ -12,6 +12,11 @@ kernel's launcher, as the JIT itself does after its bookkeeping.
 Only compiled GPU kernels take the fast path: under ``TRITON_INTERPRET=1`` (the CPU tests) every
 call goes through the JIT, and so does any Triton whose compiled kernel lacks the launcher this
 relies on (checked once per key, falling back to the JIT path for good).
+
+While ``torch.compile`` traces a launcher (the ``torch.library.triton_op`` ops of ``ops.py``: AOTAutograd
+runs them on fake and functional tensors), a launch goes through ``torch.library.wrap_triton``
+instead, so the graph records the kernel call itself and inductor launches the kernel from its own
+generated code (``jit``; ``FastLaunch`` does the same by itself).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.library import wrap_triton
 from triton import knobs
 from triton.runtime.driver import driver
 
@@ -64,6 +70,18 @@ def _current_device_and_stream() -> tuple[Any, Any]:
     return active.get_current_device, active.get_current_stream
 
 
+def traced(t: torch.Tensor) -> bool:
+    """Whether a launcher runs under torch.compile's tracing: its tensors are then fake or
+    functional tensors (subclasses), never plain ones (a kernel gets detached tensors)."""
+    return type(t) is not torch.Tensor
+
+
+def jit(kernel: Any, first: torch.Tensor) -> Any:
+    """``kernel``, or its ``wrap_triton`` wrapper while ``first`` (any tensor argument) is traced:
+    ``jit(kernel, x)[grid](...)`` launches like ``kernel[grid](...)`` in both cases."""
+    return wrap_triton(kernel) if traced(first) else kernel
+
+
 class FastLaunch:
     """``launch(grid, args, config, interpreted=...)`` == ``kernel[grid](*args, **config.kwargs)``;
     ``args`` are the kernel's runtime parameters in order, the constexprs follow them."""
@@ -77,6 +95,9 @@ class FastLaunch:
     ) -> None:
         if interpreted:
             self.kernel[grid](*args, **config.kwargs)
+            return
+        if traced(args[0]):
+            wrap_triton(self.kernel)[tuple(grid)](*args, **config.kwargs)
             return
         current_device, current_stream = _current_device_and_stream()
         device = current_device()

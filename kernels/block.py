@@ -26,6 +26,7 @@ from dist_quant.kernels._fp8_round import (
     rows_cols,
     scale_from_amax,
 )
+from dist_quant.kernels._launch import jit
 
 FLOAT8_BLOCK = 128
 
@@ -109,7 +110,7 @@ def block_cast_triton(
         bm = min(next_pow2(rows), max(1, 128 // nb))
         cfg = {"BM": bm, "NB": nb, "num_warps": 1}
     grid = (cdiv(rows, cfg["BM"]) * cdiv(n_tiles, cfg["NB"]),)
-    _block_cast_kernel[grid](
+    jit(_block_cast_kernel, x2d)[grid](
         x2d, q.view(torch.uint8), scale_inv, rows, cols, n_tiles, x2d.stride(0), x2d.stride(1),
         SQUARE=block_dim == 2, MAX_BITS=spec.max_bits, MANT_BITS=spec.mant_bits,
         MIN_EXP=spec.min_exp, FP8_MAX=spec.max, POW2=bool(use_power_2_scales), **cfg,

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 from dist_quant.kernels._fp8_round import _INTERPRETED, fp8_decode, fp8_spec, is_gpu, to_bf16_bits
+from dist_quant.kernels._launch import jit
 
 K_BLOCK = 128  # the Float8 block-scaling tile width: one scale per operand row per K step
 
@@ -223,7 +224,7 @@ def block_scaled_gemm_triton(
     a_spec, b_spec = fp8_spec(a_data.dtype, what), fp8_spec(b_data.dtype, what)
     out_view = out.view(torch.int16) if out_dtype == torch.bfloat16 else out
     grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]),)
-    _block_scaled_gemm_kernel[grid](
+    jit(_block_scaled_gemm_kernel, a_data)[grid](
         a_data, b_data, a_scale_inv, b_scale_inv, out if bias is None else bias, out_view,
         m, n, k, a_data.stride(0), a_data.stride(1), b_data.stride(0), b_data.stride(1),
         a_scale_inv.stride(0), a_scale_inv.stride(1), b_scale_inv.stride(0), b_scale_inv.stride(1),

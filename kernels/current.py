@@ -31,7 +31,7 @@ from dist_quant.kernels._fp8_round import (
     next_pow2,
     reciprocal,
 )
-from dist_quant.kernels._launch import FastLaunch, launch_config
+from dist_quant.kernels._launch import FastLaunch, jit, launch_config
 from dist_quant.kernels.cast import AmaxPartials, launch_cast
 
 # GPU amax pass: BLOCK elements per loop step, PROGRAMS_PER_SM persistent programs per SM
@@ -130,7 +130,7 @@ def amax_triton(x: torch.Tensor) -> torch.Tensor:
         return out
     partials = _amax_partials(x.detach())
     p_block = next_pow2(partials.numel())
-    _amax_finalize_kernel[(1,)](partials, partials.numel(), out, P_BLOCK=p_block)
+    jit(_amax_finalize_kernel, partials)[(1,)](partials, partials.numel(), out, P_BLOCK=p_block)
     return out
 
 
@@ -152,7 +152,7 @@ def current_scale_triton(
     n = a_flat.numel()
     if n:
         block = 1024
-        _current_scale_kernel[(cdiv(n, block),)](
+        jit(_current_scale_kernel, a_flat)[(cdiv(n, block),)](
             a_flat, scale_flat, scale_inv.as_strided((n,), (1,)), n, float(amax_epsilon),
             FP8_MAX=spec.max, POW2=bool(use_power_2_scales), BLOCK=block,
         )  # fmt: skip

@@ -24,6 +24,7 @@ from dist_quant.kernels._fp8_round import (
     scalar_fp32,
     to_bf16_bits,
 )
+from dist_quant.kernels._launch import jit
 
 _OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -125,7 +126,7 @@ def dequantize_triton(
     n = q_flat.numel()
     if n:
         cfg = GPU_FLAT if is_gpu(q) else {"BLOCK": 1 << 15, "num_warps": 1}
-        _dequantize_flat_kernel[(triton.cdiv(n, cfg["BLOCK"]),)](
+        jit(_dequantize_flat_kernel, q_flat)[(triton.cdiv(n, cfg["BLOCK"]),)](
             q_flat.view(torch.uint8), s, _store_view(out_flat), n, MANT_BITS=spec.mant_bits,
             MIN_EXP=spec.min_exp, HAS_INF=spec.has_inf, OUT_KIND=kind, **cfg,
         )  # fmt: skip
@@ -159,7 +160,7 @@ def _launch_grouped(
         bm = min(triton.next_power_of_2(rows), max(1, 16384 // (nb * group)))
         cfg = {"BM": bm, "NB": nb, "num_warps": 1}
     grid = (triton.cdiv(rows, cfg["BM"]) * triton.cdiv(n_groups, cfg["NB"]),)
-    _dequantize_grouped_kernel[grid](
+    jit(_dequantize_grouped_kernel, q2d)[grid](
         q2d, scales, _store_view(out), rows, cols, n_groups, q2d.stride(0), q2d.stride(1),
         G=group, ROW_GROUP=row_group, E8M0=e8m0, MANT_BITS=spec.mant_bits,
         MIN_EXP=spec.min_exp, HAS_INF=spec.has_inf, OUT_KIND=kind, **cfg,

@@ -25,6 +25,7 @@ from dist_quant.kernels._fp8_round import (
     is_gpu,
     rows_cols,
 )
+from dist_quant.kernels._launch import jit
 
 MXFP8_BLOCK = 32
 
@@ -154,7 +155,7 @@ def mxfp8_cast_triton(
                 bn = min(triton.next_power_of_2(cols), max(128, 512 // nb))
                 cfg = {"NB": nb, "BN": bn, "num_warps": 1}
             grid = (triton.cdiv(n_blocks, cfg["NB"]) * triton.cdiv(cols, cfg["BN"]),)
-            _mxfp8_columnwise_kernel[grid](
+            jit(_mxfp8_columnwise_kernel, x2d)[grid](
                 x2d, q.view(torch.uint8), e8m0, rows, cols, n_blocks, x2d.stride(0),
                 x2d.stride(1), **cfg, **consts,
             )  # fmt: skip
@@ -170,7 +171,7 @@ def mxfp8_cast_triton(
             bm = min(triton.next_power_of_2(rows), max(1, 512 // nb))
             cfg = {"BM": bm, "NB": nb, "num_warps": 1}
         grid = (triton.cdiv(rows, cfg["BM"]) * triton.cdiv(n_blocks, cfg["NB"]),)
-        _mxfp8_rowwise_kernel[grid](
+        jit(_mxfp8_rowwise_kernel, x2d)[grid](
             x2d, q.view(torch.uint8), e8m0, rows, cols, n_blocks, x2d.stride(0), x2d.stride(1),
             **cfg, **consts,
         )  # fmt: skip

@@ -16,6 +16,15 @@ contiguous; per-tensor scales are 1-element fp32 tensors. Inputs are detached by
 derivative (quantized data is not differentiable; autograd lives in the modules' Functions).
 
 Delayed-update algorithms travel as integer codes (``ALGO_CODES``): a schema has no list of strings.
+
+Under ``torch.compile`` a CUDA tensor goes to a second registration of the same launcher,
+``dist_quant::<name>_triton``, made with ``torch.library.triton_op``: AOTAutograd traces into the
+launcher, whose launches go through ``wrap_triton`` (``_launch.jit``), so the graph holds the Triton
+kernel calls themselves and inductor launches them from its generated code, with no Python of ours
+per call (an opaque custom op costs the eager launcher's host time in every compiled step). The
+kernels and their arguments are the eager ones, so the compiled step computes the same bits. CPU
+tensors, and the ops whose launcher keeps host-side state (the delayed update's cached plans),
+stay opaque custom ops under compile.
 """
 
 from __future__ import annotations
@@ -34,21 +43,26 @@ from dist_quant.kernels.current import (
 )
 from dist_quant.kernels.delayed_update import delayed_scaling_update_groups_triton
 from torch import Tensor
-from torch.library import custom_op
+from torch.library import custom_op, triton_op
 
 
 class Op:
     """A registered op and the two functions it runs: called eagerly it runs the function for the
     tensors' device directly (the same computation, without the dispatcher's Python overhead of
-    ~30-60 us a call on the CPU); while torch.compile traces, it is the op itself."""
+    ~30-60 us a call on the CPU); while torch.compile traces, it is the op itself, or for CUDA
+    tensors its ``triton_op`` twin (``inlined``) when the launcher is traceable."""
 
-    def __init__(self, op: Any, default: Callable | None, cuda: Callable | None) -> None:
-        self.op, self.default, self.cuda = op, default, cuda
+    def __init__(
+        self, op: Any, default: Callable | None, cuda: Callable | None, inlined: Any = None
+    ) -> None:
+        self.op, self.default, self.cuda, self.inlined = op, default, cuda, inlined
 
     def __call__(self, *args: Any) -> Any:
-        if torch.compiler.is_compiling():
-            return self.op(*args)
         first = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
+        if torch.compiler.is_compiling():
+            if first.is_cuda and self.inlined is not None:
+                return self.inlined(*args)
+            return self.op(*args)
         fn = self.cuda if first.is_cuda and self.cuda is not None else self.default
         if fn is None:
             raise RuntimeError(f"{self.op}: no kernel for {first.device} tensors")
@@ -61,7 +75,12 @@ def register_op(
     default: Callable | None,
     cuda: Callable | None,
     fake: Callable,
+    *,
+    traceable: bool = True,
 ) -> Op:
+    """``dist_quant::<name>`` (``default`` on every device, ``cuda`` on CUDA, ``fake`` for tracing),
+    plus ``dist_quant::<name>_triton`` from the CUDA launcher when it is ``traceable``: it runs
+    only torch ops on the shapes it is given and launches through ``_launch``."""
     impl = default if default is not None else cuda
     op = custom_op(
         f"dist_quant::{name}",
@@ -72,7 +91,10 @@ def register_op(
     if default is not None and cuda is not None:
         op.register_kernel("cuda")(cuda)
     op.register_fake(fake)
-    return Op(op, default, cuda)
+    inlined = None
+    if cuda is not None and traceable:
+        inlined = triton_op(f"dist_quant::{name}_triton", cuda, mutates_args=mutates_args)
+    return Op(op, default, cuda, inlined)
 
 
 ALGO_CODES = {"max": 0, "most_recent": 1}
@@ -84,7 +106,8 @@ def rows_cols(x: Tensor) -> tuple[int, int]:
 
 
 def _pair(q: Tensor, q_t: Tensor) -> tuple[Tensor, Tensor]:
-    """Two distinct outputs: the transpose of a (1, n) or (n, 1) ``q`` is ``q`` itself."""
+    """Two distinct outputs: the reference's transpose of a (1, n) or (n, 1) ``q`` is ``q`` itself
+    (the Triton launchers always write two buffers)."""
     if q_t.untyped_storage().data_ptr() == q.untyped_storage().data_ptr():
         q_t = q_t.clone()
     return q, q_t
@@ -126,8 +149,7 @@ def _cast_transpose_ref(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> tup
 
 
 def _cast_transpose_cuda(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    q, q_t = cast_transpose_triton(x, scale, fp8_dtype)
-    return _pair(q, q_t)
+    return cast_transpose_triton(x, scale, fp8_dtype)
 
 
 def _cast_transpose_fake(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -168,8 +190,7 @@ def _cast_transpose_with_amax_ref(
 def _cast_transpose_with_amax_cuda(
     x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, amax_out: Tensor
 ) -> tuple[Tensor, Tensor]:
-    q, q_t = cast_transpose_triton(x, scale, fp8_dtype, amax_out=amax_out)
-    return _pair(q, q_t)
+    return cast_transpose_triton(x, scale, fp8_dtype, amax_out=amax_out)
 
 
 def _cast_transpose_with_amax_fake(
@@ -216,7 +237,7 @@ def _delayed_cast_transpose_cuda(
     x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, amax_out: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
     q, q_t, scale_inv = delayed_cast_triton(x, scale, fp8_dtype, amax_out, transpose=True)
-    return (*_pair(q, q_t), scale_inv)
+    return q, q_t, scale_inv
 
 
 def _delayed_cast_transpose_fake(
@@ -427,4 +448,5 @@ delayed_scaling_update_groups = register_op(
     _delayed_scaling_update_groups_ref,
     _delayed_scaling_update_groups_cuda,
     _delayed_scaling_update_groups_fake,
+    traceable=False,  # its launcher caches plans keyed on buffer addresses
 )
