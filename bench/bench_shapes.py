@@ -4,8 +4,10 @@ For each shape M x K x N (tokens x in x out, bf16 activations and weights, no bi
 in one process on one GPU:
 
 - BF16 `nn.Linear`, dist-quant delayed scaling and current scaling, each eager, CUDA-graphed
-  (`torch.cuda.make_graphed_callables` / `dist_quant.make_graphed_callables`) and
-  `torch.compile(fullgraph=True)`'d;
+  (`torch.cuda.make_graphed_callables` / `dist_quant.make_graphed_callables`: the forward and
+  backward graphed, autocast's bookkeeping and the delayed update eager around them), whole-step
+  graphed (`dist_quant.GraphedStep` over the step: autocast, forward, backward and the delayed
+  update in one graph, the same for BF16) and `torch.compile(fullgraph=True)`'d;
 - torchao's `Float8Linear` (tensorwise scaling) compiled, when torchao is installed (else "-");
 
 and prints the median GPU time of a step (`triton.testing.do_bench`), the host time to issue one
@@ -13,7 +15,7 @@ step (Python + launches, no sync), and each variant's ratio over BF16 run the sa
 step of each dist-quant variant in this fresh process is timed separately (it includes Triton's
 compilation of the kernels it is the first to use; later variants reuse them).
 
-    python bench/bench_shapes.py [--shapes 4096x4096x4096,...] [--modes eager,graphed,compiled]
+    python bench/bench_shapes.py [--shapes 4096x4096x4096,...] [--modes eager,graphed,step,compiled]
     python bench/bench_shapes.py --dry-run      # tiny CPU run of every eager path, no timing
 """
 
@@ -36,7 +38,7 @@ SHAPES = [
     (8192, 4096, 1792),  # Llama MLP, TP=8
     (8192, 8192, 8192),
 ]
-MODES = ("eager", "graphed", "compiled")
+MODES = ("eager", "graphed", "step", "compiled")
 RECIPES = {"dq delayed": dq.DelayedScaling(), "dq current": dq.Float8CurrentScaling()}
 HOST_STEPS = 20
 
@@ -111,6 +113,8 @@ def bench_shape(m: int, k: int, n: int, modes: list[str], cold: dict[str, float]
                 continue
             module, recipe = built
             step = make_step(module, x, dy, recipe)
+            if mode == "step":  # the whole step in one CUDA graph; its warm-up steps are real
+                step = dq.GraphedStep(step, module)
             key = f"{label} {mode}"
             if recipe is not None and key not in cold:
                 cold[key] = _first_step_s(step)

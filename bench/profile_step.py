@@ -37,8 +37,8 @@ def kernels_per_step(step):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
-    return names
+    # (kernel name, GPU us) in launch order
+    return [(e.name, e.device_time) for e in prof.events() if e.device_type.name == "CUDA"]
 
 
 def print_compact(stats: pstats.Stats, sort: str, top: int, steps: int) -> None:
@@ -60,6 +60,8 @@ def main():
     p.add_argument("--recipes", default="off,bf16,delayed,current")
     p.add_argument("--graphed", action="store_true", help="dq.make_graphed_callables the Linear")
     p.add_argument("--sort", default="tottime", help="cProfile sort key (tottime, cumulative)")
+    p.add_argument("--kernel-times", action="store_true", help="each kernel's GPU time")
+    p.add_argument("--no-cprofile", action="store_true", help="skip the cProfile table")
     a = p.parse_args()
     m, k, n = (int(v) for v in a.shape.split("x"))
     torch.manual_seed(0)
@@ -85,8 +87,16 @@ def main():
         torch.cuda.synchronize()
         h = host_us(step)
         ks = kernels_per_step(step)
-        summary.append(f"{a.shape} {label}: host {h:.0f} us/step, {len(ks)} kernels")
+        gpu = sum(us for _, us in ks)
+        summary.append(
+            f"{a.shape} {label}: host {h:.0f} us/step, {len(ks)} kernels, {gpu:.0f} us of kernels"
+        )
+        if a.kernel_times:
+            for name, us in ks:
+                print(f"  {us:8.1f} us  {name[:90]}")
         print("==", summary[-1])
+        if a.no_cprofile:
+            continue
         pr = cProfile.Profile()
         pr.enable()
         for _ in range(20):

@@ -6,11 +6,13 @@ subnormals included, saturating to +-max). The final conversion of that exact va
 - under ``TRITON_INTERPRET=1`` the byte is packed with integer ops, because the interpreter's float8
   conversion truncates (drops the rounding carry) and turns NaN/inf into wrong codes (measured on
   Triton 3.9: 1+3*2**-8 -> 0x38, NaN -> 0x7C);
-- compiled for a GPU, the hardware converts the already-rounded value (exact: no rounding is left
-  to do), which costs fewer instructions than packing: these kernels are ALU-bound, not
-  memory-bound, with the integer packing (measured on H200, see BENCHMARKS.md).
+- compiled for a GPU, the hardware converts the clamped fp32 value itself (``cvt.rn``: round to
+  nearest even, FP8 subnormals included), with no explicit rounding: the explicit path is a dozen
+  ALU ops per element, and these kernels were bound by instruction issue with it, not by memory
+  (measured on H200, see BENCHMARKS.md).
 Both paths are checked bit for bit against ``reference.py``: the CPU tests run the first, the GPU
-tests the second.
+tests the second, on every bf16 value and on every rounding tie of both formats
+(``tests/kernels/test_triton_gpu.py``).
 
 NaN becomes the byte 0x7F (a NaN in both formats). Its sign is not part of the contract: torch's own
 CPU cast yields 0x7F or 0xFF for the same NaN depending on input dtype and vector width.
@@ -84,30 +86,30 @@ def fp8_encode(v, MAX_BITS: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.c
     """fp32 ``v`` -> FP8 byte (int32 in [0, 255]): clamp to +-max, round half to even, NaN -> 0x7F.
 
     Clamping first equals the reference's ``clamp(-max, max).to(fp8)``: a value <= max rounds to a
-    code <= max. Rounding: ``c = 2**(max(e, MIN_EXP) + 23 - MANT_BITS)`` has an fp32 ulp equal to
-    the FP8 quantum at ``|v|`` (exponent ``e``; subnormals share MIN_EXP), so the fp32 add
-    ``|v| + c`` rounds to the FP8 grid with ties to even and ``- c`` is exact. Packing: scaling by
-    ``2**(bias - 127)`` (exact; FP8 subnormals become fp32 subnormals) turns the fp32 exponent and
-    top mantissa bits into the FP8 exponent and mantissa fields. About a dozen ALU ops per element.
+    code <= max. On a GPU the hardware conversion rounds. Under the interpreter: ``c = 2**(max(e,
+    MIN_EXP) + 23 - MANT_BITS)`` has an fp32 ulp equal to the FP8 quantum at ``|v|`` (exponent
+    ``e``; subnormals share MIN_EXP), so the fp32 add ``|v| + c`` rounds to the FP8 grid with ties
+    to even and ``- c`` is exact; scaling by ``2**(bias - 127)`` (exact; FP8 subnormals become fp32
+    subnormals) then turns the fp32 exponent and top mantissa bits into the FP8 fields.
     """
     bits = v.to(tl.int32, bitcast=True)
     mag = bits & 0x7FFFFFFF
     is_nan = mag > 0x7F800000
     mag = tl.minimum(mag, MAX_BITS)  # integer order of magnitudes = float order; inf -> max
-    c_bits = tl.maximum(mag & 0x7F800000, (MIN_EXP + 127) << 23) + ((23 - MANT_BITS) << 23)
-    c = c_bits.to(tl.float32, bitcast=True)
-    r = (mag.to(tl.float32, bitcast=True) + c) - c
     if _INTERPRETED:
+        c_bits = tl.maximum(mag & 0x7F800000, (MIN_EXP + 127) << 23) + ((23 - MANT_BITS) << 23)
+        c = c_bits.to(tl.float32, bitcast=True)
+        r = (mag.to(tl.float32, bitcast=True) + c) - c
         code = (r * (2.0 ** (-126 - MIN_EXP))).to(tl.int32, bitcast=True) >> (23 - MANT_BITS)
         return tl.where(is_nan, 0x7F, code | ((bits >> 24) & 0x80))
     else:
-        # |v| rounded, with v's sign put back on the bits: compiled `-r` is `0 - r`, which loses -0
-        sign = (bits >> 31) << 31
-        on_grid = (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+        # the clamped value with v's sign (bit ops keep -0); the hardware conversion rounds it to
+        # nearest even (cvt.rn), subnormals included, which is the whole rounding of the contract
+        clamped = (mag | (bits & -0x80000000)).to(tl.float32, bitcast=True)
         if MANT_BITS == 3:
-            q = on_grid.to(tl.float8e4nv)
+            q = clamped.to(tl.float8e4nv, fp_downcast_rounding="rtne")
         else:
-            q = on_grid.to(tl.float8e5)
+            q = clamped.to(tl.float8e5, fp_downcast_rounding="rtne")
         return tl.where(is_nan, 0x7F, q.to(tl.uint8, bitcast=True).to(tl.int32))
 
 

@@ -263,12 +263,13 @@ def test_gemm_routes_block_operands_to_the_kernel_on_hopper(monkeypatch):
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the block-scaled GEMM path needs sm90+")
     calls = []
+    routed = gemm_mod.block_scaled_gemm  # the dispatcher gemm() calls for block operands
 
     def spy(*args, **kwargs):
         calls.append(args[2::3])  # the two block dims
-        return block_scaled_gemm_triton(*args, **kwargs)
+        return routed(*args, **kwargs)
 
-    monkeypatch.setattr(gemm_mod, "block_scaled_gemm_triton", spy)
+    monkeypatch.setattr(gemm_mod, "block_scaled_gemm", spy)
     m, n, k = 1000, 1500, 2100  # many tiles of the GPU configuration, ragged in all three dims
     x_q = Float8BlockQuantizer(block_scaling_dim=1).quantize(_x((m, k), 18).cuda())
     w_q = Float8BlockQuantizer(block_scaling_dim=2).quantize(_x((n, k), 19).cuda())

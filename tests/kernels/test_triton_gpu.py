@@ -130,3 +130,45 @@ def test_repeated_launches_of_one_specialisation_stay_exact():
         assert_bitwise_equal(slot, ref.amax(x).reshape(1), f"amax, call {seed}")
         cur = K.current_scaling_cast(x.cuda(), torch.float8_e4m3fn, transpose=False)
         assert_bitwise_equal(cur.amax, ref.amax(x), f"current amax, call {seed}")
+
+
+def _every_bf16() -> torch.Tensor:
+    """All 65536 bf16 bit patterns as a (256, 256) matrix: both signs, every exponent (FP8
+    subnormals, normals, saturation), every mantissa (each FP8 rounding tie of both formats that
+    bf16 can hold), inf and NaN."""
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    return bits.view(torch.bfloat16).reshape(256, 256)
+
+
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("scale", [1.0, 2.0**-5, 0.37, 3.0])
+def test_every_bf16_value_casts_as_the_reference(fp8_dtype, scale):
+    # the GPU kernels leave the rounding to the hardware conversion: this pins it to the contract
+    x = _every_bf16()
+    s = torch.tensor([scale])
+    exp_q, exp_t = ref.cast_transpose(x, s, fp8_dtype)
+    slot = torch.tensor([0.0], device="cuda")
+    out = K.delayed_cast(x.cuda(), s.cuda(), fp8_dtype, slot, transpose=True)
+    assert_bitwise_equal(out.data, exp_q, f"delayed_cast q, scale {scale}")
+    assert_bitwise_equal(out.data_t, exp_t, f"delayed_cast q_t, scale {scale}")
+    assert_bitwise_equal(K.cast_to_fp8(x.cuda(), s.cuda(), fp8_dtype), exp_q, "cast_to_fp8")
+    q, _ = K.mxfp8_cast(x.cuda(), fp8_dtype)
+    assert_bitwise_equal(q, ref.mxfp8_cast(x, fp8_dtype)[0].contiguous(), "mxfp8_cast q")
+
+
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp32_rounding_ties_go_to_the_even_code(fp8_dtype):
+    # every midpoint between neighbouring FP8 values (exact in fp32: one bit past FP8's mantissa),
+    # and the one past max, with both signs and one ulp either side of each
+    grid = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8_dtype).float()
+    grid = grid[torch.isfinite(grid) & (grid >= 0)].unique().double()
+    grid = torch.cat([grid, (2 * grid[-1] - grid[-2]).reshape(1)])  # one step past max
+    mids = ((grid[1:] + grid[:-1]) / 2).float()
+    near = torch.cat([mids, torch.nextafter(mids, mids * 2), torch.nextafter(mids, mids * 0)])
+    x = torch.cat([near, -near]).reshape(-1, 1).expand(-1, 64).contiguous()  # (rows, 64)
+    one = torch.tensor([1.0])
+    exp_q, exp_t = ref.cast_transpose(x, one, fp8_dtype)
+    slot = torch.tensor([0.0], device="cuda")
+    out = K.delayed_cast(x.cuda(), one.cuda(), fp8_dtype, slot, transpose=True)
+    assert_bitwise_equal(out.data, exp_q, "ties q")
+    assert_bitwise_equal(out.data_t, exp_t, "ties q_t")
