@@ -235,16 +235,15 @@ def delayed_scaling_update_groups_triton(groups: Sequence[Sequence]) -> None:
     the device happen once per list.
     """
     key = _identity_key(groups)
-    plan = _PLANS.get(key) if key is not None else None
-    if plan is not None and plan.is_current():
-        _PLANS.move_to_end(key)
-    else:
+    # popped and put back last (most recently used): no step can fail halfway if another thread
+    # (the autograd engine's, running the backward update) touches the cache in between
+    plan = _PLANS.pop(key, None) if key is not None else None
+    if plan is None or not plan.is_current():
         plan = _Plan(groups)
-        if key is not None and plan.reusable:
-            _PLANS[key] = plan
-            _PLANS.move_to_end(key)
-            if len(_PLANS) > _PLAN_CACHE_SIZE:
-                _PLANS.popitem(last=False)
+    if key is not None and plan.reusable:
+        _PLANS[key] = plan
+        if len(_PLANS) > _PLAN_CACHE_SIZE:
+            _PLANS.popitem(last=False)
     plan.launch()
 
 
