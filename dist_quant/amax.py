@@ -94,13 +94,10 @@ def _group_size(group: Any) -> int:
 def _unique(groups: Sequence[DelayedGroup]) -> list[DelayedGroup]:
     # A module that ran twice in one region (a shared layer, two microbatches) enrols the same
     # buffers twice; its history must still roll exactly once.
-    seen: set[int] = set()
-    out = []
+    first: dict[int, DelayedGroup] = {}
     for g in groups:
-        if id(g.amax_history) not in seen:
-            seen.add(id(g.amax_history))
-            out.append(g)
-    return out
+        first.setdefault(id(g.amax_history), g)
+    return list(first.values())
 
 
 # ---- the group's capacity: the largest slot count it has agreed on --------------------------------
@@ -128,8 +125,8 @@ def reduce_and_update(
     lists of modules differ.
     """
     groups = _unique(groups)
-    reduced = [g for g in groups if g.reduce_amax]
     if _group_size(group) > 1:
+        reduced = [g for g in groups if g.reduce_amax]
         if reduced and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 f"amax reduction ({direction}) over {_group_size(group)} ranks cannot be captured "
@@ -147,14 +144,16 @@ def reduce_and_update(
 def update_groups(groups: Sequence[DelayedGroup]) -> None:
     """History roll + scale compute of every group: the standard ones ("max" / "most_recent", no
     custom scaling function) in one fused launch on CUDA, callables one by one."""
-    standard = [g for g in groups if g.is_standard]
-    if standard:
-        delayed_scaling_update_groups(
-            [(g.amax_history, g.scale, g.fp8_max, g.margin, g.algo) for g in standard]
-        )
+    standard, custom = [], []
     for g in groups:
-        if not g.is_standard:
-            g.update()
+        if g.is_standard:
+            standard.append((g.amax_history, g.scale, g.fp8_max, g.margin, g.algo))
+        else:
+            custom.append(g)
+    if standard:
+        delayed_scaling_update_groups(standard)
+    for g in custom:
+        g.update()
 
 
 def _reduce(reduced: list[DelayedGroup], group: Any, direction: Direction, capacity: int) -> None:

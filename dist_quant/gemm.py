@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from dist_quant.kernels import block_scaled_gemm
-from dist_quant.kinds import SCALED_MM_ALIGNMENT
+from dist_quant.kinds import SCALED_MM_ALIGNMENT, OperandLayout
 from dist_quant.tensor import GemmOperand
 
 _BLOCK_GEMM_OUT = (torch.float32, torch.bfloat16, torch.float16)
@@ -56,15 +56,18 @@ def gemm(
         return (out if bias is None else out + bias.to(out.dtype)).to(out_dtype)
     if _can_use_scaled_mm(a, b):
         # cuBLASLt wants a row-major and b column-major: b.data is (N, K) row-major, so b.data.t()
-        # is (K, N) column-major without a copy. Scales as 0-dim fp32 (torch checks numel == 1).
+        # is (K, N) column-major without a copy (.contiguous() of a contiguous tensor returns it
+        # before reaching the dispatcher).
         # cuBLASLt's bias epilogue exists for 16-bit outputs only; an fp32 output adds it after
         epilogue_bias = bias is not None and out_dtype != torch.float32
+        if epilogue_bias and bias.dtype != out_dtype:
+            bias = bias.to(out_dtype)
         out = torch._scaled_mm(
             a.data.contiguous(),
             b.data.contiguous().t(),
-            scale_a=a.scale_inv.float().reshape(()),
-            scale_b=b.scale_inv.float().reshape(()),
-            bias=bias.to(out_dtype) if epilogue_bias else None,
+            scale_a=_scaled_mm_scale(a.scale_inv),
+            scale_b=_scaled_mm_scale(b.scale_inv),
+            bias=bias if epilogue_bias else None,
             out_dtype=out_dtype,
         )
         return out + bias.float() if bias is not None and not epilogue_bias else out
@@ -91,18 +94,29 @@ def _device_capability(device: torch.device) -> tuple[int, int]:
     return cap
 
 
+def _scaled_mm_scale(scale_inv: Tensor) -> Tensor:
+    """A per-tensor ``scale_inv`` as torch._scaled_mm takes it: a 1-element fp32 tensor, of shape
+    ``(1,)`` so that both operands' scales have one rank (inductor's scaled-mm templates require
+    it). The quantizers' scales already are: each torch call skipped saves microseconds of host
+    time per GEMM."""
+    if scale_inv.dtype != torch.float32:
+        scale_inv = scale_inv.float()
+    return scale_inv if scale_inv.dim() == 1 else scale_inv.reshape(1)
+
+
 def _can_use_scaled_mm(a: Tensor | GemmOperand, b: Tensor | GemmOperand) -> bool:
     if not (isinstance(a, GemmOperand) and isinstance(b, GemmOperand)):
         return False
-    if not (a.scaling.per_tensor and b.scaling.per_tensor):
+    if a.scaling is not OperandLayout.TENSOR or b.scaling is not OperandLayout.TENSOR:
         return False
     if a.fp8_dtype == b.fp8_dtype == torch.float8_e5m2:
         return False
-    if a.data.device.type != "cuda" or b.data.device != a.data.device:
+    device = a.data.device  # a new torch.device object on every access: read once
+    if device.type != "cuda" or b.data.device != device:
         return False
-    if _device_capability(a.data.device) < (8, 9):
+    if _device_capability(device) < (8, 9):
         return False
-    m, k, n = a.shape[0], a.shape[1], b.shape[0]
+    (m, k), n = a.data.shape, b.data.shape[0]
     if min(m, k, n) == 0:  # nothing to multiply; the emulation handles empty shapes
         return False
     return k % SCALED_MM_ALIGNMENT == 0 and n % SCALED_MM_ALIGNMENT == 0

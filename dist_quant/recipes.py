@@ -2,9 +2,10 @@
 
 A recipe is a frozen dataclass validated at construction. `key()` is derived from the dataclass
 fields themselves (never from a second, hand-kept list), so a field added later is part of the key
-automatically; it is recomputed from the current values on every call, so even an
-`object.__setattr__` bypass of the freeze shows up as a new key. Callables inside a recipe (a
-`CustomRecipe` factory, a `DelayedScaling` algorithm) enter the key through `callable_key()`.
+automatically. It is computed once per instance (every `autocast(recipe=...)` entry asks) and kept
+with the field values it was computed from, so even an `object.__setattr__` bypass of the freeze
+shows up as a new key. Callables inside a recipe (a `CustomRecipe` factory, a `DelayedScaling`
+algorithm) enter the key through `callable_key()`.
 
 `digest()` is the key as a stable string (sha256 of its repr, the same in every process): what
 checkpoints record and compare. Each recipe type has a `name`, the first element of its key and
@@ -90,6 +91,10 @@ class Recipe:
     """The recipe type's name: its key's first element and its JSON "type" (the class name
     unless the class sets another)."""
 
+    # (field values, key) of the last key() call. A slot, not a field: outside __dict__ (whose
+    # values are the fields), equality, hashing, repr, replace() and to_dict().
+    __slots__ = ("_key_memo",)
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if "name" not in cls.__dict__:
@@ -100,10 +105,24 @@ class Recipe:
 
         Enums become their value, callables their factory key (`callable_key`).
         """
+        fields_now = tuple(self.__dict__.values())
+        try:
+            fields_then, key = self._key_memo
+            if fields_then == fields_now:
+                return key
+        except AttributeError:  # the first call
+            pass
         values = tuple(
             self._key_value(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
         )
-        return (self.name, values)
+        key = (self.name, values)
+        object.__setattr__(self, "_key_memo", (fields_now, key))  # frozen: bypass the freeze
+        return key
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Only the fields: unpickling sets a slot with setattr, which a frozen dataclass refuses,
+        # and another process computes its own key.
+        return self.__dict__
 
     def digest(self) -> str:
         """The recipe's stable content digest: `key_digest(self.key())` (64 hex digits)."""

@@ -30,6 +30,7 @@ from dist_quant.kernels import ops, ops_block, reference
 from dist_quant.kernels.block_gemm import block_scaled_gemm_triton
 from dist_quant.kernels.cast import DelayedCast, cast_to_fp8_triton, cast_transpose_triton
 from dist_quant.kernels.current import CurrentScalingCast
+from dist_quant.kernels.delayed_update import delayed_scaling_update_groups_triton
 from dist_quant.kernels.dequantize import dequantize_triton
 from torch import Tensor
 
@@ -163,8 +164,22 @@ def delayed_scaling_update(
 
 def delayed_scaling_update_groups(groups: Sequence[Sequence]) -> None:
     """Every ``(amax_history, scale, fp8_max, margin, algo)`` group in place: one op call, one
-    launch on CUDA (the reference one group after another elsewhere)."""
+    launch on CUDA (the reference one group after another elsewhere).
+
+    Eager CUDA calls skip the op and go straight to the launcher the op would run: it validates
+    and tables a list of buffers once and relaunches it while the buffers keep their storage, so a
+    training step's update costs a dict lookup and one launch of host time.
+    """
     if not groups:
+        return
+    first = groups[0]
+    if (
+        len(first) == 5
+        and isinstance(first[0], Tensor)
+        and first[0].is_cuda
+        and not torch.compiler.is_compiling()
+    ):
+        delayed_scaling_update_groups_triton(groups)
         return
     for i, g in enumerate(groups):
         if len(g) != 5 or g[4] not in ops.ALGO_CODES:
@@ -172,13 +187,12 @@ def delayed_scaling_update_groups(groups: Sequence[Sequence]) -> None:
                 f"delayed_scaling_update: group {i}: expected (amax_history, scale, fp8_max, "
                 f"margin, algo) with algo 'max' or 'most_recent', got {g!r}"
             )
-    histories = [g[0] for g in groups]
     limits = [
         g[2] if isinstance(g[2], Tensor) else torch.tensor(float(g[2]), device=g[0].device)
         for g in groups
     ]
     ops.delayed_scaling_update_groups(
-        histories,
+        [g[0] for g in groups],
         [g[1] for g in groups],
         [limit.float() for limit in limits],
         [float(g[3]) for g in groups],

@@ -7,9 +7,11 @@ each updated in place (views into ``scale`` and ``history[0]`` stay valid).
 Packing: the tensors stay where their owners put them. The launcher builds one int64 table with a
 row per program (a group and a chunk of up to BN of its slots): the element offsets of the group's
 history, scale and fp8_max relative to one base tensor (all are fp32 on one device), their strides,
-``L``, ``n``, the chunk's first slot, ``algo`` and the fp32 bits of ``2**margin``. The table is
-cached per distinct list of (pointer, shape, stride, margin, algo), so a training step that updates
-the same buffers every time pays one small host-to-device copy only on its first step.
+``L``, ``n``, the chunk's first slot, ``algo`` and the fp32 bits of ``2**margin``. The table and
+launch configuration are cached per list of tensor objects (by identity, checked against their
+storage pointers on every hit) and margins and algorithms: a training step that updates the same
+buffers every time validates them and copies one small table to the device only on its first step,
+then pays a dict lookup and the launch.
 
 Each program reads its columns' whole history in chunks of R rows, shifting each chunk up one row
 in place. A CTA barrier sits between a chunk's loads and its stores: the thread that stores row
@@ -25,12 +27,10 @@ import torch
 import triton
 import triton.language as tl
 from dist_quant.kernels._fp8_round import f32_bits, is_finite, is_inf, next_pow2
-from dist_quant.kernels._launch import FastLaunch, launch_config
+from dist_quant.kernels._launch import FastLaunch, LaunchConfig, launch_config
 
 _ALGOS = {"max": 0, "most_recent": 1}
 _FIELDS = 14  # int64 table columns, in the order the kernel reads them
-_TABLE_CACHE: OrderedDict[tuple, torch.Tensor] = OrderedDict()
-_TABLE_CACHE_SIZE = 32
 
 
 @triton.jit
@@ -121,20 +121,7 @@ def _check_group(i: int, group: Sequence) -> tuple:
 
 
 def _table(groups: list[tuple], base: torch.Tensor, bn: int) -> torch.Tensor:
-    """The int64 program table (see module docstring); cached by pointers, shapes and options."""
-    key_parts = [base.device, bn]
-    for history, scale, limit, margin, algo in groups:
-        for t in (history, scale, limit):
-            if isinstance(t, torch.Tensor):
-                key_parts += [t.data_ptr(), tuple(t.shape), t.stride()]
-            else:
-                key_parts.append(t)
-        key_parts += [margin, algo]
-    key = tuple(key_parts)
-    cached = _TABLE_CACHE.get(key)
-    if cached is not None:
-        _TABLE_CACHE.move_to_end(key)
-        return cached
+    """The int64 program table (see module docstring), on ``base``'s device."""
     base_ptr = base.data_ptr()
 
     def offset(t: torch.Tensor) -> int:
@@ -164,73 +151,100 @@ def _table(groups: list[tuple], base: torch.Tensor, bn: int) -> torch.Tensor:
     host = torch.tensor(rows, dtype=torch.int64)
     if base.is_cuda:
         host = host.pin_memory()
-    table = host.to(base.device, non_blocking=True)
-    _TABLE_CACHE[key] = table
-    if len(_TABLE_CACHE) > _TABLE_CACHE_SIZE:
-        _TABLE_CACHE.popitem(last=False)
-    return table
+    return host.to(base.device, non_blocking=True)
+
+
+class _Plan:
+    """A validated list of groups with its program table and launch configuration.
+
+    It holds the caller's objects, so while it is cached no other object can take their ids (the
+    cache key), and the tensors the table points into (a converted fp8_max among them). Identity
+    alone does not pin the memory (``t.data = ...`` and ``set_`` swap a tensor's storage, ``resize_``
+    its shape), so a hit also compares each tensor's pointer, dtype, shape and strides.
+    """
+
+    def __init__(self, groups: Sequence[Sequence]) -> None:
+        self.checked = [_check_group(i, g) for i, g in enumerate(groups)]
+        self.objects = tuple(x for g in groups for x in g[:3])  # history, scale, fp8_max
+        self.tensors = tuple(x for x in self.objects if isinstance(x, torch.Tensor))
+        self.layout = _layout(self.tensors)
+        # A limit _check_group had to convert (another dtype or device) is a copy of its values
+        # as of now: a plan that reads it must not be reused.
+        self.reusable = all(
+            not isinstance(limit, torch.Tensor)
+            or (limit.dtype == torch.float32 and limit.device == scale.device)
+            for _, scale, limit, _, _ in groups
+        )
+        checked = [g for g in self.checked if g[0].shape[1] > 0]
+        self.config: LaunchConfig | None = None  # None: every group is empty, nothing to launch
+        if not checked:
+            return
+        base = checked[0][0]
+        for i, (history, _, _, _, _) in enumerate(checked):
+            if history.device != base.device:
+                raise ValueError(
+                    f"kernels.delayed_update: group {i} is on {history.device}, group 0 on "
+                    f"{base.device}; one launch needs one device"
+                )
+        max_n = max(g[0].shape[1] for g in checked)
+        max_l = max(g[0].shape[0] for g in checked)
+        bn = min(next_pow2(max_n), 128)
+        # A chunk of R rows x BN slots: ~4K elements per step keeps registers modest; a 1024-long
+        # history of a few slots is then one or two chunks.
+        r = max(1, min(next_pow2(max(max_l - 1, 1)), 4096 // bn))
+        table = _table(checked, base, bn)
+        self.grid = (table.shape[0],)
+        self.args = (base, table)
+        self.interpreted = not base.is_cuda
+        self.config = launch_config((("FIELDS", _FIELDS), ("BN", bn), ("R", r)))
+
+    def is_current(self) -> bool:
+        """Every tensor still has the memory and layout the table was built for."""
+        return _layout(self.tensors) == self.layout
+
+    def launch(self) -> None:
+        if self.config is not None:
+            _launch_update(self.grid, self.args, self.config, interpreted=self.interpreted)
+
+
+def _layout(tensors: Sequence[torch.Tensor]) -> list[tuple]:
+    return [(t.data_ptr(), t.dtype, t.shape, t.stride()) for t in tensors]
+
+
+def _identity_key(groups: Sequence[Sequence]) -> tuple | None:
+    """The caller's history, scale and fp8_max objects by id, margin and algo by value; None when
+    a group is malformed (the plan then validates it and raises)."""
+    key: list = []
+    try:
+        for history, scale, limit, margin, algo in groups:
+            key += (id(history), id(scale), id(limit), margin, algo)
+    except (TypeError, ValueError):
+        return None
+    return tuple(key)
+
+
+_PLANS: OrderedDict[tuple, _Plan] = OrderedDict()  # least recently used first
+_PLAN_CACHE_SIZE = 32
 
 
 def delayed_scaling_update_groups_triton(groups: Sequence[Sequence]) -> None:
-    """Update every group in place with one launch (groups with ``n == 0`` are skipped)."""
-    key = _plan_key(groups)
-    plan = _PLAN_CACHE.get(key) if key is not None else None
-    if plan is None:
-        plan = _plan(groups)
-        if key is not None:
-            _PLAN_CACHE[key] = plan
-            if len(_PLAN_CACHE) > _TABLE_CACHE_SIZE:
-                _PLAN_CACHE.popitem(last=False)
-    if plan is _NOTHING:
-        return
-    base, table, cfg = plan
-    _launch_update((table.shape[0],), (base, table), cfg, interpreted=not base.is_cuda)
+    """Update every group in place with one launch (groups with ``n == 0`` are skipped).
 
-
-_NOTHING = ()  # the plan of a list whose groups are all empty
-
-
-def _plan_key(groups: Sequence[Sequence]) -> tuple | None:
-    """What a plan depends on: every tensor's identity, pointer, dtype, shape and stride, and the
-    scalars; None when a group is malformed (the plan then validates it and raises)."""
-    parts: list = []
-    try:
-        for history, scale, limit, margin, algo in groups:
-            for t in (history, scale, limit):
-                if isinstance(t, torch.Tensor):
-                    parts.append((t.data_ptr(), t.dtype, t.shape, t.stride(), t.device))
-                else:
-                    parts.append(t)
-            parts.append((margin, algo))
-    except (TypeError, ValueError):
-        return None
-    return tuple(parts)
-
-
-def _plan(groups: Sequence[Sequence]) -> tuple:
-    """Validate the groups and build their program table and launch configuration."""
-    checked = [_check_group(i, g) for i, g in enumerate(groups)]
-    checked = [g for g in checked if g[0].shape[1] > 0]
-    if not checked:
-        return _NOTHING
-    base = checked[0][0]
-    for i, (history, _, _, _, _) in enumerate(checked):
-        if history.device != base.device:
-            raise ValueError(
-                f"kernels.delayed_update: group {i} is on {history.device}, group 0 on "
-                f"{base.device}; one launch needs one device"
-            )
-    max_n = max(g[0].shape[1] for g in checked)
-    max_l = max(g[0].shape[0] for g in checked)
-    bn = min(next_pow2(max_n), 128)
-    # A chunk of R rows x BN slots: ~4K elements per step keeps registers modest; a 1024-long
-    # history of a few slots is then one or two chunks.
-    r = max(1, min(next_pow2(max(max_l - 1, 1)), 4096 // bn))
-    table = _table(checked, base, bn)
-    return base, table, launch_config((("FIELDS", _FIELDS), ("BN", bn), ("R", r)))
-
-
-_PLAN_CACHE: OrderedDict[tuple, tuple] = OrderedDict()
+    A list of the same tensor objects, with the same storage, margins and algorithms, as one of
+    the last 32 lists costs a dict lookup and the launch: validation, the table and its copy to
+    the device happen once per list.
+    """
+    key = _identity_key(groups)
+    # popped and put back last (most recently used): no step can fail halfway if another thread
+    # (the autograd engine's, running the backward update) touches the cache in between
+    plan = _PLANS.pop(key, None) if key is not None else None
+    if plan is None or not plan.is_current():
+        plan = _Plan(groups)
+    if key is not None and plan.reusable:
+        _PLANS[key] = plan
+        if len(_PLANS) > _PLAN_CACHE_SIZE:
+            _PLANS.popitem(last=False)
+    plan.launch()
 
 
 _launch_update = FastLaunch(_delayed_update_kernel)

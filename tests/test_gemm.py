@@ -161,3 +161,27 @@ def test_scaled_mm_path_adds_the_bias_for_every_output_dtype(out_dtype):
     # bf16 rounds the sum once: half a bf16 ulp of the largest magnitude
     tol = 0.0 if out_dtype == torch.float32 else (without + bias).abs().max().item() * 2.0**-8
     torch.testing.assert_close(with_bias, without + bias, rtol=0, atol=tol)
+
+
+@pytest.mark.gpu
+def test_scaled_mm_path_gives_the_same_bits_for_every_spelling_of_a_per_tensor_scale():
+    """The quantizers' (1,) fp32 scales go to torch._scaled_mm as they are; a hand-built operand's
+    0-dim, (1, 1) or float64 scale is brought to that form, not passed on as something else."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("torch._scaled_mm needs compute capability 8.9+")
+    x, w = _x((64, 128), 12).cuda(), _x((48, 128), 13).cuda()
+    a = Float8CurrentScalingQuantizer(E4M3).quantize(x).rowwise_operand()
+    b = Float8CurrentScalingQuantizer(E4M3).quantize(w).rowwise_operand()
+    assert a.scale_inv.shape == (1,) and a.scale_inv.dtype == torch.float32
+    bias = torch.linspace(-3, 3, 48, device="cuda")
+    want = gemm(a, b, out_dtype=torch.bfloat16, bias=bias)
+    spellings = [
+        lambda s: s.reshape(()),
+        lambda s: s.reshape(1, 1),
+        lambda s: s.double(),  # exact: the values are fp32
+    ]
+    for spell_a in spellings:
+        for spell_b in [lambda s: s, *spellings]:
+            a2 = GemmOperand(a.data, spell_a(a.scale_inv), "tensor", E4M3)
+            b2 = GemmOperand(b.data, spell_b(b.scale_inv), "tensor", E4M3)
+            assert torch.equal(gemm(a2, b2, out_dtype=torch.bfloat16, bias=bias), want)

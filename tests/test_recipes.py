@@ -1,9 +1,11 @@
 """Recipes: validation, semantic keys (incl. fallback keys across processes), JSON round trip."""
 
+import copy
 import dataclasses
 import functools
 import json
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -13,6 +15,7 @@ import warnings
 import pytest
 import torch
 
+from dist_quant import recipes
 from dist_quant.factory_keys import quantizer_factory
 from dist_quant.formats import Format
 from dist_quant.recipes import (
@@ -117,6 +120,29 @@ def test_recipes_are_frozen_and_a_bypassed_freeze_still_changes_the_key():
     assert recipe.key() != before
 
 
+def test_a_recipe_computes_its_key_once(monkeypatch):
+    # autocast(recipe=...) asks for the key on every entry; a factory's key can be a digest of
+    # its code and captures
+    real = recipes.callable_key
+    asked = []
+    monkeypatch.setattr(recipes, "callable_key", lambda fn: asked.append(fn) or real(fn))
+    recipe = CustomRecipe(factory_a)
+    assert recipe.key() is recipe.key()
+    assert asked == [factory_a]
+
+
+def test_the_kept_key_stays_out_of_equality_hashing_copies_and_pickles():
+    recipe = DelayedScaling(margin=1, amax_compute_algo=newest_amax)
+    key = recipe.key()
+    twin = DelayedScaling(margin=1, amax_compute_algo=newest_amax)  # no key asked yet
+    assert recipe == twin and hash(recipe) == hash(twin) and repr(recipe) == repr(twin)
+    assert recipe.to_dict() == twin.to_dict()
+    copies = [pickle.loads(pickle.dumps(recipe)), copy.copy(recipe), copy.deepcopy(recipe)]
+    for other in [*copies, dataclasses.replace(recipe)]:
+        assert other == recipe and other.key() == key
+    assert dataclasses.replace(recipe, margin=2).key() != key
+
+
 def test_explicit_factory_key_replaces_the_factory_and_does_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -196,6 +222,7 @@ def test_keyed_decorator_defaults_to_the_import_path_and_refuses_local_functions
 
 PROBE_SOURCE = """
 import torch
+from dist_quant import recipes
 from dist_quant.factory_keys import quantizer_factory
 from dist_quant.formats import Format
 from dist_quant.recipes import (CustomRecipe, DelayedScaling, Float8BlockScaling,

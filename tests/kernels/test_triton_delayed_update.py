@@ -6,6 +6,9 @@ the reference applied group by group, in place: views into ``scale`` and ``histo
 the update see the new values.
 """
 
+import gc
+import weakref
+
 import pytest
 import torch
 from dist_quant.kernels import delayed_scaling_update_groups
@@ -130,3 +133,122 @@ def test_bad_groups_raise_value_errors_naming_the_group():
         delayed_scaling_update_groups_triton([(h, s, torch.ones(2, device=DEVICE), 0, "max")])
     with pytest.raises(ValueError, match="group 0: margin must be a number >= 0"):
         delayed_scaling_update_groups_triton([(h, s, 448.0, -1, "max")])
+
+
+# A training step passes the same list of buffers every time: the launcher validates and tables a
+# list once and then only launches. These pin that a reused table never writes the wrong memory.
+ENTRY_POINTS = {
+    "launcher": delayed_scaling_update_groups_triton,
+    "dispatcher": delayed_scaling_update_groups,  # CUDA: the launcher's cache; CPU: the reference
+}
+
+
+def _step_and_check(update, groups, expected, step, seed):
+    """One update of ``groups`` and of their CPU copies ``expected`` by the reference, compared,
+    then a fresh row 0 in both (the quantizers' amaxes of the next step)."""
+    update(groups)
+    for h, s, lim, margin, algo in expected:
+        ref.delayed_scaling_update(h, s, lim, margin=margin, algo=algo)
+    g = torch.Generator().manual_seed(seed)
+    for i, ((h, s, *_), (eh, es, *_)) in enumerate(zip(groups, expected)):
+        assert_bitwise_equal(h.contiguous(), eh, f"step {step} group {i} history")
+        assert_bitwise_equal(s.contiguous(), es, f"step {step} group {i} scale")
+        fresh = torch.rand(h.shape[1], generator=g) * 100
+        h[0].copy_(fresh)
+        eh[0].copy_(fresh)
+
+
+def _expected(groups):
+    return [(_copy(h), _copy(s), _cpu(lim), m, a) for h, s, lim, m, a in groups]
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_a_repeated_list_follows_buffers_whose_storage_or_shape_changed(entry):
+    update = ENTRY_POINTS[entry]
+    groups = _groups(DEVICE)
+    expected = _expected(groups)
+    _step_and_check(update, groups, expected, step=0, seed=1)
+    _step_and_check(update, groups, expected, step=1, seed=2)  # the cached table
+    # Same tensor objects, new storage (a loader or the user swapping .data): the old memory must
+    # not be written, the new one must be.
+    h, s, limit, _, _ = groups[3]
+    old_h, old_s = h.data, s.data
+    old_h_bits, old_s_bits = _copy(old_h), _copy(old_s)
+    h.data = h.data.clone() * 2
+    s.set_(s.data.clone() + 1)
+    limit.data = torch.full_like(limit, 57344.0)
+    expected[3] = (_copy(h), _copy(s), _cpu(limit), *expected[3][3:])
+    for step in range(2, 4):
+        _step_and_check(update, groups, expected, step=step, seed=step + 1)
+    # Same object and storage, a shorter history (resize_ keeps the pointer).
+    groups[1][0].resize_(3, groups[1][0].shape[1])
+    expected[1] = (_copy(groups[1][0]), *expected[1][1:])
+    for step in range(4, 6):
+        _step_and_check(update, groups, expected, step=step, seed=step + 1)
+    assert_bitwise_equal(old_h.contiguous(), old_h_bits, "old history storage untouched")
+    assert_bitwise_equal(old_s.contiguous(), old_s_bits, "old scale storage untouched")
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_lists_sharing_buffers_each_update_their_own_groups(entry):
+    update = ENTRY_POINTS[entry]
+    groups = _groups(DEVICE)
+    expected = _expected(groups)
+    h, s, limit, margin, algo = groups[2]
+    eh, es, elimit, _, _ = expected[2]
+    other_h = _history(*h.shape, seed=60).to(DEVICE)
+    other_s = torch.rand(s.shape, generator=torch.Generator().manual_seed(61)).to(DEVICE) + 0.5
+    lists = [  # (groups, their reference copies); shared buffers share their copies too
+        ([groups[i] for i in (0, 1, 2)], [expected[i] for i in (0, 1, 2)]),
+        ([groups[i] for i in (3, 4, 5, 6)], [expected[i] for i in (3, 4, 5, 6)]),
+        ([groups[2], groups[3]], [expected[2], expected[3]]),  # one group of each list above
+        ([groups[2]], [expected[2]]),
+    ]
+    # group 2 with one thing changed: each must be a list of its own (a recipe switch keeps the
+    # history and changes the margin or algorithm; the rest pins the identity of every tensor)
+    other_algo = "most_recent" if algo == "max" else "max"
+    other_limit = torch.full_like(limit, 240.0)
+    for variant, variant_expected in [
+        ((h, s, limit, margin + 1, algo), (eh, es, elimit, margin + 1, algo)),
+        ((h, s, limit, margin, other_algo), (eh, es, elimit, margin, other_algo)),
+        ((other_h, s, limit, margin, algo), (_copy(other_h), es, elimit, margin, algo)),
+        ((h, other_s, limit, margin, algo), (eh, _copy(other_s), elimit, margin, algo)),
+        ((h, s, other_limit, margin, algo), (eh, es, _cpu(other_limit), margin, algo)),
+    ]:
+        lists.append(([variant], [variant_expected]))
+    for step in range(2 * len(lists)):  # the second round takes every list's cached table
+        chosen, chosen_expected = lists[step % len(lists)]
+        _step_and_check(update, chosen, chosen_expected, step=step, seed=10 + step)
+    # Groups outside the list just run must be as the reference left them.
+    for i, ((got_h, got_s, *_), (want_h, want_s, *_)) in enumerate(zip(groups, expected)):
+        assert_bitwise_equal(got_h.contiguous(), want_h, f"group {i} history at the end")
+        assert_bitwise_equal(got_s.contiguous(), want_s, f"group {i} scale at the end")
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_an_fp8_max_of_another_dtype_is_read_on_every_call(entry):
+    # The launcher converts a float64 fp8_max to a float32 copy: a cached table must not keep
+    # reading the copy after the caller changed the original.
+    update = ENTRY_POINTS[entry]
+    h, s = _history(4, 3, seed=50).to(DEVICE), torch.ones(3, device=DEVICE)
+    limit = torch.full((3,), 448.0, dtype=torch.float64, device=DEVICE)
+    groups = [(h, s, limit, 0, "max")]
+    expected = _expected(groups)
+    for step, value in enumerate([448.0, 448.0, 57344.0, 240.0]):
+        limit.fill_(value)
+        expected[0][2].fill_(value)
+        _step_and_check(update, groups, expected, step=step, seed=20 + step)
+
+
+def test_buffers_of_a_list_not_run_lately_are_released():
+    # the table cache is bounded: a deleted module's buffers do not live on in it forever
+    h, s = torch.zeros(2, 3, device=DEVICE), torch.ones(3, device=DEVICE)
+    delayed_scaling_update_groups_triton([(h, s, 448.0, 0, "max")])
+    released = weakref.ref(h)
+    del h, s
+    for _ in range(100):  # other lists, as other models would run
+        delayed_scaling_update_groups_triton(
+            [(torch.zeros(2, 3, device=DEVICE), torch.ones(3, device=DEVICE), 448.0, 0, "max")]
+        )
+    gc.collect()
+    assert released() is None
