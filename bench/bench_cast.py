@@ -17,6 +17,7 @@ the first element is cast), and say so in their name.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from collections.abc import Callable
@@ -25,12 +26,14 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from dist_quant.kernels import block, cast, current, dequantize, mxfp8
+from dist_quant.kernels import block, cast, current, mxfp8
 from dist_quant.kernels import reference as ref
 from triton.testing import do_bench
 
 from dist_quant import kernels as K
 
+# the kernels package exports a `dequantize` function, which hides the submodule's attribute
+dequantize = importlib.import_module("dist_quant.kernels.dequantize")
 E4M3 = torch.float8_e4m3fn
 M = 1 << 20
 
@@ -313,7 +316,7 @@ _SWEEPS = {
     "cast tile": (cast, "GPU_TILE", [
         {"BM": m, "BN": n, "num_warps": w}
         for m, n, w in ((64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8), (32, 128, 4),
-                        (128, 32, 4), (64, 64, 8), (64, 128, 8))]),
+                        (128, 32, 4), (64, 64, 8), (64, 128, 8), (128, 64, 8), (64, 256, 8))]),
     "amax": (current, "GPU_AMAX", [
         {"BLOCK": b, "num_warps": w, "PROGRAMS_PER_SM": p}
         for b, w, p in ((4096, 8, 4), (8192, 8, 4), (4096, 4, 8), (8192, 8, 2), (16384, 8, 2),

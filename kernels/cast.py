@@ -43,10 +43,12 @@ from dist_quant.kernels._launch import FastLaunch, LaunchConfig, launch_config
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # GPU launch configurations (bench/bench_cast.py --sweep measures the alternatives).
-# BLOCK 8192 / 4 warps: 64.2 us for 64M bf16 (cast + amax) on H200, best of BLOCK 4096-16384 x
-# 4-16 warps (8 warps: 68.9 us); 64x64 tiles / 4 warps: 115.4 us with the transpose, best of 8.
+# Swept on H200 with the hardware rounding (2026-12-02, 64M / 256M bf16): BLOCK 8192 / 4 warps
+# 60.2 / 213.2 us for cast + amax (4096 / 4: 59.9 / 215.6; 16384 / 4: 74.1 / 260.1); 128x128
+# tiles / 8 warps 77.4 / 286.9 us with the transpose, best of 10 (64x64 / 4: 91.6 / 344.4;
+# 64x256 / 8: 83.8 / 310.8). Every configuration wrote the same bytes.
 GPU_FLAT = {"BLOCK": 8192, "num_warps": 4}
-GPU_TILE = {"BM": 64, "BN": 64, "num_warps": 4}
+GPU_TILE = {"BM": 128, "BN": 128, "num_warps": 8}
 # Current scaling: walk the cast grid backwards, so the first tiles read are the ones the amax
 # pass read last and may still find in L2. Not measured yet: `bench_cast.py --sweep` times both.
 GPU_REVERSE_AFTER_AMAX = True
