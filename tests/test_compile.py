@@ -18,6 +18,7 @@ import copy
 
 import pytest
 import torch
+from model_state import scaling_buffers
 
 import dist_quant as dq
 
@@ -59,16 +60,6 @@ def _step(model: torch.nn.Module, x: torch.Tensor, recipe=None) -> torch.Tensor:
     return y.detach()
 
 
-def _scaling_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every module's delayed-scaling scale and amax history, read from its checkpoint state."""
-    out = {}
-    for name, value in model.state_dict().items():
-        if name.endswith("_extra_state") and isinstance(value, dict):
-            for buf, t in value.get("buffers", {}).items():
-                out[f"{name}.{buf}"] = t
-    return out
-
-
 def _compare(eager, compiled_src, x_e, x_c, y_e, y_c, *, exact: bool, step: int) -> None:
     where = f"step {step}"
     assert torch.equal(y_e, y_c), f"{where}: outputs differ"
@@ -79,7 +70,7 @@ def _compare(eager, compiled_src, x_e, x_c, y_e, y_c, *, exact: bool, step: int)
         else:
             # inductor's own row sums: fp32 reassociation over <= 16 rows of |dy| <~ 1e2
             torch.testing.assert_close(p_c.grad, p_e.grad, rtol=1e-5, atol=1e-4)
-    buf_e, buf_c = _scaling_buffers(eager), _scaling_buffers(compiled_src)
+    buf_e, buf_c = scaling_buffers(eager), scaling_buffers(compiled_src)
     assert buf_e.keys() == buf_c.keys()
     for name in buf_e:
         assert torch.equal(buf_e[name], buf_c[name]), f"{where}: {name} differs"
@@ -150,7 +141,7 @@ def test_compiled_modules_under_inductor_track_eager(kind: str, recipe: str) -> 
         x_e, x_c = _input(kind, step), _input(kind, step)
         pairs = [(_step(eager, x_e), _step(compiled, x_c)), (x_e.grad, x_c.grad)]
         pairs += [(p.grad, q.grad) for p, q in zip(eager.parameters(), compiled_src.parameters())]
-        buf_e, buf_c = _scaling_buffers(eager), _scaling_buffers(compiled_src)
+        buf_e, buf_c = scaling_buffers(eager), scaling_buffers(compiled_src)
         pairs += [(buf_e[k], buf_c[k]) for k in buf_e]
         for ref, got in pairs:
             assert _sqnr_db(ref, got) > 40, f"step {step}: compiled drifted from eager"
@@ -202,11 +193,11 @@ def test_lazy_autocast_recipe_switch_under_fullgraph_is_refused_not_ignored() ->
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     _step(model, _input("linear", 0), dq.DelayedScaling())  # eager: plans the recipe
     _step(compiled, _input("linear", 1), dq.DelayedScaling())  # compiled: no graph break
-    before = {k: v.clone() for k, v in _scaling_buffers(model).items()}
+    before = {k: v.clone() for k, v in scaling_buffers(model).items()}
     with pytest.raises(Exception, match="_resolve_outside_graph|disable"):
         _step(compiled, _input("linear", 2), dq.Float8CurrentScaling())
     assert dq.current_recipe(model) == dq.DelayedScaling()
-    after = _scaling_buffers(model)
+    after = scaling_buffers(model)
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 

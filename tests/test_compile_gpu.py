@@ -13,6 +13,7 @@ import copy
 
 import pytest
 import torch
+from model_state import scaling_buffers
 from torch._inductor.utils import run_and_get_code
 
 import dist_quant as dq
@@ -58,15 +59,6 @@ def _step(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return y.detach()
 
 
-def _scaling_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, value in model.state_dict().items():
-        if name.endswith("_extra_state") and isinstance(value, dict):
-            for buf, t in value.get("buffers", {}).items():
-                out[f"{name}.{buf}"] = t
-    return out
-
-
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_inductor_step_on_cuda_matches_eager_bit_for_bit(recipe: str) -> None:
     eager = _linear()
@@ -80,7 +72,7 @@ def test_inductor_step_on_cuda_matches_eager_bit_for_bit(recipe: str) -> None:
         assert torch.equal(y_e, y_c), f"step {step}: outputs differ"
         assert torch.equal(x_e.grad, x_c.grad), f"step {step}: input gradients differ"
         assert torch.equal(eager.weight.grad, compiled_src.weight.grad), f"step {step}: dW differs"
-        buf_e, buf_c = _scaling_buffers(eager), _scaling_buffers(compiled_src)
+        buf_e, buf_c = scaling_buffers(eager), scaling_buffers(compiled_src)
         assert buf_e.keys() == buf_c.keys()
         for name in buf_e:
             assert torch.equal(buf_e[name], buf_c[name]), f"step {step}: {name} differs"

@@ -14,6 +14,7 @@ import copy
 
 import pytest
 import torch
+from model_state import scaling_buffers
 
 import dist_quant as dq
 
@@ -40,21 +41,12 @@ def _batch(step: int) -> torch.Tensor:
     )
 
 
-def _buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, value in model.state_dict().items():
-        if name.endswith("_extra_state") and isinstance(value, dict):
-            for buf, t in value.get("buffers", {}).items():
-                out[f"{name}.{buf}"] = t
-    return out
-
-
 def _assert_same_state(eager: torch.nn.Module, graphed: torch.nn.Module, where: str) -> None:
     for (name, p_e), p_g in zip(eager.named_parameters(), graphed.parameters()):
         assert torch.equal(p_e, p_g), f"{where}: parameter {name} differs"
         if p_e.grad is not None or p_g.grad is not None:
             assert torch.equal(p_e.grad, p_g.grad), f"{where}: {name}.grad differs"
-    b_e, b_g = _buffers(eager), _buffers(graphed)
+    b_e, b_g = scaling_buffers(eager), scaling_buffers(graphed)
     assert b_e.keys() == b_g.keys()
     for name in b_e:
         assert torch.equal(b_e[name], b_g[name]), f"{where}: {name} differs"
