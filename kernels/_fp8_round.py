@@ -6,10 +6,11 @@ subnormals included, saturating to +-max). The final conversion of that exact va
 - under ``TRITON_INTERPRET=1`` the byte is packed with integer ops, because the interpreter's float8
   conversion truncates (drops the rounding carry) and turns NaN/inf into wrong codes (measured on
   Triton 3.9: 1+3*2**-8 -> 0x38, NaN -> 0x7C);
-- compiled for a GPU, the hardware converts the clamped fp32 value itself (``cvt.rn``: round to
-  nearest even, FP8 subnormals included), with no explicit rounding: the explicit path is a dozen
-  ALU ops per element, and these kernels were bound by instruction issue with it, not by memory
-  (measured on H200, see BENCHMARKS.md).
+- compiled for a GPU with native FP8 conversions (sm89+, ``hw_rounding``), the hardware converts
+  the clamped fp32 value itself (``cvt.rn``: round to nearest even, FP8 subnormals included), with
+  no explicit rounding: the explicit path is a dozen ALU ops per element, and these kernels were
+  bound by instruction issue with it, not by memory (measured on H200, see BENCHMARKS.md); an
+  older GPU rounds explicitly and converts the already exact value.
 Both paths are checked bit for bit against ``reference.py``: the CPU tests run the first, the GPU
 tests the second, on every bf16 value and on every rounding tie of both formats
 (``tests/kernels/test_triton_gpu.py``).
@@ -82,11 +83,18 @@ _INTERPRETED = tl.constexpr(
 
 
 @triton.jit
-def fp8_encode(v, MAX_BITS: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
+def fp8_encode(
+    v,
+    MAX_BITS: tl.constexpr,
+    MANT_BITS: tl.constexpr,
+    MIN_EXP: tl.constexpr,
+    HW_ROUND: tl.constexpr,
+):
     """fp32 ``v`` -> FP8 byte (int32 in [0, 255]): clamp to +-max, round half to even, NaN -> 0x7F.
 
     Clamping first equals the reference's ``clamp(-max, max).to(fp8)``: a value <= max rounds to a
-    code <= max. On a GPU the hardware conversion rounds. Under the interpreter: ``c = 2**(max(e,
+    code <= max. With ``HW_ROUND`` (a GPU whose FP8 conversion is native, ``hw_rounding``) the
+    hardware conversion rounds. Otherwise: ``c = 2**(max(e,
     MIN_EXP) + 23 - MANT_BITS)`` has an fp32 ulp equal to the FP8 quantum at ``|v|`` (exponent
     ``e``; subnormals share MIN_EXP), so the fp32 add ``|v| + c`` rounds to the FP8 grid with ties
     to even and ``- c`` is exact; scaling by ``2**(bias - 127)`` (exact; FP8 subnormals become fp32
@@ -96,21 +104,26 @@ def fp8_encode(v, MAX_BITS: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.c
     mag = bits & 0x7FFFFFFF
     is_nan = mag > 0x7F800000
     mag = tl.minimum(mag, MAX_BITS)  # integer order of magnitudes = float order; inf -> max
-    if _INTERPRETED:
+    sign = bits & -0x80000000
+    if HW_ROUND and not _INTERPRETED:
+        # the clamped value with v's sign (bit ops keep -0); the hardware conversion rounds it to
+        # nearest even (cvt.rn), subnormals included, which is the whole rounding of the contract
+        on_grid = (mag | sign).to(tl.float32, bitcast=True)
+    else:
         c_bits = tl.maximum(mag & 0x7F800000, (MIN_EXP + 127) << 23) + ((23 - MANT_BITS) << 23)
         c = c_bits.to(tl.float32, bitcast=True)
         r = (mag.to(tl.float32, bitcast=True) + c) - c
-        code = (r * (2.0 ** (-126 - MIN_EXP))).to(tl.int32, bitcast=True) >> (23 - MANT_BITS)
-        return tl.where(is_nan, 0x7F, code | ((bits >> 24) & 0x80))
+        if _INTERPRETED:
+            code = (r * (2.0 ** (-126 - MIN_EXP))).to(tl.int32, bitcast=True) >> (23 - MANT_BITS)
+            return tl.where(is_nan, 0x7F, code | ((bits >> 24) & 0x80))
+        # |v| rounded, with v's sign put back on the bits: compiled `-r` is `0 - r`, which loses -0
+        # (a GPU converting in software: the value is exact, so its rounding never matters)
+        on_grid = (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    if MANT_BITS == 3:
+        q = on_grid.to(tl.float8e4nv, fp_downcast_rounding="rtne")
     else:
-        # the clamped value with v's sign (bit ops keep -0); the hardware conversion rounds it to
-        # nearest even (cvt.rn), subnormals included, which is the whole rounding of the contract
-        clamped = (mag | (bits & -0x80000000)).to(tl.float32, bitcast=True)
-        if MANT_BITS == 3:
-            q = clamped.to(tl.float8e4nv, fp_downcast_rounding="rtne")
-        else:
-            q = clamped.to(tl.float8e5, fp_downcast_rounding="rtne")
-        return tl.where(is_nan, 0x7F, q.to(tl.uint8, bitcast=True).to(tl.int32))
+        q = on_grid.to(tl.float8e5, fp_downcast_rounding="rtne")
+    return tl.where(is_nan, 0x7F, q.to(tl.uint8, bitcast=True).to(tl.int32))
 
 
 @triton.jit
@@ -251,6 +264,19 @@ def cdiv(a: int, b: int) -> int:
 def next_pow2(n: int) -> int:
     """``triton.next_power_of_2`` for ``n >= 1`` (1 for ``n <= 1``), in plain Python."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+@functools.cache
+def _native_fp8(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def hw_rounding(x: torch.Tensor) -> bool:
+    """Whether kernels on ``x``'s device may leave the FP8 rounding to the hardware conversion:
+    compiled for a GPU with native FP8 conversions (sm89+: Triton emits ``cvt.rn.satfinite``).
+    For sm80 Triton converts E5M2 in software through ``cvt.rz.f16x2.f32`` (round toward zero;
+    read in the PTX Triton 3.9 generates), so older GPUs round explicitly first."""
+    return x.device.type == "cuda" and _native_fp8(x.device)
 
 
 def is_gpu(x: torch.Tensor) -> bool:

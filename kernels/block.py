@@ -20,6 +20,7 @@ from dist_quant.kernels._fp8_round import (
     cdiv,
     fp8_encode,
     fp8_spec,
+    hw_rounding,
     is_gpu,
     next_pow2,
     reciprocal,
@@ -54,6 +55,7 @@ def _block_cast_kernel(
     MIN_EXP: tl.constexpr,
     FP8_MAX: tl.constexpr,
     POW2: tl.constexpr,
+    HW_ROUND: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_col_tiles = tl.cdiv(n_tiles, NB)
@@ -69,7 +71,7 @@ def _block_cast_kernel(
     if SQUARE:
         m = tl.max(m, axis=0)[None, :]  # [1, NB]: one amax per 128x128 tile
     s = scale_from_amax(amax_from_bits(m), FP8_MAX, POW2)
-    code = fp8_encode(x * s[:, :, None], MAX_BITS, MANT_BITS, MIN_EXP)
+    code = fp8_encode(x * s[:, :, None], MAX_BITS, MANT_BITS, MIN_EXP, HW_ROUND)
     tl.store(q_ptr + r3 * cols + c3, code.to(tl.uint8), mask=mask)
     if SQUARE:
         s_offs = pid_m * n_tiles + b[None, :]
@@ -113,6 +115,7 @@ def block_cast_triton(
     jit(_block_cast_kernel, x2d)[grid](
         x2d, q.view(torch.uint8), scale_inv, rows, cols, n_tiles, x2d.stride(0), x2d.stride(1),
         SQUARE=block_dim == 2, MAX_BITS=spec.max_bits, MANT_BITS=spec.mant_bits,
-        MIN_EXP=spec.min_exp, FP8_MAX=spec.max, POW2=bool(use_power_2_scales), **cfg,
+        MIN_EXP=spec.min_exp, FP8_MAX=spec.max, POW2=bool(use_power_2_scales),
+        HW_ROUND=hw_rounding(x), **cfg,
     )  # fmt: skip
     return q, scale_inv

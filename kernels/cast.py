@@ -32,6 +32,7 @@ from dist_quant.kernels._fp8_round import (
     flat_pair,
     fp8_encode,
     fp8_spec,
+    hw_rounding,
     is_gpu,
     next_pow2,
     reciprocal,
@@ -130,6 +131,7 @@ def _cast_kernel(
     P_BLOCK: tl.constexpr,
     REVERSE: tl.constexpr,
     WRITE_INV: tl.constexpr,
+    HW_ROUND: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if REVERSE:  # read the tail first: it is what the amax pass left in L2
@@ -151,7 +153,7 @@ def _cast_kernel(
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    code = fp8_encode(x * scale, MAX_BITS, MANT_BITS, MIN_EXP)
+    code = fp8_encode(x * scale, MAX_BITS, MANT_BITS, MIN_EXP, HW_ROUND)
     tl.store(q_ptr + offs, code.to(tl.uint8), mask=mask)
     if WITH_AMAX:
         tl.atomic_max(amax_acc_ptr, tl.max(abs_bits(x), axis=0), sem="relaxed")
@@ -187,6 +189,7 @@ def _cast_transpose_kernel(
     P_BLOCK: tl.constexpr,
     REVERSE: tl.constexpr,
     WRITE_INV: tl.constexpr,
+    HW_ROUND: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if REVERSE:
@@ -211,7 +214,7 @@ def _cast_transpose_kernel(
     mask = (r < rows)[:, None] & (c < cols)[None, :]
     x = tl.load(x_ptr + r[:, None] * stride_xr + c[None, :] * stride_xc, mask=mask, other=0.0)
     x = x.to(tl.float32)
-    code = fp8_encode(x * scale, MAX_BITS, MANT_BITS, MIN_EXP).to(tl.uint8)
+    code = fp8_encode(x * scale, MAX_BITS, MANT_BITS, MIN_EXP, HW_ROUND).to(tl.uint8)
     tl.store(q_ptr + r[:, None] * stride_qr + c[None, :] * stride_qc, code, mask=mask)
     # The compiler picks a row-contiguous layout for this store (through shared memory).
     tl.store(qt_ptr + c[None, :] * rows + r[:, None], code, mask=mask)
@@ -271,6 +274,7 @@ def _config(
     p_block: int,
     reverse: bool,
     write_inv: bool,
+    hw_round: bool,
     tile: tuple[tuple[str, int], ...],
     warps: int,
 ) -> LaunchConfig:
@@ -286,6 +290,7 @@ def _config(
             ("P_BLOCK", p_block),
             ("REVERSE", reverse),
             ("WRITE_INV", write_inv),
+            ("HW_ROUND", hw_round),
         ),
         (("num_warps", warps),),
     )
@@ -341,6 +346,7 @@ def launch_cast(
         partials is not None and gpu and GPU_REVERSE_AFTER_AMAX,
     )
     write_inv = partials is None and scale_inv_out is not None
+    hw = hw_rounding(x)
     if not transpose:
         x_flat, q, q_flat = flat_pair(x, fp8_dtype)
         n = x_flat.numel()
@@ -348,7 +354,7 @@ def launch_cast(
             return q, None
         block, warps = (GPU_FLAT["BLOCK"], GPU_FLAT["num_warps"]) if gpu else (1 << 15, 1)
         cfg = _config(
-            spec, with_amax, pow2, p_block, reverse, write_inv, (("BLOCK", block),), warps
+            spec, with_amax, pow2, p_block, reverse, write_inv, hw, (("BLOCK", block),), warps
         )
         _launch_flat(
             (cdiv(n, block),),
@@ -374,7 +380,7 @@ def launch_cast(
         bn = min(next_pow2(cols), max(128, (1 << 14) // bm))
         warps = 1
     cfg = _config(
-        spec, with_amax, pow2, p_block, reverse, write_inv, (("BM", bm), ("BN", bn)), warps
+        spec, with_amax, pow2, p_block, reverse, write_inv, hw, (("BM", bm), ("BN", bn)), warps
     )
     _launch_tiled(
         (cdiv(rows, bm) * cdiv(cols, bn),),

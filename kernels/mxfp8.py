@@ -22,6 +22,7 @@ from dist_quant.kernels._fp8_round import (
     amax_from_bits,
     fp8_encode,
     fp8_spec,
+    hw_rounding,
     is_gpu,
     rows_cols,
 )
@@ -77,6 +78,7 @@ def _mxfp8_rowwise_kernel(
     MIN_EXP: tl.constexpr,
     FP8_MAX: tl.constexpr,
     E0_MAX_BITS: tl.constexpr,
+    HW_ROUND: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_col_tiles = tl.cdiv(n_blocks, NB)
@@ -88,7 +90,7 @@ def _mxfp8_rowwise_kernel(
     mask = (r3 < rows) & (c3 < cols)
     x = tl.load(x_ptr + r3 * stride_xr + c3 * stride_xc, mask=mask, other=0.0).to(tl.float32)
     e, mult = _e8m0_and_multiplier(tl.max(abs_bits(x), axis=2), FP8_MAX, E0_MAX_BITS)
-    code = fp8_encode(x * mult[:, :, None], MAX_BITS, MANT_BITS, MIN_EXP)
+    code = fp8_encode(x * mult[:, :, None], MAX_BITS, MANT_BITS, MIN_EXP, HW_ROUND)
     tl.store(q_ptr + r3 * cols + c3, code.to(tl.uint8), mask=mask)
     e_mask = (r < rows)[:, None] & (b < n_blocks)[None, :]
     tl.store(e_ptr + r[:, None] * n_blocks + b[None, :], e.to(tl.uint8), mask=e_mask)
@@ -111,6 +113,7 @@ def _mxfp8_columnwise_kernel(
     MIN_EXP: tl.constexpr,
     FP8_MAX: tl.constexpr,
     E0_MAX_BITS: tl.constexpr,
+    HW_ROUND: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_col_tiles = tl.cdiv(cols, BN)
@@ -122,7 +125,7 @@ def _mxfp8_columnwise_kernel(
     mask = (r3 < rows) & (c3 < cols)
     x = tl.load(x_ptr + r3 * stride_xr + c3 * stride_xc, mask=mask, other=0.0).to(tl.float32)
     e, mult = _e8m0_and_multiplier(tl.max(abs_bits(x), axis=1), FP8_MAX, E0_MAX_BITS)  # [NB, BN]
-    code = fp8_encode(x * mult[:, None, :], MAX_BITS, MANT_BITS, MIN_EXP)
+    code = fp8_encode(x * mult[:, None, :], MAX_BITS, MANT_BITS, MIN_EXP, HW_ROUND)
     tl.store(qt_ptr + c3 * rows + r3, code.to(tl.uint8), mask=mask)
     e_mask = (b < n_blocks)[:, None] & (c < cols)[None, :]
     tl.store(et_ptr + c[None, :] * n_blocks + b[:, None], e.to(tl.uint8), mask=e_mask)
@@ -140,7 +143,7 @@ def mxfp8_cast_triton(
     dev = x.device
     consts = dict(
         MAX_BITS=spec.max_bits, MANT_BITS=spec.mant_bits, MIN_EXP=spec.min_exp, FP8_MAX=spec.max,
-        E0_MAX_BITS=_fp32_bits(spec.max * 2.0**-127),
+        E0_MAX_BITS=_fp32_bits(spec.max * 2.0**-127), HW_ROUND=hw_rounding(x),
     )  # fmt: skip
     gpu = is_gpu(x)
     if columnwise:
