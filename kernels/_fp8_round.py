@@ -1,18 +1,18 @@
 """Shared Triton helpers: exact FP8 encode/decode on integer bits, amax bits and scale formulas.
 
-Every kernel rounds to the FP8 grid explicitly in fp32 (round-to-nearest-even on the bits, target
-subnormals included, saturating to +-max). The final conversion of that exact value differs:
+Every kernel encodes with ``fp8_encode`` (clamp to +-max, round to nearest even, FP8 subnormals
+included), in one of two ways:
 
-- under ``TRITON_INTERPRET=1`` the byte is packed with integer ops, because the interpreter's float8
-  conversion truncates (drops the rounding carry) and turns NaN/inf into wrong codes (measured on
-  Triton 3.9: 1+3*2**-8 -> 0x38, NaN -> 0x7C);
 - compiled for a GPU with native FP8 conversions (sm89+, ``hw_rounding``), the hardware converts
-  the clamped fp32 value itself (``cvt.rn``: round to nearest even, FP8 subnormals included), with
-  no explicit rounding: the explicit path is a dozen ALU ops per element, and these kernels were
-  bound by instruction issue with it, not by memory (measured on H200, see BENCHMARKS.md); an
-  older GPU rounds explicitly and converts the already exact value.
-Both paths are checked bit for bit against ``reference.py``: the CPU tests run the first, the GPU
-tests the second, on every bf16 value and on every rounding tie of both formats
+  the clamped fp32 value (``cvt.rn.satfinite``): the explicit path below is a dozen ALU ops per
+  element, and the cast kernels were bound by instruction issue with it, not by memory (measured
+  on H200, see BENCHMARKS.md);
+- elsewhere the value is rounded explicitly on its fp32 bits and the byte packed with integer ops:
+  under ``TRITON_INTERPRET=1``, whose float8 conversion truncates (drops the rounding carry) and
+  turns NaN/inf into wrong codes (measured on Triton 3.9: 1+3*2**-8 -> 0x38, NaN -> 0x7C), and on
+  older GPUs, where Triton has no E4M3 type and converts E5M2 in software, rounding toward zero.
+Both are checked bit for bit against ``reference.py``: the CPU tests run the second, the GPU tests
+the first, on every bf16 value and on every rounding tie of both formats
 (``tests/kernels/test_triton_gpu.py``).
 
 NaN becomes the byte 0x7F (a NaN in both formats). Its sign is not part of the contract: torch's own
@@ -94,36 +94,31 @@ def fp8_encode(
 
     Clamping first equals the reference's ``clamp(-max, max).to(fp8)``: a value <= max rounds to a
     code <= max. With ``HW_ROUND`` (a GPU whose FP8 conversion is native, ``hw_rounding``) the
-    hardware conversion rounds. Otherwise: ``c = 2**(max(e,
-    MIN_EXP) + 23 - MANT_BITS)`` has an fp32 ulp equal to the FP8 quantum at ``|v|`` (exponent
-    ``e``; subnormals share MIN_EXP), so the fp32 add ``|v| + c`` rounds to the FP8 grid with ties
-    to even and ``- c`` is exact; scaling by ``2**(bias - 127)`` (exact; FP8 subnormals become fp32
-    subnormals) then turns the fp32 exponent and top mantissa bits into the FP8 fields.
+    hardware conversion rounds. Otherwise ``c = 2**(max(e, MIN_EXP) + 23 - MANT_BITS)`` has an
+    fp32 ulp equal to the FP8 quantum at ``|v|`` (exponent ``e``; subnormals share MIN_EXP), so the
+    fp32 add ``|v| + c`` rounds to the FP8 grid with ties to even and ``- c`` is exact; scaling by
+    ``2**(bias - 127)`` (exact; FP8 subnormals become fp32 subnormals) then turns the fp32 exponent
+    and top mantissa bits into the FP8 fields.
     """
     bits = v.to(tl.int32, bitcast=True)
     mag = bits & 0x7FFFFFFF
     is_nan = mag > 0x7F800000
     mag = tl.minimum(mag, MAX_BITS)  # integer order of magnitudes = float order; inf -> max
-    sign = bits & -0x80000000
-    if HW_ROUND and not _INTERPRETED:
+    if HW_ROUND and not _INTERPRETED:  # (the interpreter run on CUDA tensors still packs)
         # the clamped value with v's sign (bit ops keep -0); the hardware conversion rounds it to
         # nearest even (cvt.rn), subnormals included, which is the whole rounding of the contract
-        on_grid = (mag | sign).to(tl.float32, bitcast=True)
+        on_grid = (mag | (bits & -0x80000000)).to(tl.float32, bitcast=True)
+        if MANT_BITS == 3:
+            q = on_grid.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+        else:
+            q = on_grid.to(tl.float8e5, fp_downcast_rounding="rtne")
+        return tl.where(is_nan, 0x7F, q.to(tl.uint8, bitcast=True).to(tl.int32))
     else:
         c_bits = tl.maximum(mag & 0x7F800000, (MIN_EXP + 127) << 23) + ((23 - MANT_BITS) << 23)
         c = c_bits.to(tl.float32, bitcast=True)
         r = (mag.to(tl.float32, bitcast=True) + c) - c
-        if _INTERPRETED:
-            code = (r * (2.0 ** (-126 - MIN_EXP))).to(tl.int32, bitcast=True) >> (23 - MANT_BITS)
-            return tl.where(is_nan, 0x7F, code | ((bits >> 24) & 0x80))
-        # |v| rounded, with v's sign put back on the bits: compiled `-r` is `0 - r`, which loses -0
-        # (a GPU converting in software: the value is exact, so its rounding never matters)
-        on_grid = (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-    if MANT_BITS == 3:
-        q = on_grid.to(tl.float8e4nv, fp_downcast_rounding="rtne")
-    else:
-        q = on_grid.to(tl.float8e5, fp_downcast_rounding="rtne")
-    return tl.where(is_nan, 0x7F, q.to(tl.uint8, bitcast=True).to(tl.int32))
+        code = (r * (2.0 ** (-126 - MIN_EXP))).to(tl.int32, bitcast=True) >> (23 - MANT_BITS)
+        return tl.where(is_nan, 0x7F, code | ((bits >> 24) & 0x80))
 
 
 @triton.jit
@@ -274,8 +269,8 @@ def _native_fp8(device: torch.device) -> bool:
 def hw_rounding(x: torch.Tensor) -> bool:
     """Whether kernels on ``x``'s device may leave the FP8 rounding to the hardware conversion:
     compiled for a GPU with native FP8 conversions (sm89+: Triton emits ``cvt.rn.satfinite``).
-    For sm80 Triton converts E5M2 in software through ``cvt.rz.f16x2.f32`` (round toward zero;
-    read in the PTX Triton 3.9 generates), so older GPUs round explicitly first."""
+    For sm80 Triton has no E4M3 type and converts E5M2 through ``cvt.rz.f16x2.f32`` (round toward
+    zero; read in the PTX Triton 3.9 generates), so older GPUs pack the byte themselves."""
     return x.device.type == "cuda" and _native_fp8(x.device)
 
 
