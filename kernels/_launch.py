@@ -16,7 +16,7 @@ relies on (checked once per key, falling back to the JIT path for good).
 While ``torch.compile`` traces a launcher (the ``torch.library.triton_op`` ops of ``ops.py``: AOTAutograd
 runs them on fake and functional tensors), a launch goes through ``torch.library.wrap_triton``
 instead, so the graph records the kernel call itself and inductor launches the kernel from its own
-generated code (``jit``; ``FastLaunch`` does the same by itself).
+generated code.
 """
 
 from __future__ import annotations
@@ -51,6 +51,16 @@ def launch_config(constexprs: tuple[tuple[str, Any], ...], options: tuple = ()) 
     return LaunchConfig(constexprs, options)
 
 
+_OPTIONS = ("num_warps", "num_stages")
+
+
+def config_of(kwargs: dict[str, Any]) -> LaunchConfig:
+    """The ``LaunchConfig`` of ``kernel[grid](*args, **kwargs)``'s keywords (constexprs and launch
+    options mixed, as Triton takes them)."""
+    constexprs = tuple((k, v) for k, v in kwargs.items() if k not in _OPTIONS)
+    return launch_config(constexprs, tuple((k, kwargs[k]) for k in _OPTIONS if k in kwargs))
+
+
 def _specialisation(args: Sequence[Any]) -> tuple:
     out = []
     for a in args:
@@ -76,12 +86,6 @@ def traced(t: torch.Tensor) -> bool:
     return type(t) is not torch.Tensor
 
 
-def jit(kernel: Any, first: torch.Tensor) -> Any:
-    """``kernel``, or its ``wrap_triton`` wrapper while ``first`` (any tensor argument) is traced:
-    ``jit(kernel, x)[grid](...)`` launches like ``kernel[grid](...)`` in both cases."""
-    return wrap_triton(kernel) if traced(first) else kernel
-
-
 class FastLaunch:
     """``launch(grid, args, config, interpreted=...)`` == ``kernel[grid](*args, **config.kwargs)``;
     ``args`` are the kernel's runtime parameters in order, the constexprs follow them."""
@@ -89,6 +93,12 @@ class FastLaunch:
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
         self._compiled: dict[Hashable, Any] = {}
+
+    def launch(
+        self, grid: Sequence[int], args: Sequence[Any], kwargs: dict[str, Any], *, interpreted: bool
+    ) -> None:
+        """``kernel[grid](*args, **kwargs)`` with the keywords as Triton takes them (``config_of``)."""
+        self(grid, args, config_of(kwargs), interpreted=interpreted)
 
     def __call__(
         self, grid: Sequence[int], args: Sequence[Any], config: LaunchConfig, *, interpreted: bool

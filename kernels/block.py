@@ -27,7 +27,7 @@ from dist_quant.kernels._fp8_round import (
     rows_cols,
     scale_from_amax,
 )
-from dist_quant.kernels._launch import jit
+from dist_quant.kernels._launch import FastLaunch
 
 FLOAT8_BLOCK = 128
 
@@ -82,6 +82,9 @@ def _block_cast_kernel(
     tl.store(s_ptr + s_offs, reciprocal(s), mask=s_mask)
 
 
+_launch_block = FastLaunch(_block_cast_kernel)
+
+
 def block_cast_triton(
     x: torch.Tensor, fp8_dtype: torch.dtype, *, block_dim: int, use_power_2_scales: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,10 +115,15 @@ def block_cast_triton(
         bm = min(next_pow2(rows), max(1, 128 // nb))
         cfg = {"BM": bm, "NB": nb, "num_warps": 1}
     grid = (cdiv(rows, cfg["BM"]) * cdiv(n_tiles, cfg["NB"]),)
-    jit(_block_cast_kernel, x2d)[grid](
-        x2d, q.view(torch.uint8), scale_inv, rows, cols, n_tiles, x2d.stride(0), x2d.stride(1),
-        SQUARE=block_dim == 2, MAX_BITS=spec.max_bits, MANT_BITS=spec.mant_bits,
-        MIN_EXP=spec.min_exp, FP8_MAX=spec.max, POW2=bool(use_power_2_scales),
-        HW_ROUND=hw_rounding(x), **cfg,
-    )  # fmt: skip
+    consts = {
+        "SQUARE": block_dim == 2, "MAX_BITS": spec.max_bits, "MANT_BITS": spec.mant_bits,
+        "MIN_EXP": spec.min_exp, "FP8_MAX": spec.max, "POW2": bool(use_power_2_scales),
+        "HW_ROUND": hw_rounding(x),
+    }  # fmt: skip
+    _launch_block.launch(
+        grid,
+        (x2d, q.view(torch.uint8), scale_inv, rows, cols, n_tiles, *x2d.stride()),
+        {**consts, **cfg},
+        interpreted=not gpu,
+    )
     return q, scale_inv

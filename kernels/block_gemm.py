@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 from dist_quant.kernels._fp8_round import _INTERPRETED, fp8_decode, fp8_spec, is_gpu, to_bf16_bits
-from dist_quant.kernels._launch import jit
+from dist_quant.kernels._launch import FastLaunch
 
 K_BLOCK = 128  # the Float8 block-scaling tile width: one scale per operand row per K step
 
@@ -175,6 +175,9 @@ def _check_operand(
         )
 
 
+_launch_gemm = FastLaunch(_block_scaled_gemm_kernel)
+
+
 def block_scaled_gemm_triton(
     a_data: torch.Tensor,
     a_scale_inv: torch.Tensor,
@@ -224,16 +227,22 @@ def block_scaled_gemm_triton(
     a_spec, b_spec = fp8_spec(a_data.dtype, what), fp8_spec(b_data.dtype, what)
     out_view = out.view(torch.int16) if out_dtype == torch.bfloat16 else out
     grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]),)
-    jit(_block_scaled_gemm_kernel, a_data)[grid](
-        a_data, b_data, a_scale_inv, b_scale_inv, out if bias is None else bias, out_view,
-        m, n, k, a_data.stride(0), a_data.stride(1), b_data.stride(0), b_data.stride(1),
-        a_scale_inv.stride(0), a_scale_inv.stride(1), b_scale_inv.stride(0), b_scale_inv.stride(1),
-        out.stride(0), out.stride(1),
-        A_ROWS_PER_SCALE=1 if a_block_dim == 1 else K_BLOCK,
-        B_ROWS_PER_SCALE=1 if b_block_dim == 1 else K_BLOCK,
-        HAS_BIAS=bias is not None, OUT_KIND=_OUT_KINDS[out_dtype],
-        A_MANT=a_spec.mant_bits, A_MIN_EXP=a_spec.min_exp, A_HAS_INF=a_spec.has_inf,
-        B_MANT=b_spec.mant_bits, B_MIN_EXP=b_spec.min_exp, B_HAS_INF=b_spec.has_inf,
-        BK=K_BLOCK, **cfg,
+    consts = {
+        "A_ROWS_PER_SCALE": 1 if a_block_dim == 1 else K_BLOCK,
+        "B_ROWS_PER_SCALE": 1 if b_block_dim == 1 else K_BLOCK,
+        "HAS_BIAS": bias is not None, "OUT_KIND": _OUT_KINDS[out_dtype],
+        "A_MANT": a_spec.mant_bits, "A_MIN_EXP": a_spec.min_exp, "A_HAS_INF": a_spec.has_inf,
+        "B_MANT": b_spec.mant_bits, "B_MIN_EXP": b_spec.min_exp, "B_HAS_INF": b_spec.has_inf,
+        "BK": K_BLOCK,
+    }  # fmt: skip
+    _launch_gemm.launch(
+        grid,
+        (
+            a_data, b_data, a_scale_inv, b_scale_inv, out if bias is None else bias, out_view,
+            m, n, k, *a_data.stride(), *b_data.stride(), *a_scale_inv.stride(),
+            *b_scale_inv.stride(), *out.stride(),
+        ),
+        {**consts, **cfg},
+        interpreted=not is_gpu(a_data),
     )  # fmt: skip
     return out

@@ -31,7 +31,7 @@ from dist_quant.kernels._fp8_round import (
     next_pow2,
     reciprocal,
 )
-from dist_quant.kernels._launch import FastLaunch, jit, launch_config
+from dist_quant.kernels._launch import FastLaunch, launch_config
 from dist_quant.kernels.cast import AmaxPartials, launch_cast
 
 # GPU amax pass: BLOCK elements per loop step, PROGRAMS_PER_SM persistent programs per SM
@@ -112,6 +112,8 @@ def _amax_partials(x: torch.Tensor) -> torch.Tensor:
 
 
 _launch_partials = FastLaunch(_amax_partials_kernel)
+_launch_finalize = FastLaunch(_amax_finalize_kernel)
+_launch_scale = FastLaunch(_current_scale_kernel)
 
 
 @functools.cache
@@ -132,7 +134,9 @@ def amax_triton(x: torch.Tensor) -> torch.Tensor:
         return out
     partials = _amax_partials(x.detach())
     p_block = next_pow2(partials.numel())
-    jit(_amax_finalize_kernel, partials)[(1,)](partials, partials.numel(), out, P_BLOCK=p_block)
+    _launch_finalize.launch(
+        (1,), (partials, partials.numel(), out), {"P_BLOCK": p_block}, interpreted=not is_gpu(x)
+    )
     return out
 
 
@@ -154,10 +158,12 @@ def current_scale_triton(
     n = a_flat.numel()
     if n:
         block = 1024
-        jit(_current_scale_kernel, a_flat)[(cdiv(n, block),)](
-            a_flat, scale_flat, scale_inv.as_strided((n,), (1,)), n, float(amax_epsilon),
-            FP8_MAX=spec.max, POW2=bool(use_power_2_scales), BLOCK=block,
-        )  # fmt: skip
+        _launch_scale.launch(
+            (cdiv(n, block),),
+            (a_flat, scale_flat, scale_inv.as_strided((n,), (1,)), n, float(amax_epsilon)),
+            {"FP8_MAX": spec.max, "POW2": bool(use_power_2_scales), "BLOCK": block},
+            interpreted=not is_gpu(amax),
+        )
     return scale, scale_inv
 
 

@@ -24,7 +24,7 @@ from dist_quant.kernels._fp8_round import (
     scalar_fp32,
     to_bf16_bits,
 )
-from dist_quant.kernels._launch import jit
+from dist_quant.kernels._launch import FastLaunch
 
 _OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -115,6 +115,10 @@ def _store_view(out: torch.Tensor) -> torch.Tensor:
     return out.view(torch.int16) if out.dtype == torch.bfloat16 else out
 
 
+_launch_flat = FastLaunch(_dequantize_flat_kernel)
+_launch_grouped = FastLaunch(_dequantize_grouped_kernel)
+
+
 def dequantize_triton(
     q: torch.Tensor, scale_inv: torch.Tensor | float, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
@@ -126,14 +130,18 @@ def dequantize_triton(
     n = q_flat.numel()
     if n:
         cfg = GPU_FLAT if is_gpu(q) else {"BLOCK": 1 << 15, "num_warps": 1}
-        jit(_dequantize_flat_kernel, q_flat)[(triton.cdiv(n, cfg["BLOCK"]),)](
-            q_flat.view(torch.uint8), s, _store_view(out_flat), n, MANT_BITS=spec.mant_bits,
-            MIN_EXP=spec.min_exp, HAS_INF=spec.has_inf, OUT_KIND=kind, **cfg,
-        )  # fmt: skip
+        consts = {"MANT_BITS": spec.mant_bits, "MIN_EXP": spec.min_exp, "HAS_INF": spec.has_inf,
+                  "OUT_KIND": kind}  # fmt: skip
+        _launch_flat.launch(
+            (triton.cdiv(n, cfg["BLOCK"]),),
+            (q_flat.view(torch.uint8), s, _store_view(out_flat), n),
+            {**consts, **cfg},
+            interpreted=not is_gpu(q),
+        )
     return out
 
 
-def _launch_grouped(
+def _dequantize_grouped(
     q: torch.Tensor,
     scales: torch.Tensor,
     dtype: torch.dtype,
@@ -160,11 +168,14 @@ def _launch_grouped(
         bm = min(triton.next_power_of_2(rows), max(1, 16384 // (nb * group)))
         cfg = {"BM": bm, "NB": nb, "num_warps": 1}
     grid = (triton.cdiv(rows, cfg["BM"]) * triton.cdiv(n_groups, cfg["NB"]),)
-    jit(_dequantize_grouped_kernel, q2d)[grid](
-        q2d, scales, _store_view(out), rows, cols, n_groups, q2d.stride(0), q2d.stride(1),
-        G=group, ROW_GROUP=row_group, E8M0=e8m0, MANT_BITS=spec.mant_bits,
-        MIN_EXP=spec.min_exp, HAS_INF=spec.has_inf, OUT_KIND=kind, **cfg,
-    )  # fmt: skip
+    consts = {"G": group, "ROW_GROUP": row_group, "E8M0": e8m0, "MANT_BITS": spec.mant_bits,
+              "MIN_EXP": spec.min_exp, "HAS_INF": spec.has_inf, "OUT_KIND": kind}  # fmt: skip
+    _launch_grouped.launch(
+        grid,
+        (q2d, scales, _store_view(out), rows, cols, n_groups, *q2d.stride()),
+        {**consts, **cfg},
+        interpreted=not is_gpu(q),
+    )
     return out
 
 
@@ -188,7 +199,7 @@ def mxfp8_dequantize_triton(
         raise ValueError(
             f"kernels.dequantize.{what}: columnwise data must be 2D, got {tuple(q.shape)}"
         )
-    out = _launch_grouped(q, e8m0, dtype, group=32, row_group=1, e8m0=True, what=what)
+    out = _dequantize_grouped(q, e8m0, dtype, group=32, row_group=1, e8m0=True, what=what)
     return out.t() if columnwise else out.reshape(q.shape)
 
 
@@ -214,7 +225,7 @@ def block_dequantize_triton(
             f"kernels.dequantize.{what}: scale_inv must have shape {expected} for data "
             f"{tuple(q.shape)} with block_dim={block_dim}, got {tuple(scale_inv.shape)}"
         )
-    out = _launch_grouped(
+    out = _dequantize_grouped(
         q, scale_inv.float(), dtype, group=128, row_group=1 if block_dim == 1 else 128,
         e8m0=False, what=what,
     )  # fmt: skip

@@ -26,7 +26,7 @@ from dist_quant.kernels._fp8_round import (
     is_gpu,
     rows_cols,
 )
-from dist_quant.kernels._launch import jit
+from dist_quant.kernels._launch import FastLaunch
 
 MXFP8_BLOCK = 32
 
@@ -131,6 +131,10 @@ def _mxfp8_columnwise_kernel(
     tl.store(et_ptr + c[None, :] * n_blocks + b[:, None], e.to(tl.uint8), mask=e_mask)
 
 
+_launch_rowwise = FastLaunch(_mxfp8_rowwise_kernel)
+_launch_columnwise = FastLaunch(_mxfp8_columnwise_kernel)
+
+
 def mxfp8_cast_triton(
     x: torch.Tensor, fp8_dtype: torch.dtype, *, columnwise: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,10 +162,12 @@ def mxfp8_cast_triton(
                 bn = min(triton.next_power_of_2(cols), max(128, 512 // nb))
                 cfg = {"NB": nb, "BN": bn, "num_warps": 1}
             grid = (triton.cdiv(n_blocks, cfg["NB"]) * triton.cdiv(cols, cfg["BN"]),)
-            jit(_mxfp8_columnwise_kernel, x2d)[grid](
-                x2d, q.view(torch.uint8), e8m0, rows, cols, n_blocks, x2d.stride(0),
-                x2d.stride(1), **cfg, **consts,
-            )  # fmt: skip
+            _launch_columnwise.launch(
+                grid,
+                (x2d, q.view(torch.uint8), e8m0, rows, cols, n_blocks, *x2d.stride()),
+                {**cfg, **consts},
+                interpreted=not gpu,
+            )
         return q, e8m0
     n_blocks = triton.cdiv(cols, MXFP8_BLOCK)
     q = torch.empty(x.shape, dtype=fp8_dtype, device=dev)
@@ -174,8 +180,10 @@ def mxfp8_cast_triton(
             bm = min(triton.next_power_of_2(rows), max(1, 512 // nb))
             cfg = {"BM": bm, "NB": nb, "num_warps": 1}
         grid = (triton.cdiv(rows, cfg["BM"]) * triton.cdiv(n_blocks, cfg["NB"]),)
-        jit(_mxfp8_rowwise_kernel, x2d)[grid](
-            x2d, q.view(torch.uint8), e8m0, rows, cols, n_blocks, x2d.stride(0), x2d.stride(1),
-            **cfg, **consts,
-        )  # fmt: skip
+        _launch_rowwise.launch(
+            grid,
+            (x2d, q.view(torch.uint8), e8m0, rows, cols, n_blocks, *x2d.stride()),
+            {**cfg, **consts},
+            interpreted=not gpu,
+        )
     return q, e8m0
