@@ -23,8 +23,8 @@ launcher, whose launches go through ``wrap_triton`` (``_launch.FastLaunch``), so
 kernel calls themselves and inductor launches them from its generated code, with no Python of ours
 per call (an opaque custom op costs the eager launcher's host time in every compiled step). The
 kernels and their arguments are the eager ones, so the compiled step computes the same bits. CPU
-tensors, and the ops whose launcher keeps host-side state (the delayed update's cached plans),
-stay opaque custom ops under compile.
+tensors, tensors of symbolic (dynamic) shape, and the ops whose launcher keeps host-side state
+(the delayed update's cached plans) stay opaque custom ops under compile.
 """
 
 from __future__ import annotations
@@ -60,13 +60,19 @@ class Op:
     def __call__(self, *args: Any) -> Any:
         first = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
         if torch.compiler.is_compiling():
-            if first.is_cuda and self.inlined is not None:
+            if first.is_cuda and self.inlined is not None and _static(first):
                 return self.inlined(*args)
             return self.op(*args)
         fn = self.cuda if first.is_cuda and self.cuda is not None else self.default
         if fn is None:
             raise RuntimeError(f"{self.op}: no kernel for {first.device} tensors")
         return fn(*args)
+
+
+def _static(t: Tensor) -> bool:
+    """Whether a traced tensor has concrete sizes: the launchers size grids and pick constexprs
+    from sizes in plain Python, so under dynamic shapes (symbolic sizes) the op stays opaque."""
+    return not any(isinstance(size, torch.SymInt) for size in t.shape)
 
 
 def register_op(
