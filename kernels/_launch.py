@@ -13,10 +13,10 @@ Only compiled GPU kernels take the fast path: under ``TRITON_INTERPRET=1`` (the 
 call goes through the JIT, and so does any Triton whose compiled kernel lacks the launcher this
 relies on (checked once per key, falling back to the JIT path for good).
 
-While ``torch.compile`` traces a launcher (the ``torch.library.triton_op`` ops of ``ops.py``: AOTAutograd
-runs them on fake and functional tensors), a launch goes through ``torch.library.wrap_triton``
-instead, so the graph records the kernel call itself and inductor launches the kernel from its own
-generated code.
+While ``torch.compile`` traces a launcher (the ``torch.library.triton_op`` ops of ``ops.py``:
+AOTAutograd runs them on fake and functional tensors), a launch goes through
+``torch.library.wrap_triton`` instead, so the graph records the kernel call itself and inductor
+launches the kernel from its own generated code.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ class FastLaunch:
     def launch(
         self, grid: Sequence[int], args: Sequence[Any], kwargs: dict[str, Any], *, interpreted: bool
     ) -> None:
-        """``kernel[grid](*args, **kwargs)`` with the keywords as Triton takes them (``config_of``)."""
+        """``kernel[grid](*args, **kwargs)``, keywords as Triton takes them (``config_of``)."""
         self(grid, args, config_of(kwargs), interpreted=interpreted)
 
     def __call__(

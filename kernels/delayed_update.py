@@ -159,8 +159,8 @@ class _Plan:
 
     It holds the caller's objects, so while it is cached no other object can take their ids (the
     cache key), and the tensors the table points into (a converted fp8_max among them). Identity
-    alone does not pin the memory (``t.data = ...`` and ``set_`` swap a tensor's storage, ``resize_``
-    its shape), so a hit also compares each tensor's pointer, dtype, shape and strides.
+    alone does not pin the memory (``t.data = ...`` and ``set_`` swap a tensor's storage,
+    ``resize_`` its shape), so a hit also compares each tensor's pointer, dtype, shape and strides.
     """
 
     def __init__(self, groups: Sequence[Sequence]) -> None:

@@ -19,12 +19,12 @@ Delayed-update algorithms travel as integer codes (``ALGO_CODES``): a schema has
 
 Under ``torch.compile`` a CUDA tensor goes to a second registration of the same launcher,
 ``dist_quant::<name>_triton``, made with ``torch.library.triton_op``: AOTAutograd traces into the
-launcher, whose launches go through ``wrap_triton`` (``_launch.FastLaunch``), so the graph holds the Triton
-kernel calls themselves and inductor launches them from its generated code, with no Python of ours
-per call (an opaque custom op costs the eager launcher's host time in every compiled step). The
-kernels and their arguments are the eager ones, so the compiled step computes the same bits. CPU
-tensors, tensors of symbolic (dynamic) shape, and the ops whose launcher keeps host-side state
-(the delayed update's cached plans) stay opaque custom ops under compile.
+launcher, whose launches go through ``wrap_triton`` (``_launch.FastLaunch``), so the graph holds
+the Triton kernel calls themselves and inductor launches them from its generated code, with no
+Python of ours per call (an opaque custom op costs the eager launcher's host time in every
+compiled step). The kernels and their arguments are the eager ones, so the compiled step computes
+the same bits. CPU tensors, tensors of symbolic (dynamic) shape, and the ops whose launcher keeps
+host-side state (the delayed update's cached plans) stay opaque custom ops under compile.
 """
 
 from __future__ import annotations
