@@ -7,15 +7,17 @@ in one process on one GPU:
   (`torch.cuda.make_graphed_callables` / `dist_quant.make_graphed_callables`: the forward and
   backward graphed, autocast's bookkeeping and the delayed update eager around them), whole-step
   graphed (`dist_quant.GraphedStep` over the step: autocast, forward, backward and the delayed
-  update in one graph, the same for BF16) and `torch.compile(fullgraph=True)`'d;
-- torchao's `Float8Linear` (tensorwise scaling) compiled, when torchao is installed (else "-");
+  update in one graph, the same for BF16), `torch.compile(fullgraph=True)`'d, and compiled with
+  `mode="reduce-overhead"` (inductor's CUDA graphs: "compiled-ro");
+- torchao's `Float8Linear` (tensorwise scaling) compiled both ways, when torchao is installed
+  (else "-");
 
 and prints the median GPU time of a step (`triton.testing.do_bench`), the host time to issue one
 step (Python + launches, no sync), and each variant's ratio over BF16 run the same way. The first
 step of each dist-quant variant in this fresh process is timed separately (it includes Triton's
 compilation of the kernels it is the first to use; later variants reuse them).
 
-    python bench/bench_shapes.py [--shapes 4096x4096x4096,...] [--modes eager,graphed,step,compiled]
+    python bench/bench_shapes.py [--shapes 4096x4096x4096,...] [--modes eager,compiled-ro,...]
     python bench/bench_shapes.py --dry-run      # tiny CPU run of every eager path, no timing
 """
 
@@ -38,7 +40,8 @@ SHAPES = [
     (8192, 4096, 1792),  # Llama MLP, TP=8
     (8192, 8192, 8192),
 ]
-MODES = ("eager", "graphed", "step", "compiled")
+MODES = ("eager", "graphed", "step", "compiled", "compiled-ro")
+COMPILE_MODES = {"compiled": None, "compiled-ro": "reduce-overhead"}
 RECIPES = {"dq delayed": dq.DelayedScaling(), "dq current": dq.Float8CurrentScaling()}
 HOST_STEPS = 20
 
@@ -57,10 +60,15 @@ def _torchao_float8(k: int, n: int, device: str) -> torch.nn.Module | None:
 def _variant(label: str, mode: str, k: int, n: int, x: torch.Tensor, device: str):
     """(module, recipe) of one variant, graphed or compiled as `mode` asks; None if unavailable."""
     if label == "torchao tensorwise":
-        if mode != "compiled":
+        if mode not in COMPILE_MODES:
             return None
         model = _torchao_float8(k, n, device)
-        return None if model is None else (torch.compile(model, fullgraph=True), None)
+        compile_mode = COMPILE_MODES[mode]
+        return (
+            None
+            if model is None
+            else (torch.compile(model, fullgraph=True, mode=compile_mode), None)
+        )
     recipe = RECIPES.get(label)
     if recipe is None:  # bf16
         module = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
@@ -72,8 +80,8 @@ def _variant(label: str, mode: str, k: int, n: int, x: torch.Tensor, device: str
             dq.make_graphed_callables if recipe is not None else torch.cuda.make_graphed_callables
         )
         module = graph(module, (x,))
-    elif mode == "compiled":
-        module = torch.compile(module, fullgraph=True)
+    elif mode in COMPILE_MODES:
+        module = torch.compile(module, fullgraph=True, mode=COMPILE_MODES[mode])
     return module, recipe
 
 

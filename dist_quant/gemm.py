@@ -38,39 +38,24 @@ def gemm(
     The bias is added before the final rounding to ``out_dtype`` (in fp32 on the emulated path, in
     the GEMM epilogue on ``_scaled_mm``).
     """
-    for name, op in (("a", a), ("b", b)):
-        if not isinstance(op, (Tensor, GemmOperand)):
-            raise TypeError(
-                f"gemm: operand {name} must be a torch.Tensor or GemmOperand, "
-                f"got {type(op).__name__}"
-            )
-    if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[1] != b.shape[1]:
-        raise ValueError(
-            f"gemm: computes a @ b.T and needs a (M, K) and b (N, K); got a {tuple(a.shape)} "
-            f"and b {tuple(b.shape)}"
+    if not isinstance(a, _OPERANDS) or not isinstance(b, _OPERANDS):
+        name, op = ("a", a) if not isinstance(a, _OPERANDS) else ("b", b)
+        raise TypeError(
+            f"gemm: operand {name} must be a torch.Tensor or GemmOperand, got {type(op).__name__}"
         )
-    if bias is not None and bias.shape != (b.shape[0],):
-        raise ValueError(f"gemm: bias must have shape ({b.shape[0]},), got {tuple(bias.shape)}")
+    a_shape, b_shape = a.shape, b.shape
+    if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[1] != b_shape[1]:
+        raise ValueError(
+            f"gemm: computes a @ b.T and needs a (M, K) and b (N, K); got a {tuple(a_shape)} "
+            f"and b {tuple(b_shape)}"
+        )
+    if bias is not None and bias.shape != (b_shape[0],):
+        raise ValueError(f"gemm: bias must have shape ({b_shape[0]},), got {tuple(bias.shape)}")
+    if _can_use_scaled_mm(a, b):
+        return _scaled_mm(a, b, out_dtype, bias)
     if isinstance(a, Tensor) and isinstance(b, Tensor) and a.dtype == b.dtype:
         out = torch.matmul(a, b.t())
         return (out if bias is None else out + bias.to(out.dtype)).to(out_dtype)
-    if _can_use_scaled_mm(a, b):
-        # cuBLASLt wants a row-major and b column-major: b.data is (N, K) row-major, so b.data.t()
-        # is (K, N) column-major without a copy (.contiguous() of a contiguous tensor returns it
-        # before reaching the dispatcher).
-        # cuBLASLt's bias epilogue exists for 16-bit outputs only; an fp32 output adds it after
-        epilogue_bias = bias is not None and out_dtype != torch.float32
-        if epilogue_bias and bias.dtype != out_dtype:
-            bias = bias.to(out_dtype)
-        out = torch._scaled_mm(
-            a.data.contiguous(),
-            b.data.contiguous().t(),
-            scale_a=_scaled_mm_scale(a.scale_inv),
-            scale_b=_scaled_mm_scale(b.scale_inv),
-            bias=bias if epilogue_bias else None,
-            out_dtype=out_dtype,
-        )
-        return out + bias.float() if bias is not None and not epilogue_bias else out
     if _can_use_block_gemm(a, b, out_dtype):
         return block_scaled_gemm(
             a.data, a.scale_inv, a.scaling.block_dim,
@@ -83,14 +68,39 @@ def gemm(
     return (out if bias is None else out + bias.float()).to(out_dtype)
 
 
-_capability: dict[torch.device, tuple[int, int]] = {}
+_OPERANDS = (Tensor, GemmOperand)
 
 
-def _device_capability(device: torch.device) -> tuple[int, int]:
-    # cached: get_device_capability costs more host time than the rest of the dispatch
-    cap = _capability.get(device)
+def _scaled_mm(
+    a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, bias: Tensor | None
+) -> Tensor:
+    # cuBLASLt wants a row-major and b column-major: b.data is (N, K) row-major, so b.data.t() is
+    # (K, N) column-major without a copy (.contiguous() of a contiguous tensor returns it before
+    # reaching the dispatcher). cuBLASLt's bias epilogue exists for 16-bit outputs only; an fp32
+    # output adds it after.
+    epilogue_bias = bias is not None and out_dtype != torch.float32
+    if epilogue_bias and bias.dtype != out_dtype:
+        bias = bias.to(out_dtype)
+    out = torch._scaled_mm(
+        a.data.contiguous(),
+        b.data.contiguous().t(),
+        scale_a=_scaled_mm_scale(a.scale_inv),
+        scale_b=_scaled_mm_scale(b.scale_inv),
+        bias=bias if epilogue_bias else None,
+        out_dtype=out_dtype,
+    )
+    return out + bias.float() if bias is not None and not epilogue_bias else out
+
+
+_capability: dict[int, tuple[int, int]] = {}
+
+
+def _device_capability(index: int) -> tuple[int, int]:
+    """The capability of CUDA device ``index``, cached: get_device_capability costs more host time
+    than the rest of the dispatch."""
+    cap = _capability.get(index)
     if cap is None:
-        cap = _capability[device] = torch.cuda.get_device_capability(device)
+        cap = _capability[index] = torch.cuda.get_device_capability(index)
     return cap
 
 
@@ -105,16 +115,16 @@ def _scaled_mm_scale(scale_inv: Tensor) -> Tensor:
 
 
 def _can_use_scaled_mm(a: Tensor | GemmOperand, b: Tensor | GemmOperand) -> bool:
-    if not (isinstance(a, GemmOperand) and isinstance(b, GemmOperand)):
+    if type(a) is not GemmOperand or type(b) is not GemmOperand:
         return False
     if a.scaling is not OperandLayout.TENSOR or b.scaling is not OperandLayout.TENSOR:
         return False
     if a.fp8_dtype == b.fp8_dtype == torch.float8_e5m2:
         return False
-    device = a.data.device  # a new torch.device object on every access: read once
-    if device.type != "cuda" or b.data.device != device:
+    index = a.data.get_device()  # -1 on the CPU; an int, cheaper than a torch.device
+    if index < 0 or b.data.get_device() != index:
         return False
-    if _device_capability(device) < (8, 9):
+    if _device_capability(index) < (8, 9):
         return False
     (m, k), n = a.data.shape, b.data.shape[0]
     if min(m, k, n) == 0:  # nothing to multiply; the emulation handles empty shapes
@@ -131,7 +141,8 @@ def _can_use_block_gemm(
         return False
     if out_dtype not in _BLOCK_GEMM_OUT:
         return False
-    if a.data.device.type != "cuda" or b.data.device != a.data.device:
+    index = a.data.get_device()
+    if index < 0 or b.data.get_device() != index:
         return False
     # FP8 operands of tl.dot need FP8 tensor cores that the kernel was tuned for: Hopper and later
-    return _device_capability(a.data.device) >= (9, 0)
+    return _device_capability(index) >= (9, 0)

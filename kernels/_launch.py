@@ -86,6 +86,36 @@ def traced(t: torch.Tensor) -> bool:
     return type(t) is not torch.Tensor
 
 
+class PreparedLaunch:
+    """One compiled kernel at one grid, relaunched with no lookup at all: ``launch(stream,
+    *args)`` runs ``kernel[grid](*args, *fixed, **constexprs)`` on ``stream`` (a raw CUDA stream
+    handle). Only valid for arguments that Triton specialises the same way as those of the launch
+    it was prepared from (same dtypes, 16-byte alignments, integer properties): the caller keys
+    its prepared launches on everything that decides those, so a hit skips the per-call
+    specialisation and cache lookup of ``FastLaunch``. The launcher reads only the address of a
+    tensor argument, so a tensor may be passed for its same-address view (an FP8 tensor for the
+    uint8 view the kernel was compiled with)."""
+
+    __slots__ = ("_compiled", "_run", "_function", "_packed", "_tail", "_grid")
+
+    def __init__(self, entry: tuple, grid: Sequence[int], fixed: tuple) -> None:
+        compiled, run, function, packed, tail = entry
+        self._compiled, self._run, self._function, self._packed = compiled, run, function, packed
+        self._tail = (*fixed, *tail)
+        self._grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+
+    def launch(self, stream: int, *args: Any) -> None:
+        enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        gx, gy, gz = self._grid
+        metadata = (
+            None
+            if enter is None
+            else self._compiled.launch_metadata(self._grid, stream, *args, *self._tail)
+        )
+        self._run(gx, gy, gz, stream, self._function, self._packed, metadata, enter, exit_,
+                  *args, *self._tail)  # fmt: skip
+
+
 class FastLaunch:
     """``launch(grid, args, config, interpreted=...)`` == ``kernel[grid](*args, **config.kwargs)``;
     ``args`` are the kernel's runtime parameters in order, the constexprs follow them."""
@@ -99,6 +129,18 @@ class FastLaunch:
     ) -> None:
         """``kernel[grid](*args, **kwargs)``, keywords as Triton takes them (``config_of``)."""
         self(grid, args, config_of(kwargs), interpreted=interpreted)
+
+    def prepare(
+        self, grid: Sequence[int], args: Sequence[Any], config: LaunchConfig, n_fixed: int
+    ) -> PreparedLaunch | None:
+        """After a GPU launch of ``args`` under ``config``: a ``PreparedLaunch`` of the same
+        compiled kernel whose last ``n_fixed`` runtime arguments are fixed to those of ``args``;
+        None where the kernel has no fast path (the JIT fallback)."""
+        device = _current_device_and_stream()[0]()
+        entry = self._compiled.get((config, device, _specialisation(args)))
+        if not entry:
+            return None
+        return PreparedLaunch(entry, grid, tuple(args[len(args) - n_fixed :]))
 
     def __call__(
         self, grid: Sequence[int], args: Sequence[Any], config: LaunchConfig, *, interpreted: bool

@@ -17,6 +17,7 @@ value >= +0 or a positive NaN, as an amax history row does.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -39,7 +40,7 @@ from dist_quant.kernels._fp8_round import (
     rows_cols,
     scalar_fp32,
 )
-from dist_quant.kernels._launch import FastLaunch, LaunchConfig, launch_config
+from dist_quant.kernels._launch import FastLaunch, LaunchConfig, PreparedLaunch, launch_config
 
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -256,14 +257,50 @@ def delayed_cast_triton(
 ) -> DelayedCast:
     """Delayed scaling's whole cast in one launch: ``(q, q_t or None, 1 / scale)``, folding
     ``amax(x)`` into ``amax_out``; the reciprocal is the scale's value at this point of the
-    stream (the update changes ``scale`` later)."""
+    stream (the update changes ``scale`` later).
+
+    A training step casts the same activation, weight and gradient layouts into the same scaling
+    buffers every time: the first cast of a layout is validated and launched in full and leaves
+    a prepared launch behind, keyed on everything the validation and Triton's specialisation
+    read; the next casts of that key allocate the outputs and relaunch it (``_delayed_plans``)."""
+    key = None
+    if type(x) is torch.Tensor and x.is_cuda:  # eager (under tracing x is a fake tensor)
+        key = (
+            x.shape, x.stride(), x.dtype, fp8_dtype, transpose, torch._C._cuda_getDevice(),
+            x.get_device(), scale.get_device(), amax_out.get_device(),
+            scale.dtype, scale.shape, amax_out.dtype, amax_out.shape,
+            x.data_ptr() & 15, scale.data_ptr() & 15, amax_out.data_ptr() & 15,
+        )  # fmt: skip
+        prepared = _delayed_plans.get(key)
+        if prepared is not None:
+            scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
+            q = torch.empty_like(x, dtype=fp8_dtype)
+            stream = torch._C._cuda_getCurrentRawStream(key[5])
+            if transpose:
+                q_t = torch.empty(prepared[1], dtype=fp8_dtype, device=x.device)
+                prepared[0].launch(stream, x, q, q_t, scale, amax_out, scale, 0, 0.0, scale,
+                                   scale, scale_inv)  # fmt: skip
+                return DelayedCast(q, q_t, scale_inv)
+            prepared[0].launch(
+                stream, x, q, scale, amax_out, scale, 0, 0.0, scale, scale, scale_inv
+            )
+            return DelayedCast(q, None, scale_inv)
     scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
+
+    def store(prepared: PreparedLaunch, q_t_shape: tuple[int, int] | None) -> None:
+        _delayed_plans[key] = (prepared, q_t_shape)
+
     q, q_t = launch_cast(
-        x, fp8_dtype, transpose=transpose, scale=scale, amax_out=amax_out, scale_inv_out=scale_inv
-    )
+        x, fp8_dtype, transpose=transpose, scale=scale, amax_out=amax_out,
+        scale_inv_out=scale_inv, prepare=None if key is None else store,
+    )  # fmt: skip
     if x.numel() == 0:  # no program ran to write it
         scale_inv.copy_(torch.reciprocal(scale.reshape(1)))
     return DelayedCast(q, q_t, scale_inv)
+
+
+# key (see delayed_cast_triton) -> (the prepared launch, the shape of q_t or None)
+_delayed_plans: dict[tuple, tuple[PreparedLaunch, tuple[int, int] | None]] = {}
 
 
 @functools.cache
@@ -309,9 +346,13 @@ def launch_cast(
     amax_out: torch.Tensor | None = None,
     partials: AmaxPartials | None = None,
     scale_inv_out: torch.Tensor | None = None,
+    prepare: Callable[[PreparedLaunch, tuple[int, int] | None], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Shared launcher: exactly one of ``scale`` (delayed) and ``partials`` (current) is given;
-    with ``scale``, ``scale_inv_out`` (1-element fp32) receives ``1 / scale``."""
+    with ``scale``, ``scale_inv_out`` (1-element fp32) receives ``1 / scale``. ``prepare`` (GPU):
+    receives this launch prepared (its trailing sizes and strides fixed) and the shape of ``q_t``,
+    when a later call may pass ``x``, the fresh outputs and the buffers themselves: no copy or
+    conversion was made of any of them."""
     what = "cast_transpose" if transpose else "cast_to_fp8"
     spec = fp8_spec(fp8_dtype, f"kernels.cast.{what}")
     if x.dtype not in _INPUT_DTYPES:
@@ -356,12 +397,14 @@ def launch_cast(
         cfg = _config(
             spec, with_amax, pow2, p_block, reverse, write_inv, hw, (("BLOCK", block),), warps
         )
-        _launch_flat(
-            (cdiv(n, block),),
-            (x_flat, q_flat.view(torch.uint8), scale_t, acc, p, n_partials, eps, *outs, n),
-            cfg,
-            interpreted=not gpu,
-        )
+        grid = (cdiv(n, block),)
+        args = (x_flat, q_flat.view(torch.uint8), scale_t, acc, p, n_partials, eps, *outs, n)
+        _launch_flat(grid, args, cfg, interpreted=not gpu)
+        uncopied = x_flat.data_ptr() == x.data_ptr() and (partials is not None or scale_t is scale)
+        if prepare is not None and uncopied:
+            prepared = _launch_flat.prepare(grid, args, cfg, 1)
+            if prepared is not None:
+                prepare(prepared, None)
         return q, None
     rows, cols = rows_cols(x, f"kernels.cast.{what}")
     q = torch.empty_like(x, dtype=fp8_dtype)
@@ -382,15 +425,20 @@ def launch_cast(
     cfg = _config(
         spec, with_amax, pow2, p_block, reverse, write_inv, hw, (("BM", bm), ("BN", bn)), warps
     )
-    _launch_tiled(
-        (cdiv(rows, bm) * cdiv(cols, bn),),
-        (
-            x2d, q2d.view(torch.uint8), q_t.view(torch.uint8), scale_t, acc, p, n_partials, eps,
-            *outs, rows, cols, x2d.stride(0), x2d.stride(1), q2d.stride(0), q2d.stride(1),
-        ),
-        cfg,
-        interpreted=not gpu,
+    grid = (cdiv(rows, bm) * cdiv(cols, bn),)
+    args = (
+        x2d, q2d.view(torch.uint8), q_t.view(torch.uint8), scale_t, acc, p, n_partials, eps,
+        *outs, rows, cols, x2d.stride(0), x2d.stride(1), q2d.stride(0), q2d.stride(1),
     )  # fmt: skip
+    _launch_tiled(grid, args, cfg, interpreted=not gpu)
     if copy_back:
         q.copy_(q2d.view(q.shape))
+    elif (
+        prepare is not None
+        and x2d.data_ptr() == x.data_ptr()
+        and (partials is not None or scale_t is scale)
+    ):
+        prepared = _launch_tiled.prepare(grid, args, cfg, 6)
+        if prepared is not None:
+            prepare(prepared, (cols, rows))
     return q, q_t

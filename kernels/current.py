@@ -14,7 +14,7 @@ few hundred int32 read from L2) and compute the scale, so the whole path is two 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -31,7 +31,7 @@ from dist_quant.kernels._fp8_round import (
     next_pow2,
     reciprocal,
 )
-from dist_quant.kernels._launch import FastLaunch, launch_config
+from dist_quant.kernels._launch import FastLaunch, PreparedLaunch, launch_config
 from dist_quant.kernels.cast import AmaxPartials, launch_cast
 
 # GPU amax pass: BLOCK elements per loop step, PROGRAMS_PER_SM persistent programs per SM
@@ -89,8 +89,9 @@ def _current_scale_kernel(
     tl.store(scale_inv_ptr + offs, reciprocal(s), mask=mask)
 
 
-def _amax_partials(x: torch.Tensor) -> torch.Tensor:
-    """int32 ``(P,)``: bits of each persistent program's ``max|x|`` (x non-empty)."""
+def _amax_partials(x: torch.Tensor, prepare: bool = False) -> tuple[torch.Tensor, Any]:
+    """int32 ``(P,)``: bits of each persistent program's ``max|x|`` (x non-empty); with
+    ``prepare`` (GPU), also the launch prepared for ``(x, partials)`` (None where x was copied)."""
     x_flat = dense_flat(x)
     n = x_flat.numel()
     gpu = is_gpu(x)
@@ -102,13 +103,13 @@ def _amax_partials(x: torch.Tensor) -> torch.Tensor:
         programs = min(cdiv(n, block), 4)
     partials = torch.empty(programs, dtype=torch.int32, device=x.device)
     iters = cdiv(cdiv(n, block), programs)
-    _launch_partials(
-        (programs,),
-        (x_flat, partials, n, iters),
-        launch_config((("BLOCK", block),), (("num_warps", warps),)),
-        interpreted=not gpu,
-    )
-    return partials
+    args = (x_flat, partials, n, iters)
+    config = launch_config((("BLOCK", block),), (("num_warps", warps),))
+    _launch_partials((programs,), args, config, interpreted=not gpu)
+    prepared = None
+    if prepare and x_flat.data_ptr() == x.data_ptr():
+        prepared = _launch_partials.prepare((programs,), args, config, 2)
+    return partials, prepared
 
 
 _launch_partials = FastLaunch(_amax_partials_kernel)
@@ -132,7 +133,7 @@ def amax_triton(x: torch.Tensor) -> torch.Tensor:
     out = torch.zeros((), dtype=torch.float32, device=x.device)
     if x.numel() == 0:
         return out
-    partials = _amax_partials(x.detach())
+    partials, _ = _amax_partials(x.detach())
     p_block = next_pow2(partials.numel())
     _launch_finalize.launch(
         (1,), (partials, partials.numel(), out), {"P_BLOCK": p_block}, interpreted=not is_gpu(x)
@@ -175,7 +176,19 @@ def current_scaling_cast_triton(
     use_power_2_scales: bool = False,
     transpose: bool = False,
 ) -> CurrentScalingCast:
-    """amax -> current scale -> cast (and transpose) of ``x``, in two launches, no host sync."""
+    """amax -> current scale -> cast (and transpose) of ``x``, in two launches, no host sync.
+
+    As for the delayed cast (``cast.delayed_cast_triton``), the first cast of a layout leaves
+    its two launches prepared, and later casts of the same key only allocate and relaunch."""
+    key = None
+    if type(x) is torch.Tensor and x.is_cuda:  # eager (under tracing x is a fake tensor)
+        key = (
+            x.shape, x.stride(), x.dtype, fp8_dtype, transpose, amax_epsilon, use_power_2_scales,
+            torch._C._cuda_getDevice(), x.get_device(), x.data_ptr() & 15,
+        )  # fmt: skip
+        plan = _current_plans.get(key)
+        if plan is not None:
+            return _relaunch(plan, x, fp8_dtype, key[7])
     what = "current_scaling_cast"
     fp8_spec(fp8_dtype, f"kernels.current.{what}")
     _check_float(x, what)
@@ -194,13 +207,60 @@ def current_scaling_cast_triton(
     amax = torch.empty((), dtype=torch.float32, device=dev)  # program 0 of the cast writes it
     scale = torch.empty(1, dtype=torch.float32, device=dev)
     scale_inv = torch.empty(1, dtype=torch.float32, device=dev)
+    partials_t, amax_pass = _amax_partials(x, prepare=key is not None)
     partials = AmaxPartials(
-        partials=_amax_partials(x),
+        partials=partials_t,
         amax_epsilon=amax_epsilon,
         use_power_2_scales=use_power_2_scales,
         amax_out=amax.reshape(1),
         scale_out=scale,
         scale_inv_out=scale_inv,
     )
-    q, q_t = launch_cast(x, fp8_dtype, transpose=transpose, partials=partials)
+
+    def store(cast_pass: PreparedLaunch, q_t_shape: tuple[int, int] | None) -> None:
+        if amax_pass is not None:
+            plan = _CurrentPlan(
+                amax_pass, cast_pass, partials_t.numel(), float(amax_epsilon), q_t_shape
+            )
+            _current_plans[key] = plan
+
+    q, q_t = launch_cast(
+        x, fp8_dtype, transpose=transpose, partials=partials,
+        prepare=None if key is None else store,
+    )  # fmt: skip
+    return CurrentScalingCast(q, q_t, scale, scale_inv, amax)
+
+
+class _CurrentPlan(NamedTuple):
+    amax_pass: PreparedLaunch
+    cast_pass: PreparedLaunch
+    n_partials: int
+    eps: float
+    q_t_shape: tuple[int, int] | None
+
+
+# key (see current_scaling_cast_triton) -> the two prepared launches of that cast
+_current_plans: dict[tuple, _CurrentPlan] = {}
+
+
+def _relaunch(
+    plan: _CurrentPlan, x: torch.Tensor, fp8_dtype: torch.dtype, device: int
+) -> CurrentScalingCast:
+    amax_pass, cast_pass, n_partials, eps, q_t_shape = plan
+    dev = x.device
+    partials = torch.empty(n_partials, dtype=torch.int32, device=dev)
+    amax = torch.empty((), dtype=torch.float32, device=dev)
+    scale = torch.empty(1, dtype=torch.float32, device=dev)
+    scale_inv = torch.empty(1, dtype=torch.float32, device=dev)
+    q = torch.empty_like(x, dtype=fp8_dtype)
+    stream = torch._C._cuda_getCurrentRawStream(device)
+    amax_pass.launch(stream, x, partials)
+    if q_t_shape is None:
+        q_t = None
+        cast_pass.launch(stream, x, q, scale, scale, partials, n_partials, eps, amax, scale,
+                         scale_inv)  # fmt: skip
+    else:
+        q_t = torch.empty(q_t_shape, dtype=fp8_dtype, device=dev)
+        cast_pass.launch(stream, x, q, q_t, scale, scale, partials, n_partials, eps, amax,
+                         scale, scale_inv)  # fmt: skip
     return CurrentScalingCast(q, q_t, scale, scale_inv, amax)

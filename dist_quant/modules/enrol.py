@@ -91,7 +91,13 @@ def _entry(key: int) -> tuple[Any, list[Any]]:
     return module, entry
 
 
-@custom_op("dist_quant::enrol_forward", mutates_args=())
+# Python side effects, not GPU work: a CUDA graph would drop them on replay. The tag makes inductor's
+# cudagraphs (`mode="reduce-overhead"`) run them outside its graphs (it partitions the graph
+# around them, or graphs nothing where partitioning is off) instead of capturing them once.
+_HOST_ONLY = (torch.Tag.cudagraph_unsafe,)
+
+
+@custom_op("dist_quant::enrol_forward", mutates_args=(), tags=_HOST_ONLY)
 def enrol_forward(anchor: Tensor, key: int) -> None:
     """Enrol module `key`'s forward delayed-scaling groups in the innermost autocast region and
     remember the region's reduction group for its backward. `anchor` (one of the module's scale
@@ -148,10 +154,24 @@ def _(anchor: Tensor, key: int) -> None:
     return None
 
 
-@custom_op("dist_quant::enrol_backward", mutates_args=())
+def enrol_backward_from(anchor: Tensor, key: int) -> None:
+    """What a module's backward calls: `enrol_backward_op` while torch.compile traces it (its
+    tensors are then fake or functional: the op keeps the enrolment in the compiled backward),
+    the op's body directly in an eager backward (the dispatcher costs ~40 us of host time)."""
+    if type(anchor) is not Tensor or torch.compiler.is_compiling():
+        enrol_backward_op(anchor, key)
+    else:
+        _enrol_backward(key)
+
+
+@custom_op("dist_quant::enrol_backward", mutates_args=(), tags=_HOST_ONLY)
 def enrol_backward_op(anchor: Tensor, key: int) -> None:
     """Enrol module `key`'s backward groups in this autograd pass's reduction. `anchor` (the
     incoming gradient) only ties the op to the backward graph."""
+    _enrol_backward(key)
+
+
+def _enrol_backward(key: int) -> None:
     _, entry = _entry(key)
     if _recorder() is not None:
         return  # recorded by the forward

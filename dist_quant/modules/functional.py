@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from dist_quant.gemm import gemm
-from dist_quant.modules.enrol import enrol_backward_op
+from dist_quant.modules.enrol import enrol_backward_from
 from dist_quant.parallel import (
     TPLayout,
     all_gather_quantized,
@@ -154,7 +154,7 @@ class _QuantizedLinear(torch.autograd.Function):
             slots.grad_output.set_usage(rowwise=need_dx, columnwise=need_dw)
             dy_q = slots.grad_output.quantize(dy2d)
         if slots.bwd_groups:
-            enrol_backward_op(dy2d, slots.enrol_key)
+            enrol_backward_from(dy2d, slots.enrol_key)
         dx = dw = db = None
         if need_dx:
             if tp is not None and tp.mode == "column":

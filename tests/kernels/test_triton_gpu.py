@@ -132,6 +132,56 @@ def test_repeated_launches_of_one_specialisation_stay_exact():
         assert_bitwise_equal(cur.amax, ref.amax(x), f"current amax, call {seed}")
 
 
+@pytest.mark.parametrize("transpose", [False, True])
+def test_delayed_casts_relaunched_from_their_prepared_plan_stay_exact(transpose):
+    # the first delayed cast of a layout prepares its launch (kernels/cast.py), the next ones of
+    # the same key relaunch it: every call, every layout, and amax slots at aligned and unaligned
+    # addresses (a history row's slots sit 4 bytes apart) must match the reference
+    history = torch.zeros(2, 3, device="cuda")
+    scale = torch.ones(1, device="cuda")
+    for x_cpu, x in _inputs():
+        for call, (value, slot) in enumerate(((0.37, 0), (3.0, 0), (0.37, 1), (2.0**-5, 1))):
+            scale.fill_(value)
+            history.zero_()
+            amax_slot = history[0, slot]
+            out = K.delayed_cast(x, scale, torch.float8_e4m3fn, amax_slot, transpose=transpose)
+            what = f"{tuple(x.shape)} stride {x.stride()}, call {call}"
+            if transpose:
+                exp_q, exp_t = ref.cast_transpose(x_cpu, scale.cpu(), torch.float8_e4m3fn)
+                assert_bitwise_equal(out.data_t, exp_t, f"q_t, {what}")
+            else:
+                exp_q, exp_t = ref.cast_to_fp8(x_cpu, scale.cpu(), torch.float8_e4m3fn), None
+                assert out.data_t is None
+            assert_bitwise_equal(out.data, exp_q, f"q, {what}")
+            assert_bitwise_equal(history[0, slot], ref.amax(x_cpu), f"amax, {what}")
+            assert_bitwise_equal(out.scale_inv, torch.reciprocal(scale.cpu()), f"scale_inv, {what}")
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+def test_current_scaling_casts_relaunched_from_their_prepared_plan_stay_exact(transpose):
+    # as above for current scaling's two launches (amax pass, cast): new values in the same
+    # layouts on every call, and an amax epsilon that changes the key (and the scale)
+    e4m3 = torch.float8_e4m3fn
+    for x_cpu, x in _inputs(specials=False):
+        for call, (factor, eps) in enumerate(((1.0, 0.0), (-3.0, 0.0), (0.25, 0.0), (1.0, 1e3))):
+            x.mul_(factor)  # in place: the layout stays
+            x_cpu = x.cpu()
+            out = K.current_scaling_cast(x, e4m3, amax_epsilon=eps, transpose=transpose)
+            a = ref.amax(x_cpu)
+            scale, scale_inv = ref.current_scale(a, e4m3, amax_epsilon=eps)
+            what = f"{tuple(x.shape)} stride {x.stride()}, call {call}"
+            assert_bitwise_equal(out.amax, a, f"amax, {what}")
+            assert_bitwise_equal(out.scale, scale.reshape(1), f"scale, {what}")
+            assert_bitwise_equal(out.scale_inv, scale_inv.reshape(1), f"scale_inv, {what}")
+            if transpose:
+                exp_q, exp_t = ref.cast_transpose(x_cpu, scale, e4m3)
+                assert_bitwise_equal(out.data_t, exp_t, f"q_t, {what}")
+            else:
+                exp_q = ref.cast_to_fp8(x_cpu, scale, e4m3)
+                assert out.data_t is None
+            assert_bitwise_equal(out.data, exp_q, f"q, {what}")
+
+
 def _every_bf16() -> torch.Tensor:
     """All 65536 bf16 bit patterns as a (256, 256) matrix: both signs, every exponent (FP8
     subnormals, normals, saturation), every mantissa (each FP8 rounding tie of both formats that
