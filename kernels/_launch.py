@@ -86,6 +86,19 @@ def traced(t: torch.Tensor) -> bool:
     return type(t) is not torch.Tensor
 
 
+PLAN_LIMIT = 1024
+"""Most prepared launches a table keeps: a model sees a few layouts per module, but a run whose
+sequence lengths vary would add one per length; a full table is emptied and refilled by the
+next casts (each pays the full launch path once)."""
+
+
+def remember(table: dict, key: Any, value: Any) -> None:
+    """``table[key] = value``, emptying ``table`` first when it holds ``PLAN_LIMIT`` entries."""
+    if len(table) >= PLAN_LIMIT:
+        table.clear()
+    table[key] = value
+
+
 class PreparedLaunch:
     """One compiled kernel at one grid, relaunched with no lookup at all: ``launch(stream,
     *args)`` runs ``kernel[grid](*args, *fixed, **constexprs)`` on ``stream`` (a raw CUDA stream

@@ -40,7 +40,13 @@ from dist_quant.kernels._fp8_round import (
     rows_cols,
     scalar_fp32,
 )
-from dist_quant.kernels._launch import FastLaunch, LaunchConfig, PreparedLaunch, launch_config
+from dist_quant.kernels._launch import (
+    FastLaunch,
+    LaunchConfig,
+    PreparedLaunch,
+    launch_config,
+    remember,
+)
 
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -288,7 +294,7 @@ def delayed_cast_triton(
     scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
 
     def store(prepared: PreparedLaunch, q_t_shape: tuple[int, int] | None) -> None:
-        _delayed_plans[key] = (prepared, q_t_shape)
+        remember(_delayed_plans, key, (prepared, q_t_shape))
 
     q, q_t = launch_cast(
         x, fp8_dtype, transpose=transpose, scale=scale, amax_out=amax_out,

@@ -31,7 +31,7 @@ from dist_quant.kernels._fp8_round import (
     next_pow2,
     reciprocal,
 )
-from dist_quant.kernels._launch import FastLaunch, PreparedLaunch, launch_config
+from dist_quant.kernels._launch import FastLaunch, PreparedLaunch, launch_config, remember
 from dist_quant.kernels.cast import AmaxPartials, launch_cast
 
 # GPU amax pass: BLOCK elements per loop step, PROGRAMS_PER_SM persistent programs per SM
@@ -222,7 +222,7 @@ def current_scaling_cast_triton(
             plan = _CurrentPlan(
                 amax_pass, cast_pass, partials_t.numel(), float(amax_epsilon), q_t_shape
             )
-            _current_plans[key] = plan
+            remember(_current_plans, key, plan)
 
     q, q_t = launch_cast(
         x, fp8_dtype, transpose=transpose, partials=partials,

@@ -59,23 +59,33 @@ def _step(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return y.detach()
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_inductor_step_on_cuda_matches_eager_bit_for_bit(recipe: str) -> None:
+def _eager_and_compiled(recipe: str, **compile_kwargs) -> tuple[dq.Linear, dq.Linear, object]:
+    """Two identical Linears under `recipe`, and the second compiled (inductor, fullgraph)."""
     eager = _linear()
     compiled_src = copy.deepcopy(eager)
     for m in (eager, compiled_src):
         dq.apply_recipe(m, dq.recipe_from_dict(recipe))
-    compiled = torch.compile(compiled_src, backend="inductor", fullgraph=True)
+    return eager, compiled_src, torch.compile(compiled_src, fullgraph=True, **compile_kwargs)
+
+
+def _assert_same_step(eager: dq.Linear, compiled_src: dq.Linear, compiled, x_e, x_c, what: str):
+    """One step of each model on equal inputs: outputs, both gradients and every scaling buffer
+    equal bit for bit."""
+    y_e, y_c = _step(eager, x_e), _step(compiled, x_c).clone()
+    assert torch.equal(y_e, y_c), f"{what}: outputs differ"
+    assert torch.equal(x_e.grad, x_c.grad), f"{what}: input gradients differ"
+    assert torch.equal(eager.weight.grad, compiled_src.weight.grad), f"{what}: dW differs"
+    buf_e, buf_c = scaling_buffers(eager), scaling_buffers(compiled_src)
+    assert buf_e.keys() == buf_c.keys()
+    for name in buf_e:
+        assert torch.equal(buf_e[name], buf_c[name]), f"{what}: {name} differs"
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_inductor_step_on_cuda_matches_eager_bit_for_bit(recipe: str) -> None:
+    eager, compiled_src, compiled = _eager_and_compiled(recipe)
     for step in range(STEPS):
-        x_e, x_c = _input(step), _input(step)
-        y_e, y_c = _step(eager, x_e), _step(compiled, x_c)
-        assert torch.equal(y_e, y_c), f"step {step}: outputs differ"
-        assert torch.equal(x_e.grad, x_c.grad), f"step {step}: input gradients differ"
-        assert torch.equal(eager.weight.grad, compiled_src.weight.grad), f"step {step}: dW differs"
-        buf_e, buf_c = scaling_buffers(eager), scaling_buffers(compiled_src)
-        assert buf_e.keys() == buf_c.keys()
-        for name in buf_e:
-            assert torch.equal(buf_e[name], buf_c[name]), f"step {step}: {name} differs"
+        _assert_same_step(eager, compiled_src, compiled, _input(step), _input(step), f"step {step}")
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -95,17 +105,10 @@ def test_inductor_calls_the_cast_kernels_itself(recipe: str) -> None:
 @pytest.mark.parametrize("recipe", ["delayed", "current"])
 def test_inductor_step_with_dynamic_shapes_matches_eager_bit_for_bit(recipe: str) -> None:
     # symbolic sizes keep the casts opaque ops (their launchers size grids in plain Python)
-    eager = _linear()
-    compiled_src = copy.deepcopy(eager)
-    for m in (eager, compiled_src):
-        dq.apply_recipe(m, dq.recipe_from_dict(recipe))
-    compiled = torch.compile(compiled_src, backend="inductor", fullgraph=True, dynamic=True)
+    eager, compiled_src, compiled = _eager_and_compiled(recipe, dynamic=True)
     for step, tokens in enumerate((192, 80, 320)):
         x_e, x_c = _input(step, tokens), _input(step, tokens)
-        y_e, y_c = _step(eager, x_e), _step(compiled, x_c)
-        assert torch.equal(y_e, y_c), f"{tokens} tokens: outputs differ"
-        assert torch.equal(x_e.grad, x_c.grad), f"{tokens} tokens: input gradients differ"
-        assert torch.equal(eager.weight.grad, compiled_src.weight.grad), f"{tokens} tokens: dW"
+        _assert_same_step(eager, compiled_src, compiled, x_e, x_c, f"{tokens} tokens")
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "current"])
@@ -114,18 +117,7 @@ def test_reduce_overhead_step_matches_eager_bit_for_bit_over_six_steps(recipe: s
     # still run on every step, or the scales stop updating while the step runs on. Gradients
     # are set to None each step, as optimizer.zero_grad() does: a graph's output is overwritten
     # by its next replay, so a .grad that is one cannot be accumulated into
-    eager = _linear()
-    compiled_src = copy.deepcopy(eager)
-    for m in (eager, compiled_src):
-        dq.apply_recipe(m, dq.recipe_from_dict(recipe))
-    compiled = torch.compile(compiled_src, mode="reduce-overhead", fullgraph=True)
+    eager, compiled_src, compiled = _eager_and_compiled(recipe, mode="reduce-overhead")
     for step in range(6):
         eager.weight.grad = compiled_src.weight.grad = None
-        x_e, x_c = _input(step), _input(step)
-        y_e, y_c = _step(eager, x_e), _step(compiled, x_c).clone()
-        assert torch.equal(y_e, y_c), f"step {step}: outputs differ"
-        assert torch.equal(x_e.grad, x_c.grad), f"step {step}: input gradients differ"
-        assert torch.equal(eager.weight.grad, compiled_src.weight.grad), f"step {step}: dW differs"
-        buf_e, buf_c = scaling_buffers(eager), scaling_buffers(compiled_src)
-        for name in buf_e:
-            assert torch.equal(buf_e[name], buf_c[name]), f"step {step}: {name} differs"
+        _assert_same_step(eager, compiled_src, compiled, _input(step), _input(step), f"step {step}")

@@ -15,7 +15,7 @@ import inspect
 
 import torch
 from dist_quant.kernels import block, block_gemm, cast, current, delayed_update, mxfp8
-from dist_quant.kernels._launch import FastLaunch
+from dist_quant.kernels._launch import PLAN_LIMIT, FastLaunch, remember
 
 # the package exports a `dequantize` function, which hides the submodule's attribute
 dequantize = importlib.import_module("dist_quant.kernels.dequantize")
@@ -71,3 +71,12 @@ def test_every_fast_launch_passes_runtime_arguments_then_every_constexpr(monkeyp
     every = {v.kernel for m in MODULES for v in vars(m).values() if isinstance(v, FastLaunch)}
     missed = sorted(k.fn.__name__ for k in every - launched)
     assert not missed, f"launchers not exercised: {missed}"
+
+
+def test_a_full_table_of_prepared_launches_is_emptied_before_it_grows() -> None:
+    table: dict = {}
+    for i in range(PLAN_LIMIT):
+        remember(table, i, str(i))
+    assert len(table) == PLAN_LIMIT and table[PLAN_LIMIT - 1] == str(PLAN_LIMIT - 1)
+    remember(table, "next", "kept")
+    assert table == {"next": "kept"}
