@@ -282,15 +282,11 @@ def delayed_cast_triton(
             scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
             q = torch.empty_like(x, dtype=fp8_dtype)
             stream = torch._C._cuda_getCurrentRawStream(key[5])
-            if transpose:
-                q_t = torch.empty(prepared[1], dtype=fp8_dtype, device=x.device)
-                prepared[0].launch(stream, x, q, q_t, scale, amax_out, scale, 0, 0.0, scale,
-                                   scale, scale_inv)  # fmt: skip
-                return DelayedCast(q, q_t, scale_inv)
-            prepared[0].launch(
-                stream, x, q, scale, amax_out, scale, 0, 0.0, scale, scale, scale_inv
-            )
-            return DelayedCast(q, None, scale_inv)
+            q_t = None if prepared[1] is None else torch.empty(prepared[1], dtype=fp8_dtype,
+                                                                device=x.device)  # fmt: skip
+            outs = (scale, scale, scale_inv)
+            prepared[0].launch(stream, *cast_args(x, q, q_t, scale, amax_out, scale, 0, 0.0, outs))
+            return DelayedCast(q, q_t, scale_inv)
     scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
 
     def store(prepared: PreparedLaunch, q_t_shape: tuple[int, int] | None) -> None:
@@ -337,6 +333,24 @@ def _config(
         ),
         (("num_warps", warps),),
     )
+
+
+def cast_args(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    q_t: torch.Tensor | None,
+    scale: torch.Tensor,
+    amax_acc: torch.Tensor,
+    partials: torch.Tensor,
+    n_partials: int,
+    eps: float,
+    outs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> tuple:
+    """The leading runtime arguments of the cast kernels, in their order (the flat kernel has no
+    ``q_t``): the full launch path and the prepared relaunches both build them here. ``outs`` is
+    ``(amax_out, scale_out, scale_inv_out)``; sizes and strides follow."""
+    head = (x, q) if q_t is None else (x, q, q_t)
+    return (*head, scale, amax_acc, partials, n_partials, eps, *outs)
 
 
 _launch_flat = FastLaunch(_cast_kernel)
@@ -404,7 +418,10 @@ def launch_cast(
             spec, with_amax, pow2, p_block, reverse, write_inv, hw, (("BLOCK", block),), warps
         )
         grid = (cdiv(n, block),)
-        args = (x_flat, q_flat.view(torch.uint8), scale_t, acc, p, n_partials, eps, *outs, n)
+        head = cast_args(
+            x_flat, q_flat.view(torch.uint8), None, scale_t, acc, p, n_partials, eps, outs
+        )
+        args = (*head, n)
         _launch_flat(grid, args, cfg, interpreted=not gpu)
         uncopied = x_flat.data_ptr() == x.data_ptr() and (partials is not None or scale_t is scale)
         if prepare is not None and uncopied:
@@ -432,10 +449,10 @@ def launch_cast(
         spec, with_amax, pow2, p_block, reverse, write_inv, hw, (("BM", bm), ("BN", bn)), warps
     )
     grid = (cdiv(rows, bm) * cdiv(cols, bn),)
-    args = (
-        x2d, q2d.view(torch.uint8), q_t.view(torch.uint8), scale_t, acc, p, n_partials, eps,
-        *outs, rows, cols, x2d.stride(0), x2d.stride(1), q2d.stride(0), q2d.stride(1),
-    )  # fmt: skip
+    head = cast_args(
+        x2d, q2d.view(torch.uint8), q_t.view(torch.uint8), scale_t, acc, p, n_partials, eps, outs
+    )
+    args = (*head, rows, cols, x2d.stride(0), x2d.stride(1), q2d.stride(0), q2d.stride(1))
     _launch_tiled(grid, args, cfg, interpreted=not gpu)
     if copy_back:
         q.copy_(q2d.view(q.shape))

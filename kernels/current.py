@@ -32,7 +32,7 @@ from dist_quant.kernels._fp8_round import (
     reciprocal,
 )
 from dist_quant.kernels._launch import FastLaunch, PreparedLaunch, launch_config, remember
-from dist_quant.kernels.cast import AmaxPartials, launch_cast
+from dist_quant.kernels.cast import AmaxPartials, cast_args, launch_cast
 
 # GPU amax pass: BLOCK elements per loop step, PROGRAMS_PER_SM persistent programs per SM
 # (bench/bench_cast.py --sweep measures the alternatives). The interpreter uses 4 programs.
@@ -254,13 +254,9 @@ def _relaunch(
     scale_inv = torch.empty(1, dtype=torch.float32, device=dev)
     q = torch.empty_like(x, dtype=fp8_dtype)
     stream = torch._C._cuda_getCurrentRawStream(device)
+    q_t = None if q_t_shape is None else torch.empty(q_t_shape, dtype=fp8_dtype, device=dev)
     amax_pass.launch(stream, x, partials)
-    if q_t_shape is None:
-        q_t = None
-        cast_pass.launch(stream, x, q, scale, scale, partials, n_partials, eps, amax, scale,
-                         scale_inv)  # fmt: skip
-    else:
-        q_t = torch.empty(q_t_shape, dtype=fp8_dtype, device=dev)
-        cast_pass.launch(stream, x, q, q_t, scale, scale, partials, n_partials, eps, amax,
-                         scale, scale_inv)  # fmt: skip
+    outs = (amax, scale, scale_inv)
+    # the cast reads its scale from scale_out (written by its program 0) and folds no amax
+    cast_pass.launch(stream, *cast_args(x, q, q_t, scale, scale, partials, n_partials, eps, outs))
     return CurrentScalingCast(q, q_t, scale, scale_inv, amax)
