@@ -25,3 +25,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
         if "ray" in item.keywords and not has_ray:
             item.add_marker(skip_ray)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches emptied before and after the test: compile tests build new module
+    instances of the same classes, which without a reset pile up in one code object's cache and
+    reach dynamo's recompile limit."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

@@ -22,18 +22,11 @@ from model_state import scaling_buffers
 
 import dist_quant as dq
 
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
 RECIPES = ["bf16", "delayed", "current", "mxfp8", "block"]
 HIDDEN = 32  # a multiple of the 32-element MXFP8 blocks; block scaling pads its 128 tiles
 STEPS = 3  # a delayed-scaling scale first depends on an earlier step's amax at step 2
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    # every test compiles new module instances of the same classes: without a reset they pile up
-    # in one code object's cache and reach dynamo's recompile limit
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def _model(kind: str) -> torch.nn.Module:

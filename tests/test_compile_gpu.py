@@ -24,6 +24,7 @@ pytestmark = [
         not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
         reason="needs a CUDA GPU with FP8 (sm89+)",
     ),
+    pytest.mark.usefixtures("fresh_dynamo"),
 ]
 
 RECIPES = ["delayed", "current", "mxfp8", "block"]
@@ -32,13 +33,6 @@ RECIPES = ["delayed", "current", "mxfp8", "block"]
 OPAQUE_CASTS = ("dist_quant.delayed_cast", "dist_quant.current_scaling_cast", "dist_quant.mxfp8_cast",
                 "dist_quant.block_cast", "dist_quant.cast_transpose", "dist_quant.cast_to_fp8")  # fmt: skip
 STEPS = 3  # a delayed-scaling scale first depends on an earlier step's amax at step 2
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def _linear() -> dq.Linear:

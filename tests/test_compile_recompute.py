@@ -17,15 +17,10 @@ import torch
 
 import dist_quant as dq
 
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
 HIDDEN = 32  # a multiple of MXFP8's 32-element blocks
 STEPS = 3
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 class Blocks(torch.nn.Module):
