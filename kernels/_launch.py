@@ -73,6 +73,19 @@ def _specialisation(args: Sequence[Any]) -> tuple:
     return tuple(out)
 
 
+def _launch_hooks() -> tuple[Any, Any]:
+    """Triton's launch enter and exit hooks, each None while nothing is installed in it. Triton
+    3.6+ keeps them as hook chains that are never None: passed as they are, every launch builds
+    its metadata and calls two empty chains; None tells the launcher there is no hook, which is
+    what an empty chain means."""
+    return _installed(knobs.runtime.launch_enter_hook), _installed(knobs.runtime.launch_exit_hook)
+
+
+def _installed(hook: Any) -> Any:
+    calls = getattr(hook, "calls", None)  # a HookChain's hooks; older Triton: a callable or None
+    return None if calls is not None and not calls else hook
+
+
 @functools.cache
 def _current_device_and_stream() -> tuple[Any, Any]:
     # resolved once: `driver.active` is a proxy that looks the backend up on every attribute
@@ -118,7 +131,7 @@ class PreparedLaunch:
         self._grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
 
     def launch(self, stream: int, *args: Any) -> None:
-        enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        enter, exit_ = _launch_hooks()
         gx, gy, gz = self._grid
         metadata = (
             None
@@ -183,10 +196,10 @@ class FastLaunch:
             return
         compiled, run, function, packed, tail = entry
         stream = current_stream(device)
-        enter = knobs.runtime.launch_enter_hook
+        enter, exit_ = _launch_hooks()
         metadata = None if enter is None else compiled.launch_metadata(grid, stream, *args, *tail)
         gx = grid[0]
         gy = grid[1] if len(grid) > 1 else 1
         gz = grid[2] if len(grid) > 2 else 1
-        run(gx, gy, gz, stream, function, packed, metadata, enter,
-            knobs.runtime.launch_exit_hook, *args, *tail)  # fmt: skip
+        run(gx, gy, gz, stream, function, packed, metadata, enter, exit_,
+            *args, *tail)  # fmt: skip

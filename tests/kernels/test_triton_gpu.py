@@ -182,6 +182,30 @@ def test_current_scaling_casts_relaunched_from_their_prepared_plan_stay_exact(tr
             assert_bitwise_equal(out.data, exp_q, f"q, {what}")
 
 
+def test_an_installed_triton_launch_hook_sees_every_relaunch():
+    # prepared and fast launches pass no hook while Triton's hook chains are empty (kernels/
+    # _launch.py); a profiler that installs one (proton does) must still see every cast
+    triton_knobs = pytest.importorskip("triton.knobs")
+    chain = triton_knobs.runtime.launch_enter_hook
+    if not hasattr(chain, "add"):
+        pytest.skip("this Triton keeps a single launch hook, not a chain")
+    x = random_values((1024, 512), torch.bfloat16, seed=320).cuda()
+    scale, slot = torch.ones(1, device="cuda"), torch.zeros(1, device="cuda")
+    K.delayed_cast(x, scale, torch.float8_e4m3fn, slot, transpose=True)  # prepares the launch
+    seen = []
+    hook = seen.append
+    chain.add(hook)
+    try:
+        for _ in range(3):
+            K.delayed_cast(x, scale, torch.float8_e4m3fn, slot, transpose=True)
+            K.current_scaling_cast(x, torch.float8_e4m3fn, transpose=True)
+    finally:
+        chain.remove(hook)
+    assert len(seen) == 3 * 3, f"the hook saw {len(seen)} of 9 launches"
+    K.delayed_cast(x, scale, torch.float8_e4m3fn, slot, transpose=True)
+    assert len(seen) == 9, "a removed hook was still called"
+
+
 def _every_bf16() -> torch.Tensor:
     """All 65536 bf16 bit patterns as a (256, 256) matrix: both signs, every exponent (FP8
     subnormals, normals, saturation), every mantissa (each FP8 rounding tie of both formats that
