@@ -52,7 +52,7 @@ def gemm(
     if bias is not None and bias.shape != (b_shape[0],):
         raise ValueError(f"gemm: bias must have shape ({b_shape[0]},), got {tuple(bias.shape)}")
     if _can_use_scaled_mm(a, b):
-        return _scaled_mm(a, b, out_dtype, bias)
+        return _scaled_mm(a.data, a.scale_inv, b.data, b.scale_inv, out_dtype, bias)
     if isinstance(a, Tensor) and isinstance(b, Tensor) and a.dtype == b.dtype:
         out = torch.matmul(a, b.t())
         return (out if bias is None else out + bias.to(out.dtype)).to(out_dtype)
@@ -71,21 +71,48 @@ def gemm(
 _OPERANDS = (Tensor, GemmOperand)
 
 
-def _scaled_mm(
-    a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype, bias: Tensor | None
+def per_tensor_gemm(
+    a: Tensor,
+    a_scale_inv: Tensor,
+    b: Tensor,
+    b_scale_inv: Tensor,
+    *,
+    out_dtype: torch.dtype,
+    bias: Tensor | None = None,
 ) -> Tensor:
-    # cuBLASLt wants a row-major and b column-major: b.data is (N, K) row-major, so b.data.t() is
-    # (K, N) column-major without a copy (.contiguous() of a contiguous tensor returns it before
+    """``gemm`` of two per-tensor FP8 operands given as their 2D bytes (``a`` ``(M, K)``, ``b``
+    ``(N, K)``) and (1,) fp32 scale inverses, for callers that hold the bytes (the per-tensor
+    linear path): the same computation, without building operands on the ``_scaled_mm`` path."""
+    if _scaled_mm_fits(a, b):
+        return _scaled_mm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias)
+    return gemm(
+        GemmOperand(a, a_scale_inv, OperandLayout.TENSOR, a.dtype),
+        GemmOperand(b, b_scale_inv, OperandLayout.TENSOR, b.dtype),
+        out_dtype=out_dtype,
+        bias=bias,
+    )
+
+
+def _scaled_mm(
+    a: Tensor,
+    a_scale_inv: Tensor,
+    b: Tensor,
+    b_scale_inv: Tensor,
+    out_dtype: torch.dtype,
+    bias: Tensor | None,
+) -> Tensor:
+    # cuBLASLt wants a row-major and b column-major: b is (N, K) row-major, so b.t() is (K, N)
+    # column-major without a copy (.contiguous() of a contiguous tensor returns it before
     # reaching the dispatcher). cuBLASLt's bias epilogue exists for 16-bit outputs only; an fp32
     # output adds it after.
     epilogue_bias = bias is not None and out_dtype != torch.float32
     if epilogue_bias and bias.dtype != out_dtype:
         bias = bias.to(out_dtype)
     out = torch._scaled_mm(
-        a.data.contiguous(),
-        b.data.contiguous().t(),
-        scale_a=_scaled_mm_scale(a.scale_inv),
-        scale_b=_scaled_mm_scale(b.scale_inv),
+        a.contiguous(),
+        b.contiguous().t(),
+        scale_a=_scaled_mm_scale(a_scale_inv),
+        scale_b=_scaled_mm_scale(b_scale_inv),
         bias=bias if epilogue_bias else None,
         out_dtype=out_dtype,
     )
@@ -119,14 +146,19 @@ def _can_use_scaled_mm(a: Tensor | GemmOperand, b: Tensor | GemmOperand) -> bool
         return False
     if a.scaling is not OperandLayout.TENSOR or b.scaling is not OperandLayout.TENSOR:
         return False
-    if a.fp8_dtype == b.fp8_dtype == torch.float8_e5m2:
+    return _scaled_mm_fits(a.data, b.data)
+
+
+def _scaled_mm_fits(a: Tensor, b: Tensor) -> bool:
+    """Whether cuBLASLt's per-tensor FP8 GEMM takes 2D FP8 ``a`` ``(M, K)`` and ``b`` ``(N, K)``."""
+    if a.dtype == b.dtype == torch.float8_e5m2:
         return False
-    index = a.data.get_device()  # -1 on the CPU; an int, cheaper than a torch.device
-    if index < 0 or b.data.get_device() != index:
+    index = a.get_device()  # -1 on the CPU; an int, cheaper than a torch.device
+    if index < 0 or b.get_device() != index:
         return False
     if _device_capability(index) < (8, 9):
         return False
-    (m, k), n = a.data.shape, b.data.shape[0]
+    (m, k), n = a.shape, b.shape[0]
     if min(m, k, n) == 0:  # nothing to multiply; the emulation handles empty shapes
         return False
     return k % SCALED_MM_ALIGNMENT == 0 and n % SCALED_MM_ALIGNMENT == 0

@@ -14,7 +14,7 @@ from __future__ import annotations
 import abc
 import math
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,17 @@ from dist_quant.kinds import ScalingKind, parse_kind
 from dist_quant.tensor import Float8BlockwiseTensor, Float8Tensor, MXFP8Tensor, QuantizedTensor
 
 _HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class PerTensorCast(NamedTuple):
+    """One per-tensor cast without its container (``Float8Quantizer.cast``): the FP8 bytes in
+    ``x``'s shape, the ``(cols, rows)`` transpose of the 2D view or None, the (1,) fp32 scale
+    inverse."""
+
+    data: Tensor
+    data_t: Tensor | None
+    scale_inv: Tensor
+
 
 CastObserver = Callable[["Quantizer", Tensor, "Tensor | None"], None]
 # Observers of casts (`dist_quant.telemetry` installs one for its stats steps only): called with
@@ -164,17 +175,21 @@ class Float8Quantizer(Quantizer):
         self.amax = amax
 
     def quantize(self, x: Tensor) -> Float8Tensor:
+        return _per_tensor_quantize(self, x)
+
+    def cast(self, x: Tensor, *, transpose: bool) -> PerTensorCast:
+        """What ``quantize`` wraps in a ``Float8Tensor``: the bytes, their transpose (only with
+        ``transpose``, ``x`` at least 1-D) and the scale inverse, whatever the usage flags say."""
         x = self._check_input(x)
         # One pass reads x, writes the FP8 bytes (and their transpose) and folds max(|x|) into
-        # the history slot; on CUDA a single Triton launch, no host sync.
-        transpose = self.columnwise_usage and x.dim() >= 1
-        # scale_inv is 1/scale as of this cast: the update changes scale later
+        # the history slot; on CUDA a single Triton launch, no host sync. scale_inv is 1/scale
+        # as of this cast: the update changes scale later.
         out = fp8_kernels.delayed_cast(
             x, self.scale, self.fp8_dtype, self.amax, transpose=transpose
         )
         if _cast_observers:
             _observe(self, x, self.scale)
-        return Float8Tensor(out.data, out.scale_inv, dtype=x.dtype, data_t=out.data_t)
+        return PerTensorCast(out.data, out.data_t, out.scale_inv)
 
 
 class Float8CurrentScalingQuantizer(Quantizer):
@@ -215,8 +230,11 @@ class Float8CurrentScalingQuantizer(Quantizer):
         )
 
     def quantize(self, x: Tensor) -> Float8Tensor:
+        return _per_tensor_quantize(self, x)
+
+    def cast(self, x: Tensor, *, transpose: bool) -> PerTensorCast:
+        """As ``Float8Quantizer.cast``."""
         x = self._check_input(x)
-        transpose = self.columnwise_usage and x.dim() >= 1
         if self.amax_reduction_group is None:
             # amax -> scale -> cast (+ transpose) without a host sync: two launches on CUDA.
             out = fp8_kernels.current_scaling_cast(
@@ -228,7 +246,7 @@ class Float8CurrentScalingQuantizer(Quantizer):
             )
             if _cast_observers:
                 _observe(self, x, out.scale)
-            return Float8Tensor(out.data, out.scale_inv, dtype=x.dtype, data_t=out.data_t)
+            return PerTensorCast(out.data, out.data_t, out.scale_inv)
         x_amax = fp8_kernels.amax(x).reshape(1)  # (1,): a plain 1-element buffer to all-reduce
         allreduce_current_amax(x_amax, self.amax_reduction_group)
         scale, scale_inv = fp8_kernels.current_scale(
@@ -239,7 +257,11 @@ class Float8CurrentScalingQuantizer(Quantizer):
         )
         if _cast_observers:
             _observe(self, x, scale)
-        return _per_tensor(self, x, scale, scale_inv)
+        if transpose:
+            data, data_t = fp8_kernels.cast_transpose(x, scale, self.fp8_dtype)
+        else:
+            data, data_t = fp8_kernels.cast_to_fp8(x, scale, self.fp8_dtype), None
+        return PerTensorCast(data, data_t, scale_inv)
 
 
 class MXFP8Quantizer(Quantizer):
@@ -369,11 +391,11 @@ def _group_ranks(group: Any) -> tuple[int, ...] | str | None:
         return "unresolved"
 
 
-def _per_tensor(q: Quantizer, x: Tensor, scale: Tensor, scale_inv: Tensor) -> Float8Tensor:
-    """Cast with one scale; with columnwise usage the fused cast+transpose fills the cached
-    transpose now, otherwise ``Float8Tensor`` builds it on first use."""
-    if q.columnwise_usage and x.dim() >= 1:
-        data, data_t = fp8_kernels.cast_transpose(x, scale, q.fp8_dtype)
-    else:
-        data, data_t = fp8_kernels.cast_to_fp8(x, scale, q.fp8_dtype), None
-    return Float8Tensor(data, scale_inv, dtype=x.dtype, data_t=data_t)
+def _per_tensor_quantize(
+    q: Float8Quantizer | Float8CurrentScalingQuantizer, x: Tensor
+) -> Float8Tensor:
+    """A per-tensor quantizer's ``quantize``: its cast, the transpose fused in with columnwise
+    usage (otherwise ``Float8Tensor`` builds it on first use)."""
+    x = q._check_input(x)
+    out = q.cast(x, transpose=q.columnwise_usage and x.dim() >= 1)
+    return Float8Tensor(out.data, out.scale_inv, dtype=x.dtype, data_t=out.data_t)

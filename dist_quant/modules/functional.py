@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dist_quant.gemm import gemm
+from dist_quant.gemm import gemm, per_tensor_gemm
 from dist_quant.modules.enrol import enrol_backward_from
 from dist_quant.parallel import (
     TPLayout,
@@ -29,8 +29,17 @@ from dist_quant.parallel import (
     reduce_scatter_seq,
     reduce_scatter_to_sequence_parallel_region,
 )
-from dist_quant.quantizers import IdentityQuantizer, Quantizer
-from dist_quant.tensor import QuantizedTensor, from_saved, to_saved
+from dist_quant.quantizers import (
+    Float8CurrentScalingQuantizer,
+    Float8Quantizer,
+    IdentityQuantizer,
+    Quantizer,
+)
+from dist_quant.tensor import Float8Tensor, QuantizedTensor, from_saved, to_saved
+
+# Quantizers whose `cast` the per-tensor path calls (exact types: a subclass may override
+# `quantize`, which only the general path calls)
+_PER_TENSOR = (Float8Quantizer, Float8CurrentScalingQuantizer)
 
 
 @dataclass(frozen=True)
@@ -48,12 +57,16 @@ class LinearSlots:
     """The owning module's `enrol.module_key`: its backward enrols `bwd_groups` through it."""
     high_precision: bool = field(init=False)
     """Every GEMM operand stays in high precision (decided once, when the plan is built)."""
+    per_tensor: bool = field(init=False)
+    """Every GEMM operand is per-tensor FP8 (delayed or current scaling): `quantized_linear`
+    may take the per-tensor path."""
 
     def __post_init__(self) -> None:
-        hp = all(
-            isinstance(q, IdentityQuantizer) for q in (self.input, self.weight, self.grad_output)
-        )
+        operands = (self.input, self.weight, self.grad_output)
+        hp = all(isinstance(q, IdentityQuantizer) for q in operands)
+        per_tensor = all(type(q) in _PER_TENSOR for q in operands)
         object.__setattr__(self, "high_precision", hp)  # frozen: set once, here
+        object.__setattr__(self, "per_tensor", per_tensor)
 
 
 def rowwise(t: Any) -> Any:
@@ -197,7 +210,72 @@ def quantized_linear(
     """
     if tp is not None and tp.sequence_parallel:
         check_sequence_shardable(x, tp)
+    if (
+        slots.per_tensor
+        and tp is None
+        and not (fp8_output or fp8_grad_input)
+        and type(weight_q) is Float8Tensor
+    ):
+        return _PerTensorLinear.apply(x, weight, bias, slots, weight_q)
     return _QuantizedLinear.apply(x, weight, bias, slots, weight_q, fp8_output, fp8_grad_input, tp)
+
+
+class _PerTensorLinear(torch.autograd.Function):
+    """`_QuantizedLinear` for the commonest case, every operand per-tensor FP8 on one rank with
+    no FP8 boundary, with the host time cut: the casts hand over their bytes and scale inverses
+    (`Quantizer.cast`) and the GEMMs take them (`per_tensor_gemm`), with no containers, operands
+    or layouts built in between. The same casts and GEMMs on the same operands as the general
+    path, hence the same bits; saved tensors are the FP8 bytes, as there."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        slots: LinearSlots,
+        weight_q: Float8Tensor,
+    ) -> torch.Tensor:
+        in_features, out_features = weight.shape[1], weight.shape[0]
+        x2d = x.reshape(-1, in_features)  # (tokens, in_features)
+        need_wgrad = weight.requires_grad
+        x_data, x_t, x_scale_inv = slots.input.cast(x2d, transpose=need_wgrad)
+        w_scale_inv = weight_q.scale_inv
+        y = per_tensor_gemm(
+            x_data,
+            x_scale_inv,
+            weight_q.data,
+            w_scale_inv,
+            out_dtype=x.dtype,
+            bias=bias,
+        )
+        ctx.slots = slots
+        # as the general path: x only as the wgrad operand x^T, W^T only for dgrad
+        x_saved = (x_t, x_scale_inv) if need_wgrad else (None, None)
+        w_saved = (weight_q.transpose_data(), w_scale_inv) if x.requires_grad else (None, None)
+        ctx.save_for_backward(*x_saved, *w_saved)
+        ctx.shapes = (x.shape, x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return y.reshape(*x.shape[:-1], out_features)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        slots: LinearSlots = ctx.slots
+        x_t, x_scale_inv, w_t, w_scale_inv = ctx.saved_tensors
+        x_shape, x_dtype, w_dtype, b_dtype = ctx.shapes
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        dy2d = dy.reshape(-1, dy.shape[-1]).contiguous()  # (tokens, out_features)
+        dy_data, dy_t, dy_scale_inv = slots.grad_output.cast(dy2d, transpose=need_dw)
+        if slots.bwd_groups:
+            enrol_backward_from(dy2d, slots.enrol_key)
+        dx = dw = db = None
+        if need_dx:
+            dx = per_tensor_gemm(dy_data, dy_scale_inv, w_t, w_scale_inv, out_dtype=x_dtype)
+            dx = dx.reshape(x_shape)
+        if need_dw:
+            dw = per_tensor_gemm(dy_t, dy_scale_inv, x_t, x_scale_inv, out_dtype=w_dtype)
+        if need_db and b_dtype is not None:
+            db = dy2d.float().sum(0).to(b_dtype)
+        return dx, dw, db, None, None
 
 
 def check_sequence_shardable(x: torch.Tensor, tp: TPLayout) -> None:

@@ -48,11 +48,13 @@ class Recorder:
             self._wrap(cls)
 
     def _wrap(self, cls: type) -> None:
-        original = cls.quantize
+        # `cast` is where every per-tensor cast goes: `quantize` wraps its result, and the
+        # per-tensor linear path calls it directly
+        original = cls.cast
         log = self.log
 
-        def quantize(q, x, _original=original):
-            out = _original(q, x)
+        def cast(q, x, *, transpose, _original=original):
+            out = _original(q, x, transpose=transpose)
             label = getattr(q, "_rec_label", None)
             if label is not None:
                 log[label].append(
@@ -64,12 +66,12 @@ class Recorder:
                         "scale": q.scale.detach().clone().reshape(1)
                         if isinstance(q, Float8Quantizer)
                         else None,
-                        "fp8_dtype": out.fp8_dtype,
+                        "fp8_dtype": out.data.dtype,
                     }
                 )
             return out
 
-        cls.quantize = quantize
+        cls.cast = cast
 
     def take(self) -> dict[tuple, list[dict]]:
         out = dict(self.log)

@@ -64,7 +64,9 @@ def _weight_saves(recipe: str, rows: int, cols: int) -> list:
     if recipe == "identity":  # all high precision: torch's F.linear saves the view W^T
         return [((cols, rows), F32)]
     data, data_t = ((rows, cols), E4M3), ((cols, rows), E4M3)
-    if recipe in ("delayed", "current", "identity_input"):  # the transpose comes from the cast
+    if recipe in ("delayed", "current"):  # the dgrad operand W^T alone and its scale inverse
+        return [data_t, ((1,), F32)]
+    if recipe == "identity_input":  # the transpose comes from the cast
         return [data, ((1,), F32), data_t]
     if recipe == "mxfp8":
         return [
