@@ -31,7 +31,11 @@ import dist_quant as dq
 import dist_quant.amax as amax_mod
 
 VARIANTS = ("eager", "ac", "compiled", "ac+compiled")
-RECIPES = {"bf16": None, "fp8 delayed": dq.DelayedScaling(), "fp8 current": dq.Float8CurrentScaling()}
+RECIPES = {
+    "bf16": None,
+    "fp8 delayed": dq.DelayedScaling(),
+    "fp8 current": dq.Float8CurrentScaling(),
+}
 
 
 class Blocks(torch.nn.Module):
@@ -155,7 +159,9 @@ def main() -> None:
             step = make_step(model, opt, x, recipe)
             try:
                 ms = cuda_median_ms(step, iters=10, warmup=3)
-            except Exception as e:  # a refused combination (RecomputeError), possibly wrapped by dynamo
+            except (
+                Exception
+            ) as e:  # a refused combination (RecomputeError), possibly wrapped by dynamo
                 print(f"{variant:>12} | {label:>12} | {type(e).__name__}: {str(e)[:100]}")
                 continue
             host = host_ms(step)
