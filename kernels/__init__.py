@@ -28,8 +28,13 @@ from collections.abc import Sequence
 import torch
 from dist_quant.kernels import ops, ops_block, reference
 from dist_quant.kernels.block_gemm import block_scaled_gemm_triton
-from dist_quant.kernels.cast import DelayedCast, cast_to_fp8_triton, cast_transpose_triton
-from dist_quant.kernels.current import CurrentScalingCast
+from dist_quant.kernels.cast import (
+    DelayedCast,
+    cast_to_fp8_triton,
+    cast_transpose_triton,
+    delayed_cast_triton,
+)
+from dist_quant.kernels.current import CurrentScalingCast, current_scaling_cast_triton
 from dist_quant.kernels.delayed_update import delayed_scaling_update_groups_triton
 from dist_quant.kernels.dequantize import dequantize_triton
 from torch import Tensor
@@ -111,11 +116,24 @@ def delayed_cast(
 ) -> DelayedCast:
     """A delayed-scaling quantizer's cast: ``cast_to_fp8_with_amax`` (``cast_transpose_with_amax``
     when ``transpose``) plus ``scale_inv = 1 / scale`` taken at this point of the stream (the
-    update changes ``scale`` later); one launch on CUDA."""
+    update changes ``scale`` later); one launch on CUDA.
+
+    An eager call on a plain CUDA tensor goes straight to the launcher the op would run (as
+    ``delayed_scaling_update_groups`` does): a training step casts a few tensors per module, and
+    the op layer and the detach cost more host time than the relaunch itself."""
+    if _eager_cuda(x):
+        return delayed_cast_triton(x, scale, fp8_dtype, amax_out, transpose=transpose)
     if transpose:
         return DelayedCast(*ops.delayed_cast_transpose(x.detach(), scale, fp8_dtype, amax_out))
     q, scale_inv = ops.delayed_cast(x.detach(), scale, fp8_dtype, amax_out)
     return DelayedCast(q, None, scale_inv)
+
+
+def _eager_cuda(x: Tensor) -> bool:
+    """A plain CUDA tensor outside torch.compile's tracing (dynamo sees a traced tensor's type as
+    ``Tensor``, hence the explicit check): the launchers take it as it is, no detach needed (their
+    outputs are new tensors and carry no autograd history)."""
+    return type(x) is Tensor and x.is_cuda and not torch.compiler.is_compiling()
 
 
 def _scale_tensor(scale: float, device: torch.device) -> Tensor:
@@ -143,6 +161,10 @@ def current_scaling_cast(
     transpose: bool = False,
 ) -> CurrentScalingCast:
     eps, pow2 = float(amax_epsilon), bool(use_power_2_scales)
+    if _eager_cuda(x):  # as in delayed_cast
+        return current_scaling_cast_triton(
+            x, fp8_dtype, amax_epsilon=eps, use_power_2_scales=pow2, transpose=transpose
+        )
     if transpose:
         return CurrentScalingCast(
             *ops.current_scaling_cast_transpose(x.detach(), fp8_dtype, eps, pow2)
@@ -173,12 +195,7 @@ def delayed_scaling_update_groups(groups: Sequence[Sequence]) -> None:
     if not groups:
         return
     first = groups[0]
-    if (
-        len(first) == 5
-        and isinstance(first[0], Tensor)
-        and first[0].is_cuda
-        and not torch.compiler.is_compiling()
-    ):
+    if len(first) == 5 and isinstance(first[0], Tensor) and _eager_cuda(first[0]):
         delayed_scaling_update_groups_triton(groups)
         return
     for i, g in enumerate(groups):

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 from dist_quant.kernels._fp8_round import f32_bits, is_finite, is_inf, next_pow2
-from dist_quant.kernels._launch import FastLaunch, LaunchConfig, launch_config
+from dist_quant.kernels._launch import FastLaunch, LaunchConfig, PreparedLaunch, launch_config
 
 _ALGOS = {"max": 0, "most_recent": 1}
 _FIELDS = 14  # int64 table columns, in the order the kernel reads them
@@ -177,6 +177,8 @@ class _Plan:
         )
         checked = [g for g in self.checked if g[0].shape[1] > 0]
         self.config: LaunchConfig | None = None  # None: every group is empty, nothing to launch
+        # the first GPU launch's compiled kernel, relaunched on the device it was loaded on
+        self.prepared: tuple[PreparedLaunch, int] | None = None
         if not checked:
             return
         base = checked[0][0]
@@ -203,8 +205,19 @@ class _Plan:
         return _layout(self.tensors) == self.layout
 
     def launch(self) -> None:
-        if self.config is not None:
-            _launch_update(self.grid, self.args, self.config, interpreted=self.interpreted)
+        if self.config is None:
+            return
+        if self.prepared is not None:
+            prepared, device = self.prepared
+            if torch._C._cuda_getDevice() == device:
+                prepared.launch(torch._C._cuda_getCurrentRawStream(device))
+                return
+        _launch_update(self.grid, self.args, self.config, interpreted=self.interpreted)
+        if not self.interpreted and self.prepared is None:
+            # every argument is the plan's own (the base pointer and the table): all fixed
+            prepared = _launch_update.prepare(self.grid, self.args, self.config, len(self.args))
+            if prepared is not None:
+                self.prepared = (prepared, torch._C._cuda_getDevice())
 
 
 def _layout(tensors: Sequence[torch.Tensor]) -> list[tuple]:

@@ -236,8 +236,9 @@ class _PerTensorLinear(torch.autograd.Function):
         slots: LinearSlots,
         weight_q: Float8Tensor,
     ) -> torch.Tensor:
-        in_features, out_features = weight.shape[1], weight.shape[0]
-        x2d = x.reshape(-1, in_features)  # (tokens, in_features)
+        out_features, in_features = weight.shape
+        # (tokens, in_features); a 2D input is used as it is (a view op costs host time)
+        x2d = x if x.dim() == 2 else x.reshape(-1, in_features)
         need_wgrad = weight.requires_grad
         x_data, x_t, x_scale_inv = slots.input.cast(x2d, transpose=need_wgrad)
         w_scale_inv = weight_q.scale_inv
@@ -255,7 +256,7 @@ class _PerTensorLinear(torch.autograd.Function):
         w_saved = (weight_q.transpose_data(), w_scale_inv) if x.requires_grad else (None, None)
         ctx.save_for_backward(*x_saved, *w_saved)
         ctx.shapes = (x.shape, x.dtype, weight.dtype, None if bias is None else bias.dtype)
-        return y.reshape(*x.shape[:-1], out_features)
+        return y if x2d is x else y.reshape(*x.shape[:-1], out_features)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple:
@@ -263,14 +264,15 @@ class _PerTensorLinear(torch.autograd.Function):
         x_t, x_scale_inv, w_t, w_scale_inv = ctx.saved_tensors
         x_shape, x_dtype, w_dtype, b_dtype = ctx.shapes
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        dy2d = dy.reshape(-1, dy.shape[-1]).contiguous()  # (tokens, out_features)
+        dy2d = (dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])).contiguous()
         dy_data, dy_t, dy_scale_inv = slots.grad_output.cast(dy2d, transpose=need_dw)
         if slots.bwd_groups:
             enrol_backward_from(dy2d, slots.enrol_key)
         dx = dw = db = None
         if need_dx:
             dx = per_tensor_gemm(dy_data, dy_scale_inv, w_t, w_scale_inv, out_dtype=x_dtype)
-            dx = dx.reshape(x_shape)
+            if len(x_shape) != 2:
+                dx = dx.reshape(x_shape)
         if need_dw:
             dw = per_tensor_gemm(dy_t, dy_scale_inv, x_t, x_scale_inv, out_dtype=w_dtype)
         if need_db and b_dtype is not None:
