@@ -2,6 +2,11 @@
 cProfile's top entries. Diagnostic, prints only.
 
     python bench/profile_step.py [--shape 4096x4096x4096] [--top 30] [--prepared-ab]
+        [--per-tensor-ab] [--floor]
+
+`--per-tensor-ab` alternates the per-tensor linear path with the general one in this process;
+`--floor` times the delayed step's kernels issued by one bare `autograd.Function` (the host time
+no Python around the kernels could go below), next to BF16 `nn.Linear` and a BF16 `Function`.
 """
 
 from __future__ import annotations
@@ -12,10 +17,12 @@ import pstats
 import time
 
 import torch
+import torch.nn.functional as F
 from bench_linear import make_step
-from dist_quant.kernels import cast, current
+from dist_quant.kernels import cast, current, delayed_update
 
 import dist_quant as dq
+from dist_quant.modules import functional, linear
 
 
 def host_us(step, n=30):
@@ -98,6 +105,117 @@ def prepared_against_full(step, rounds: int = 5) -> str:
     )
 
 
+def _general_path(x, weight, bias, slots, weight_q, **boundaries):
+    """`quantized_linear` forced onto the general path (one rank, no FP8 boundary)."""
+    return functional._QuantizedLinear.apply(x, weight, bias, slots, weight_q, False, False, None)
+
+
+def per_tensor_against_general(step, rounds: int = 6) -> str:
+    """Host us per step with the per-tensor linear path (the default for per-tensor recipes)
+    against the general path, alternating in this process."""
+    times = {True: [], False: []}
+    try:
+        for _ in range(rounds):
+            for per_tensor in (True, False):
+                linear.quantized_linear = (
+                    functional.quantized_linear if per_tensor else _general_path
+                )
+                times[per_tensor].append(host_us(step, n=40))
+    finally:
+        linear.quantized_linear = functional.quantized_linear
+    return "; ".join(
+        f"{'per-tensor path' if p else 'general path'}: host us/step min {min(times[p]):.0f} "
+        f"median {sorted(times[p])[rounds // 2]:.0f}"
+        for p in (True, False)
+    )
+
+
+class _BareStep(torch.autograd.Function):
+    """The kernels of a delayed Linear step and nothing else: the prepared casts of `plans`
+    (e4m3 for x and W, e5m2 for dy; fresh outputs, fixed scale and amax buffers), three
+    `_scaled_mm`."""
+
+    @staticmethod
+    def forward(ctx, x, w, plans, buffers):
+        xq, xqt, xsi = _bare_cast(plans[0], x, buffers[0])
+        wq, wqt, wsi = _bare_cast(plans[0], w, buffers[1])
+        y = torch._scaled_mm(xq, wq.t(), scale_a=xsi, scale_b=wsi, out_dtype=x.dtype)
+        ctx.save_for_backward(xqt, xsi, wqt, wsi)
+        ctx.plans, ctx.buffers = plans, buffers
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xqt, xsi, wqt, wsi = ctx.saved_tensors
+        gq, gqt, gsi = _bare_cast(ctx.plans[1], dy, ctx.buffers[2])
+        dx = torch._scaled_mm(gq, wqt.t(), scale_a=gsi, scale_b=wsi, out_dtype=dy.dtype)
+        dw = torch._scaled_mm(gqt, xqt.t(), scale_a=gsi, scale_b=xsi, out_dtype=dy.dtype)
+        return dx, dw, None, None
+
+
+def _bare_cast(plan, t, scale_and_amax):
+    prepared, q_t_shape, fp8_dtype = plan
+    scale, amax = scale_and_amax
+    scale_inv = torch.empty(1, dtype=torch.float32, device=t.device)
+    q = torch.empty_like(t, dtype=fp8_dtype)
+    q_t = torch.empty(q_t_shape, dtype=fp8_dtype, device=t.device)
+    stream = torch._C._cuda_getCurrentRawStream(t.get_device())
+    outs = (scale, scale, scale_inv)
+    prepared.launch(stream, *cast.cast_args(t, q, q_t, scale, amax, scale, 0, 0.0, outs))
+    return q, q_t, scale_inv
+
+
+class _BareBf16(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        return dy @ w, dy.t() @ x
+
+
+def host_floor(x, dy) -> str:
+    """After a delayed step of this shape ran (its casts and updates are prepared): host us per
+    step of the bare kernels, of BF16 `nn.Linear` and of a BF16 `Function`."""
+    plans = {}
+    for key, (prepared, q_t_shape) in cast._delayed_plans.items():
+        if key[4] and key[0] == x.shape:  # transposed casts of this shape, by FP8 format
+            plans[key[3]] = (prepared, q_t_shape, key[3])
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    updates = [plan for plan in delayed_update._PLANS.values() if plan.prepared is not None]
+    if e4m3 not in plans or e5m2 not in plans or len(updates) < 2:
+        return "floor: no prepared delayed casts and updates of this shape (run delayed first)"
+    buffers = [(torch.ones(1, device=x.device), torch.zeros(1, device=x.device)) for _ in range(3)]
+    w = torch.randn(dy.shape[1], x.shape[1], device=x.device, dtype=x.dtype, requires_grad=True)
+
+    def bare():
+        x.grad = w.grad = None
+        y = _BareStep.apply(x, w, (plans[e4m3], plans[e5m2]), buffers)
+        updates[0].launch()
+        y.backward(dy)
+        updates[1].launch()
+
+    def bf16_function():
+        x.grad = w.grad = None
+        _BareBf16.apply(x, w).backward(dy)
+
+    def bf16_linear():
+        x.grad = w.grad = None
+        F.linear(x, w).backward(dy)
+
+    steps = {
+        "bare delayed kernels": bare,
+        "BF16 Function": bf16_function,
+        "BF16 F.linear": bf16_linear,
+    }
+    return "floor, host us/step: " + ", ".join(
+        f"{k} {host_us(f, n=60):.0f}" for k, f in steps.items()
+    )
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="4096x4096x4096")
@@ -111,6 +229,14 @@ def main():
         "--prepared-ab",
         action="store_true",
         help="FP8 recipes: prepared cast launches against the full launch path, same process",
+    )
+    p.add_argument(
+        "--per-tensor-ab",
+        action="store_true",
+        help="FP8 recipes: the per-tensor linear path against the general path, same process",
+    )
+    p.add_argument(
+        "--floor", action="store_true", help="after delayed: the bare kernels' host floor"
     )
     a = p.parse_args()
     m, k, n = (int(v) for v in a.shape.split("x"))
@@ -147,6 +273,12 @@ def main():
         print("==", summary[-1])
         if a.prepared_ab and recipe is not None:
             summary.append(f"{a.shape} {label}: {prepared_against_full(step)}")
+            print("==", summary[-1])
+        if a.per_tensor_ab and recipe is not None:
+            summary.append(f"{a.shape} {label}: {per_tensor_against_general(step)}")
+            print("==", summary[-1])
+        if a.floor and label == "delayed":
+            summary.append(f"{a.shape}: {host_floor(x, dy)}")
             print("==", summary[-1])
         if a.no_cprofile:
             continue
