@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import torch
 from dist_quant.kernels import ops, ops_block, reference
+from dist_quant.kernels._launch import EAGER_TENSOR_TYPES
 from dist_quant.kernels.block_gemm import block_scaled_gemm_triton
 from dist_quant.kernels.cast import (
     DelayedCast,
@@ -130,10 +131,10 @@ def delayed_cast(
 
 
 def _eager_cuda(x: Tensor) -> bool:
-    """A plain CUDA tensor outside torch.compile's tracing (dynamo sees a traced tensor's type as
-    ``Tensor``, hence the explicit check): the launchers take it as it is, no detach needed (their
-    outputs are new tensors and carry no autograd history)."""
-    return type(x) is Tensor and x.is_cuda and not torch.compiler.is_compiling()
+    """A plain CUDA tensor or parameter outside torch.compile's tracing (dynamo sees a traced
+    tensor's type as ``Tensor``, hence the explicit check): the launchers take it as it is, no
+    detach needed (their outputs are new tensors and carry no autograd history)."""
+    return type(x) in EAGER_TENSOR_TYPES and x.is_cuda and not torch.compiler.is_compiling()
 
 
 def _scale_tensor(scale: float, device: torch.device) -> Tensor:

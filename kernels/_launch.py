@@ -93,10 +93,15 @@ def _current_device_and_stream() -> tuple[Any, Any]:
     return active.get_current_device, active.get_current_stream
 
 
+EAGER_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+"""The types a launcher sees outside torch.compile's tracing, which hands it fake or functional
+tensors instead (a parameter is itself a plain tensor to a kernel: the weight's cast)."""
+
+
 def traced(t: torch.Tensor) -> bool:
     """Whether a launcher runs under torch.compile's tracing: its tensors are then fake or
-    functional tensors (subclasses), never plain ones (a kernel gets detached tensors)."""
-    return type(t) is not torch.Tensor
+    functional tensors (subclasses), never plain ones or parameters."""
+    return type(t) not in EAGER_TENSOR_TYPES
 
 
 PLAN_LIMIT = 1024

@@ -41,6 +41,7 @@ from dist_quant.kernels._fp8_round import (
     scalar_fp32,
 )
 from dist_quant.kernels._launch import (
+    EAGER_TENSOR_TYPES,
     FastLaunch,
     LaunchConfig,
     PreparedLaunch,
@@ -270,7 +271,7 @@ def delayed_cast_triton(
     a prepared launch behind, keyed on everything the validation and Triton's specialisation
     read; the next casts of that key allocate the outputs and relaunch it (``_delayed_plans``)."""
     key = None
-    if type(x) is torch.Tensor and x.is_cuda:  # eager (under tracing x is a fake tensor)
+    if type(x) in EAGER_TENSOR_TYPES and x.is_cuda:  # eager (under tracing: a fake tensor)
         key = (
             x.shape, x.stride(), x.dtype, fp8_dtype, transpose, torch._C._cuda_getDevice(),
             x.get_device(), scale.get_device(), amax_out.get_device(),

@@ -31,7 +31,13 @@ from dist_quant.kernels._fp8_round import (
     next_pow2,
     reciprocal,
 )
-from dist_quant.kernels._launch import FastLaunch, PreparedLaunch, launch_config, remember
+from dist_quant.kernels._launch import (
+    EAGER_TENSOR_TYPES,
+    FastLaunch,
+    PreparedLaunch,
+    launch_config,
+    remember,
+)
 from dist_quant.kernels.cast import AmaxPartials, cast_args, launch_cast
 
 # GPU amax pass: BLOCK elements per loop step, PROGRAMS_PER_SM persistent programs per SM
@@ -181,7 +187,7 @@ def current_scaling_cast_triton(
     As for the delayed cast (``cast.delayed_cast_triton``), the first cast of a layout leaves
     its two launches prepared, and later casts of the same key only allocate and relaunch."""
     key = None
-    if type(x) is torch.Tensor and x.is_cuda:  # eager (under tracing x is a fake tensor)
+    if type(x) in EAGER_TENSOR_TYPES and x.is_cuda:  # eager (under tracing: a fake tensor)
         key = (
             x.shape, x.stride(), x.dtype, fp8_dtype, transpose, amax_epsilon, use_power_2_scales,
             torch._C._cuda_getDevice(), x.get_device(), x.data_ptr() & 15,

@@ -182,6 +182,29 @@ def test_current_scaling_casts_relaunched_from_their_prepared_plan_stay_exact(tr
             assert_bitwise_equal(out.data, exp_q, f"q, {what}")
 
 
+def test_a_parameter_casts_like_its_values_on_every_call():
+    # eager casts of plain tensors and parameters (a module's weight) go straight to the
+    # launcher, undetached, and relaunch its prepared kernel from the second call: the outputs
+    # must match the reference and carry no autograd history
+    e4m3 = torch.float8_e4m3fn
+    values = random_values((1024, 512), torch.bfloat16, seed=330)
+    weight = torch.nn.Parameter(values.cuda())
+    scale, slot = torch.full((1,), 0.37, device="cuda"), torch.zeros(1, device="cuda")
+    exp_q, exp_t = ref.cast_transpose(values, scale.cpu(), e4m3)
+    a = ref.amax(values)
+    cur_scale, _ = ref.current_scale(a, e4m3)
+    cur_q = ref.cast_to_fp8(values, cur_scale, e4m3)
+    for call in range(3):
+        out = K.delayed_cast(weight, scale, e4m3, slot, transpose=True)
+        assert_bitwise_equal(out.data, exp_q, f"delayed q, call {call}")
+        assert_bitwise_equal(out.data_t, exp_t, f"delayed q_t, call {call}")
+        assert_bitwise_equal(slot, a.reshape(1), f"amax, call {call}")
+        cur = K.current_scaling_cast(weight, e4m3, transpose=False)
+        assert_bitwise_equal(cur.data, cur_q, f"current q, call {call}")
+        for t in (out.data, out.data_t, out.scale_inv, cur.data, cur.scale_inv):
+            assert not t.requires_grad and t.grad_fn is None
+
+
 def test_an_installed_triton_launch_hook_sees_every_relaunch():
     # prepared and fast launches pass no hook while Triton's hook chains are empty (kernels/
     # _launch.py); a profiler that installs one (proton does) must still see every cast
