@@ -94,6 +94,38 @@ def test_custom_recipe_of_reference_factory_equals_builtin_bit_for_bit(builtin, 
             assert torch.equal(ta, tb)
 
 
+class _CurrentSubclass(dq.Float8CurrentScalingQuantizer):
+    """Quantizes exactly like its base; being a subclass, it sends the GEMM down the general
+    path (the per-tensor path takes only the built-in classes, whose `quantize` it knows)."""
+
+
+@dq.quantizer_factory(key="test-linear-current-subclass")
+def _current_subclass(role):
+    fmt = E5M2 if role is not None and role.tensor_type == "grad_output" else E4M3
+    return _CurrentSubclass(fmt)
+
+
+@pytest.mark.parametrize("shape", [(24, 48), (2, 12, 48)], ids=["2d", "3d"])
+@pytest.mark.parametrize("needs", ["all", "frozen_weight", "no_input_grad"])
+def test_per_tensor_path_equals_the_general_path_bit_for_bit(shape, needs):
+    # built-in per-tensor quantizers take the per-tensor linear path, a subclass the general
+    # one: same outputs and gradients, for 2D and 3D inputs, a frozen weight, an input without
+    # gradient
+    results = []
+    for recipe in (dq.Float8CurrentScaling(), dq.CustomRecipe(_current_subclass)):
+        torch.manual_seed(5)
+        lin = dq.Linear(48, 40, name="fc")
+        lin.weight.requires_grad_(needs != "frozen_weight")
+        x = torch.randn(*shape, requires_grad=needs != "no_input_grad")
+        with dq.autocast(recipe=recipe):
+            y = lin(x)
+        y.backward(torch.linspace(-1, 1, y.numel()).reshape(y.shape))
+        results.append((y.detach(), x.grad, lin.weight.grad, lin.bias.grad))
+    for name, a, b in zip(("y", "dx", "dw", "db"), *results):
+        assert (a is None) == (b is None), name
+        assert a is None or torch.equal(a, b), name
+
+
 def test_high_precision_recipe_equals_disabled_bit_for_bit():
     lin, x = make(3)
     ra = run(lin, x, enabled=False)
