@@ -395,7 +395,8 @@ def _per_tensor_quantize(
     q: Float8Quantizer | Float8CurrentScalingQuantizer, x: Tensor
 ) -> Float8Tensor:
     """A per-tensor quantizer's ``quantize``: its cast, the transpose fused in with columnwise
-    usage (otherwise ``Float8Tensor`` builds it on first use)."""
-    x = q._check_input(x)
-    out = q.cast(x, transpose=q.columnwise_usage and x.dim() >= 1)
+    usage (otherwise ``Float8Tensor`` builds it on first use). ``cast`` validates ``x``; a
+    non-tensor asks for no transpose and is refused there."""
+    transpose = q.columnwise_usage and isinstance(x, Tensor) and x.dim() >= 1
+    out = q.cast(x, transpose=transpose)
     return Float8Tensor(out.data, out.scale_inv, dtype=x.dtype, data_t=out.data_t)
