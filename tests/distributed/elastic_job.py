@@ -11,6 +11,7 @@ for a later step, and trains to STEPS. Without ELASTIC_CRASH=1 the same schedule
 `<run_dir>/steps.a<attempt>.r<rank>.jsonl`, flushed per step so a crash keeps them.
 """
 
+import faulthandler
 import json
 import os
 import threading
@@ -34,6 +35,10 @@ from dist_quant import checkpoint as ckpt
 from dist_quant.runtime import recipe_key_of
 
 WIDTH, STEPS, CKPT, SWITCH_1, LATE_CKPT, SWITCH_3 = 16, 30, 10, 14, 24, 26
+# An attempt's ranks live under 10 s on two cores (~50 s with the machine shared four ways). A
+# rank stuck past this writes every thread's stack to <run_dir>/stacks.a<attempt>.r<rank>.txt and
+# exits, so that torchrun fails the job and the test reports where it stuck, not a blind timeout.
+WATCHDOG_S = 150
 CURRENT = {"type": "Float8CurrentScaling"}
 
 
@@ -48,6 +53,13 @@ def batch(step: int) -> torch.Tensor:
 
 def main() -> None:
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    run_dir = Path(os.environ["DIST_QUANT_RUN_DIR"])
+    # a raw descriptor, not a file object: interpreter shutdown would close that one, and a rank
+    # stuck while shutting down would then die without a word
+    stacks = os.open(
+        run_dir / f"stacks.a{attempt}.r{os.environ['RANK']}.txt", os.O_WRONLY | os.O_CREAT
+    )
+    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True, file=stacks)
     # torchrun's agent store outlives an attempt; gloo's rendezvous keys of the dead attempt make
     # the restarted ranks' connect flaky, so each attempt rendezvouses under its own prefix.
     store = dist.TCPStore(
@@ -64,7 +76,6 @@ def main() -> None:
         timeout=timedelta(seconds=30),
     )
     rank = dist.get_rank()
-    run_dir = Path(os.environ["DIST_QUANT_RUN_DIR"])
     model = build()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     start = 0

@@ -14,6 +14,7 @@ the same run dir. Expected, each from an independent derivation:
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -62,11 +63,37 @@ def torchrun(run_dir: Path, crash: bool) -> Path:
     argv += ["--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.5"]
     env = {**os.environ, "DIST_QUANT_RUN_DIR": str(run_dir), "DIST_QUANT_JOB_ID": "elastic-test"}
     env["ELASTIC_CRASH"] = "1" if crash else "0"
-    done = subprocess.run(
-        [*argv, job.__file__], env=env, capture_output=True, text=True, timeout=240
+    # its own session: on a timeout the agent and both ranks are killed together (no orphan)
+    proc = subprocess.Popen(
+        [*argv, job.__file__],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    try:
+        out, err = proc.communicate(timeout=2 * job.WATCHDOG_S + 60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+    if proc.returncode != 0:
+        pytest.fail(
+            f"torchrun exited {proc.returncode}\n{out[-3000:]}{err[-3000:]}{report(run_dir)}"
+        )
     return run_dir
+
+
+def report(run_dir: Path) -> str:
+    """Where each rank of each attempt got to, and the stacks of any rank its watchdog caught."""
+    lines = []
+    for path in sorted(run_dir.glob("steps.a*.jsonl")):
+        last = path.read_text().splitlines()[-1:] or ["(no step)"]
+        lines.append(f"{path.name}: last {last[0]}")
+    for path in sorted(run_dir.glob("stacks.a*.txt")):
+        if path.read_text().strip():
+            lines.append(f"--- {path.name}\n{path.read_text()[-6000:]}")
+    return "\n" + "\n".join(lines)
 
 
 @pytest.fixture(scope="module")
