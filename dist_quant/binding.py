@@ -81,6 +81,11 @@ class BoundModule(Protocol):
 _NOT_RUN = object()  # `QuantBinding.last_reduction_group` before the module's first forward
 
 
+def _key_tag(key: int) -> torch.Tensor:
+    """A 0-dim int64 CPU tensor holding `key` (see `dist_quant.modules.enrol`)."""
+    return torch.tensor(key, dtype=torch.int64)
+
+
 class QuantBinding:
     """One module's quantization binding. Read freely; the runtime layer writes it (`install`,
     `pin`, `clear`), role names are written by planning (`assign_role_names`)."""
@@ -94,6 +99,8 @@ class QuantBinding:
         self.planned = False
         self.enrol_key = enrol_key
         """The module's key for the enrolment ops (`modules/enrol.module_key`)."""
+        self.enrol_tag = _key_tag(enrol_key)
+        """`enrol_key` as the ops take it in traced code (a graph input, not a constant)."""
         self.last_forward_runtime: ModuleRuntime | None = None
         """The runtime of the module's last forward (None: autocast was off), for recompute."""
         self.last_reduction_group: Any = _NOT_RUN
@@ -116,8 +123,15 @@ class QuantBinding:
         other = copy.copy(self)
         other._weights = dict(self._weights)
         other.enrol_key = enrol_key
+        other.enrol_tag = _key_tag(enrol_key)
         other.seen_revision = -1
         return other
+
+    def plan_key(self) -> int | torch.Tensor:
+        """The enrolment key a forward plan carries: `enrol_key`, or `enrol_tag` while
+        torch.compile traces (a graph input: the graph and its backward are not specialised on
+        it, so identical blocks share them)."""
+        return self.enrol_tag if torch.compiler.is_compiling() else self.enrol_key
 
     # ---- names and roles -----------------------------------------------------------------------
     @property

@@ -75,7 +75,7 @@ def _inductor_reduction(param_name: str) -> bool:
     return "bias" in leaf or leaf.startswith("layer_norm")
 
 
-def _run_side_by_side(kind: str, recipe_name: str, backend: str) -> None:
+def _run_side_by_side(kind: str, recipe_name: str | dict, backend: str) -> None:
     eager = _model(kind)
     compiled_src = copy.deepcopy(eager)
     recipe = dq.recipe_from_dict(recipe_name)
@@ -102,6 +102,15 @@ def test_compiled_modules_under_aot_eager_match_eager_bit_for_bit(kind: str, rec
 @pytest.mark.parametrize("recipe", ["delayed", "current"])
 def test_compiled_transformer_layer_under_aot_eager_matches_eager_bit_for_bit(recipe: str) -> None:
     _run_side_by_side("transformer_layer", recipe, "aot_eager")
+
+
+@pytest.mark.parametrize("scaling", ["DelayedScaling", "Float8CurrentScaling"])
+def test_compiled_transformer_layer_with_fp8_attention_matches_eager_bit_for_bit(scaling) -> None:
+    """fp8_dpa + fp8_mha: attention's rounding and the FP8 boundaries into and out of it run
+    inside autograd.Functions, whose quantizers and backward enrolment must trace as well."""
+    _run_side_by_side(
+        "transformer_layer", {"type": scaling, "fp8_dpa": True, "fp8_mha": True}, "aot_eager"
+    )
 
 
 @pytest.mark.slow

@@ -34,10 +34,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dist_quant.amax import enrol_backward
 from dist_quant.binding import ForwardPlan
 from dist_quant.kinds import ScalingKind
 from dist_quant.modules.base import QuantizedModule, check_sizes, delayed_anchor
+from dist_quant.modules.enrol import enrol_backward_from
 from dist_quant.modules.functional import fake_quantize
 from dist_quant.modules.layernorm_linear import LayerNormLinear
 from dist_quant.modules.linear import Linear
@@ -63,7 +63,8 @@ class _AttentionSlots:
     dp: Quantizer | None
     dqkv: Quantizer | None
     bwd_groups: tuple
-    reduction_group: Any
+    enrol_key: int | torch.Tensor
+    """The module's enrolment key (its tag tensor in a traced plan), for the backward's groups."""
 
 
 class _FakeQuant(torch.autograd.Function):
@@ -85,7 +86,8 @@ class _FakeQuant(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         if ctx.bwd_q is not None:
             grad = fake_quantize(ctx.bwd_q, grad.contiguous())
-            enrol_backward(ctx.slots.bwd_groups, ctx.slots.reduction_group)
+            if ctx.slots.bwd_groups:
+                enrol_backward_from(grad, ctx.slots.enrol_key)
         return grad, None, None, None
 
 
@@ -215,11 +217,11 @@ class DotProductAttention(QuantizedModule):
     def plan_forward(self, runtime: ModuleRuntime, reduction_group: Any) -> ForwardPlan:
         """The quantizers FP8 attention applies (the plan's one "GEMM"), or None when attention
         runs in high precision (no `fp8_dpa`, or every slot identity); then nothing is enrolled."""
-        slots = self._fp8_slots(runtime, reduction_group)
+        slots = self._fp8_slots(runtime)
         anchor = None if slots is None else delayed_anchor(runtime)
         return ForwardPlan(runtime, reduction_group, (slots,), anchor)
 
-    def _fp8_slots(self, runtime: ModuleRuntime, reduction_group: Any) -> _AttentionSlots | None:
+    def _fp8_slots(self, runtime: ModuleRuntime) -> _AttentionSlots | None:
         if not getattr(runtime.recipe, "fp8_dpa", False):
             return None
         # identity: nothing to round; an unsupported kind (only possible on a boundary slot
@@ -235,26 +237,31 @@ class DotProductAttention(QuantizedModule):
         return _AttentionSlots(
             *applied,
             bwd_groups=tuple(runtime.delayed_groups(fwd=False)),
-            reduction_group=reduction_group,
+            enrol_key=self.quant_binding.plan_key(),
         )
 
     # ---- forward ----------------------------------------------------------------------------
+    def _owner(self) -> str:
+        # built only for an error: a traced forward that read the name would be specialised on it,
+        # and identical blocks compiled one at a time could not share their graph
+        return f"DotProductAttention {self.role_name!r}"
+
     def _masked(
         self, attention_mask: torch.Tensor | None, sq: int, sk: int, device: torch.device
     ) -> torch.Tensor | None:
         """Boolean mask, True where a query may not attend a key; None when nothing is masked."""
-        owner = f"DotProductAttention {self.role_name!r}"
         padding = self.attn_mask_type.startswith("padding")
         if padding != (attention_mask is not None):
             raise ValueError(
-                f"{owner}: attn_mask_type={self.attn_mask_type!r} "
+                f"{self._owner()}: attn_mask_type={self.attn_mask_type!r} "
                 + ("needs an attention_mask" if padding else "takes no attention_mask")
             )
         masked = None
         if padding:
             if attention_mask.dtype != torch.bool:
                 raise ValueError(
-                    f"{owner}: attention_mask must be a bool tensor (True = masked out), got {attention_mask.dtype}"
+                    f"{self._owner()}: attention_mask must be a bool tensor (True = masked out), "
+                    f"got {attention_mask.dtype}"
                 )
             masked = attention_mask
         if self.attn_mask_type.endswith("causal"):
@@ -269,12 +276,11 @@ class DotProductAttention(QuantizedModule):
         value: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        owner = f"DotProductAttention {self.role_name!r}"
         h, d = self.local_heads, self.kv_channels
         for label, t in (("query", query), ("key", key), ("value", value)):
             if t.dim() != 4 or t.shape[-2:] != (h, d):
                 raise ValueError(
-                    f"{owner}: {label} must be 4D {self.qkv_format} with {h} heads of {d} "
+                    f"{self._owner()}: {label} must be 4D {self.qkv_format} with {h} heads of {d} "
                     f"channels, got shape {tuple(t.shape)}"
                 )
         sbhd = self.qkv_format == "sbhd"

@@ -212,7 +212,7 @@ class QuantizedModule(nn.Module):
         if plan.enrol_anchor is not None and not recompute.replaying():
             # an op, so that a compiled forward enrols on every call, not once while tracing; not
             # in a recompute: the forward enrolled them
-            enrol_forward(plan.enrol_anchor, binding.enrol_key)
+            enrol_forward(plan.enrol_anchor, binding.enrol_tag)
         return plan
 
     def active_runtime(self) -> ModuleRuntime | None:

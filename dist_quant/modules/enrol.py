@@ -8,10 +8,13 @@ side-effecting (never dead-code eliminated, never run at trace time) they run on
 compiled step, eager and compiled alike. A CUDA graph replays kernels only: see
 ``dist_quant.graphs`` for how a graphed callable re-enrols.
 
-A module is named to the ops by an integer key (``module_key``), assigned once per module; the op
-reads the module's current runtime when it runs, so a compiled graph never holds on to a runtime
-that a later publish replaced (publishing also changes what the graph's guards see, so the graph is
-retraced where the new quantizers differ).
+A module is named to the ops by an integer key (``module_key``), assigned once per module and
+passed to the ops as a 0-dim int64 CPU tensor holding it (``QuantBinding.enrol_tag``): a graph input,
+not a constant, so that structurally identical blocks compiled one at a time (torchtitan's per-block
+``torch.compile``) share one graph, each call naming its own module. The op reads the module's
+current runtime when it runs, so a compiled graph never holds on to a runtime that a later publish
+replaced (publishing also changes what the graph's guards see, so the graph is retraced where the
+new quantizers differ).
 """
 
 from __future__ import annotations
@@ -101,16 +104,16 @@ _HOST_ONLY = (torch.Tag.cudagraph_unsafe,)
 # whose Python wrapper layers cost a compiled step ~16 us of host time per call (2.4 us this way,
 # measured on the CPU): a compiled model calls each op once per module and step.
 _lib = Library("dist_quant", "FRAGMENT")
-_lib.define("enrol_forward(Tensor anchor, int key) -> ()", tags=_HOST_ONLY)
-_lib.define("enrol_backward(Tensor anchor, int key) -> ()", tags=_HOST_ONLY)
+_lib.define("enrol_forward(Tensor anchor, Tensor key) -> ()", tags=_HOST_ONLY)
+_lib.define("enrol_backward(Tensor anchor, Tensor key) -> ()", tags=_HOST_ONLY)
 
 
-def _enrol_forward_kernel(anchor: Tensor, key: int) -> None:
+def _enrol_forward_kernel(anchor: Tensor, key: Tensor) -> None:
     """Enrol module `key`'s forward delayed-scaling groups in the innermost autocast region and
     remember the region's reduction group for its backward. `anchor` (one of the module's scale
     buffers) is only read by nothing: an op without tensor inputs confuses inductor's buffer
     lifetimes (torch 2.13 frees a graph input before its last use)."""
-    module, entry = _entry(key)
+    module, entry = _entry(int(key))
     if recompute.replaying():
         # a compiled block's recompute under activation_checkpoint: the frame swapped the forward's
         # scales in and restores the amax rows after it; nothing is enrolled a second time
@@ -160,20 +163,20 @@ _lib.impl("enrol_forward", _enrol_forward_kernel, "CompositeExplicitAutograd")
 enrol_forward = torch.ops.dist_quant.enrol_forward.default
 
 
-def enrol_backward_from(anchor: Tensor, key: int) -> None:
-    """What a module's backward calls: `enrol_backward_op` while torch.compile traces it (its
-    tensors are then fake or functional: the op keeps the enrolment in the compiled backward),
+def enrol_backward_from(anchor: Tensor, key: int | Tensor) -> None:
+    """What a module's backward calls with its plan's key: `enrol_backward_op` where the plan was
+    traced (`key` is then its tag tensor, and the op keeps the enrolment in the compiled backward),
     the op's body directly in an eager backward (the dispatcher costs ~40 us of host time)."""
-    if type(anchor) is not Tensor or torch.compiler.is_compiling():
+    if isinstance(key, Tensor):
         enrol_backward_op(anchor, key)
     else:
         _enrol_backward(key)
 
 
-def _enrol_backward_kernel(anchor: Tensor, key: int) -> None:
+def _enrol_backward_kernel(anchor: Tensor, key: Tensor) -> None:
     """Enrol module `key`'s backward groups in this autograd pass's reduction. `anchor` (the
     incoming gradient) only ties the op to the backward graph."""
-    _enrol_backward(key)
+    _enrol_backward(int(key))
 
 
 _lib.impl("enrol_backward", _enrol_backward_kernel, "CompositeExplicitAutograd")
@@ -191,7 +194,7 @@ def _enrol_backward(key: int) -> None:
 
 @register_fake("dist_quant::enrol_forward", lib=_lib)
 @register_fake("dist_quant::enrol_backward", lib=_lib)
-def _(anchor: Tensor, key: int) -> None:
+def _(anchor: Tensor, key: Tensor) -> None:
     return None
 
 

@@ -53,8 +53,9 @@ class LinearSlots:
     grad_input: Quantizer | None = None
     bwd_groups: tuple = ()
     reduction_group: Any = None
-    enrol_key: int = -1
-    """The owning module's `enrol.module_key`: its backward enrols `bwd_groups` through it."""
+    enrol_key: int | torch.Tensor = -1
+    """The owning module's `enrol.module_key` (its tag tensor in a traced plan): its backward
+    enrols `bwd_groups` through it."""
     high_precision: bool = field(init=False)
     """Every GEMM operand stays in high precision (decided once, when the plan is built)."""
     per_tensor: bool = field(init=False)
@@ -81,6 +82,11 @@ def fake_quantize(q: Quantizer | None, t: torch.Tensor) -> torch.Tensor:
     """Round `t` through an FP8 boundary slot and back (what the consumer would receive)."""
     if q is None or isinstance(q, IdentityQuantizer):
         return t
+    if type(q) in _PER_TENSOR:
+        # the bytes alone, whatever the usage flags say: setting them would be a mutation inside
+        # the autograd.Functions that call this, which torch.compile refuses
+        cast = q.cast(t, transpose=False)
+        return Float8Tensor(cast.data, cast.scale_inv, dtype=t.dtype).dequantize(t.dtype)
     q.set_usage(rowwise=True, columnwise=False)
     return q.quantize(t).dequantize(t.dtype)
 

@@ -130,7 +130,7 @@ class LinearBase(QuantizedModule):
         (`TPLayout.shard_quantizers`)."""
         fq, bq = runtime.fwd_quantizers, runtime.bwd_quantizers
         bwd_groups = tuple(runtime.delayed_groups(fwd=False))
-        key = self.quant_binding.enrol_key
+        key = self.quant_binding.plan_key()
         gemms, split = [], False
         for (i, w, o), (g, gi), mode in self.gemm_layout():
             slots = LinearSlots(
