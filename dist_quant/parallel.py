@@ -17,6 +17,7 @@ checks that it did.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,8 +41,14 @@ class TPLayout:
     """"column": weight rows (output features) sharded; "row": weight columns (input features)."""
     sequence_parallel: bool
     """Activations outside the GEMM are sharded along dim 0 (the sequence)."""
-    name: str
-    """The owning module, for errors."""
+    owner: nn.Module
+    """The owning module, named only in errors (`name`): a traced forward that formatted its name
+    would be specialised on it, and identical blocks compiled one at a time could not share their
+    graph."""
+
+    @property
+    def name(self) -> str:
+        return getattr(self.owner, "role_name", "") or type(self.owner).__name__
 
     @property
     def size(self) -> int:
@@ -305,15 +312,22 @@ def tp_amax_quantizer(q: Quantizer, group: Any) -> Quantizer:
 
 
 def all_gather_quantized(
-    x: torch.Tensor, quantizer: Quantizer, group: Any, *, columnwise: bool, what: str
+    x: torch.Tensor,
+    quantizer: Quantizer,
+    group: Any,
+    *,
+    columnwise: bool,
+    what: Callable[[], str],
 ) -> QuantizedTensor | torch.Tensor:
     """Quantize this rank's sequence shard `x` (s/tp, ...) and all-gather it: (s, ...) quantized.
 
     Per-tensor FP8 (delayed or current scaling) is quantized locally and its bytes gathered as
     uint8, with each rank's scale_inv in the same message; the scales must agree bit for bit (else
-    ValueError naming `what`, on every rank; on CUDA a device-side assert, to keep the host
-    unsynchronised), so the result is exactly the quantization of the gathered tensor. Other quantizers (MXFP8, block, identity) gather the high-precision shards and
-    quantize the whole tensor, which is exact by construction.
+    ValueError naming `what()`, on every rank; on CUDA a device-side assert, to keep the host
+    unsynchronised), so the result is exactly the quantization of the gathered tensor. Other
+    quantizers (MXFP8, block, identity) gather the high-precision shards and quantize the whole
+    tensor, which is exact by construction. `what` is called only to word the error (eagerly, on
+    CUDA, for the assert's message; not while torch.compile traces: see `TPLayout.owner`).
     """
     size = group_size(group)
     quantizer = tp_amax_quantizer(quantizer, group)
@@ -332,17 +346,18 @@ def all_gather_quantized(
     scales = rows[:, data_u8.numel() :]
     agree = (scales == scales[:1]).all()
     advice = (
-        f"{what}: the tensor-parallel ranks quantized their shards with different scales; a "
-        "quantized all-gather needs one scale. Reduce the amax over the TP group: "
+        "the tensor-parallel ranks quantized their shards with different scales; a quantized "
+        "all-gather needs one scale. Reduce the amax over the TP group: "
         "autocast(amax_reduction_group=...) covering the TP ranks for delayed scaling, "
         "amax_reduction_group on the quantizer for current scaling."
     )
     if x.device.type == "cuda":
         # no host sync in the hot path: a mismatch trips a device-side assert (the module has
         # already warned if autocast has no amax_reduction_group)
-        torch._assert_async(agree, advice)
+        where = "a sequence-parallel all-gather" if torch.compiler.is_compiling() else what()
+        torch._assert_async(agree, f"{where}: {advice}")
     elif not bool(agree):
         got = scales.contiguous().view(torch.float32).reshape(-1).tolist()
-        raise ValueError(f"{advice} scale_inv per rank: {got}")
+        raise ValueError(f"{what()}: {advice} scale_inv per rank: {got}")
     data = rows[:, : data_u8.numel()].reshape(size * x.shape[0], *x.shape[1:])
     return Float8Tensor(data.view(q.data.dtype), q.scale_inv, dtype=x.dtype)

@@ -104,6 +104,30 @@ def test_compiled_transformer_layer_under_aot_eager_matches_eager_bit_for_bit(re
     _run_side_by_side("transformer_layer", recipe, "aot_eager")
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_compiled_model_whose_input_needs_no_gradient_matches_eager_bit_for_bit(recipe) -> None:
+    """A data batch needs no gradient, so the first GEMM's backward computes no input gradient
+    and quantizes its grad_output for the weight gradient only: the quantizer's usage changes
+    from the other layers' and must be set outside the autograd.Function, where a compiled
+    trace may not mutate it."""
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(dq.Linear(HIDDEN, 48), torch.nn.GELU(), dq.Linear(48, HIDDEN))
+    compiled_src = copy.deepcopy(eager)
+    for m in (eager, compiled_src):
+        dq.apply_recipe(m, dq.recipe_from_dict(recipe))
+    compiled = torch.compile(compiled_src, backend="aot_eager", fullgraph=True)
+    for step in range(STEPS):
+        x = _input("linear", step).detach()
+        y_e, y_c = _step(eager, x), _step(compiled, x)
+        assert x.grad is None
+        assert torch.equal(y_e, y_c), f"step {step}: outputs differ"
+        for (name, p_e), p_c in zip(eager.named_parameters(), compiled_src.parameters()):
+            assert torch.equal(p_e.grad, p_c.grad), f"step {step}: {name}.grad differs"
+            p_e.grad, p_c.grad = None, None
+        buf_e, buf_c = scaling_buffers(eager), scaling_buffers(compiled_src)
+        assert all(torch.equal(buf_e[k], buf_c[k]) for k in buf_e), f"step {step}"
+
+
 @pytest.mark.parametrize("scaling", ["DelayedScaling", "Float8CurrentScaling"])
 def test_compiled_transformer_layer_with_fp8_attention_matches_eager_bit_for_bit(scaling) -> None:
     """fp8_dpa + fp8_mha: attention's rounding and the FP8 boundaries into and out of it run

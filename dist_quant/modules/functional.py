@@ -113,11 +113,10 @@ class _QuantizedLinear(torch.autograd.Function):
                 slots.input,
                 tp.group,
                 columnwise=weight.requires_grad,
-                what=f"module {tp.name!r} input",
+                what=lambda: f"module {tp.name!r} input",
             )
         else:
-            slots.input.set_usage(rowwise=True, columnwise=weight.requires_grad)
-            x_q = slots.input.quantize(x2d)
+            x_q = slots.input.quantize(x2d)  # usage set by quantized_linear
         if tp is not None and tp.mode == "row":
             y = gemm(rowwise(x_q), rowwise(weight_q), out_dtype=torch.float32)  # (tokens, out)
             # fp32 partial sums over this rank's input features -> full sums (SP: own rows only);
@@ -167,7 +166,7 @@ class _QuantizedLinear(torch.autograd.Function):
                 slots.grad_output,
                 tp.group,
                 columnwise=need_dw,
-                what=f"module {tp.name!r} grad_output",
+                what=lambda: f"module {tp.name!r} grad_output",
             )
         else:
             slots.grad_output.set_usage(rowwise=need_dx, columnwise=need_dw)
@@ -223,6 +222,13 @@ def quantized_linear(
         and type(weight_q) is Float8Tensor
     ):
         return _PerTensorLinear.apply(x, weight, bias, slots, weight_q)
+    # The usage flags are set here, not in the autograd.Function, where torch.compile refuses a
+    # mutation (it traces the backward with the forward); the backward's own set_usage then
+    # stores nothing, its needs being the inputs' requires_grad.
+    if tp is None or not tp.gathers_input():
+        slots.input.set_usage(rowwise=True, columnwise=weight.requires_grad)
+    if (x.requires_grad or weight.requires_grad) and (tp is None or not tp.gathers_grad_output()):
+        slots.grad_output.set_usage(rowwise=x.requires_grad, columnwise=weight.requires_grad)
     return _QuantizedLinear.apply(x, weight, bias, slots, weight_q, fp8_output, fp8_grad_input, tp)
 
 

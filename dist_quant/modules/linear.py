@@ -105,9 +105,7 @@ class LinearBase(QuantizedModule):
     def _tp_layout(self, mode: str | None) -> TPLayout | None:
         if mode is None or self.tp_size == 1:
             return None
-        return TPLayout(
-            self.tp_group, mode, self.sequence_parallel, self.role_name or type(self).__name__
-        )
+        return TPLayout(self.tp_group, mode, self.sequence_parallel, self)
 
     def _warn_unreduced_delayed(self, runtime: Any) -> None:
         if runtime.delayed_groups(fwd=True) or runtime.delayed_groups(fwd=False):
