@@ -122,11 +122,11 @@ def test_fp8_attention_rejects_block_scaling_on_an_attention_role():
 
 def test_padding_mask_is_required_exactly_for_padding_types():
     q, k, v, _ = qkv(4)
-    with pytest.raises(ValueError, match="needs an attention_mask"):
+    with pytest.raises(ValueError, match="DotProductAttention 'a': .*needs an attention_mask"):
         dq.DotProductAttention(H, D, attn_mask_type="padding", name="a")(q, k, v)
-    with pytest.raises(ValueError, match="takes no attention_mask"):
+    with pytest.raises(ValueError, match="DotProductAttention 'a': .*takes no attention_mask"):
         dq.DotProductAttention(H, D, name="a")(q, k, v, padding_mask())
-    with pytest.raises(ValueError, match="2 heads of 16"):
+    with pytest.raises(ValueError, match="DotProductAttention 'a': query .*2 heads of 16"):
         dq.DotProductAttention(H, D, name="a")(q[..., :8], k, v)
 
 
