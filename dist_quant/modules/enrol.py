@@ -20,6 +20,7 @@ new quantizers differ).
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
 import weakref
 from typing import Any
@@ -30,7 +31,7 @@ from torch.library import Library, register_fake
 
 from dist_quant import context as _context
 from dist_quant import recompute
-from dist_quant.amax import enrol_backward, name_groups
+from dist_quant.amax import discard_step, enrol_backward, name_groups
 
 _lock = threading.Lock()
 _keys = itertools.count()
@@ -84,6 +85,12 @@ class recording:  # noqa: N801 - used as a context manager, like torch.no_grad
 
 def _recorder() -> Recorder | None:
     return _active_recorder
+
+
+def _under_compiled_autograd() -> bool:
+    # read from sys.modules: importing torch._dynamo here would cost every process its import
+    compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")
+    return compiled_autograd is not None and compiled_autograd.in_compiled_autograd_region
 
 
 def _entry(key: int) -> tuple[Any, list[Any]]:
@@ -184,9 +191,19 @@ enrol_backward_op = torch.ops.dist_quant.enrol_backward.default
 
 
 def _enrol_backward(key: int) -> None:
-    _, entry = _entry(key)
+    module, entry = _entry(key)
     if _recorder() is not None:
         return  # recorded by the forward
+    if _under_compiled_autograd():
+        groups = entry[2].delayed_groups(fwd=False)
+        discard_step(groups)  # this pass's gradient amaxes: the step is refused
+        raise RuntimeError(
+            f"module {module.role_name!r}: a delayed-scaling backward ran under compiled autograd "
+            "(torch._dynamo.compiled_autograd), which drops the autograd engine's final callbacks "
+            "that reduce the gradient amaxes and update the backward scales; the scales would "
+            "silently stop following the gradients. Run the backward without compiled autograd "
+            "(torch.compile of the model is supported), or use a recipe without delayed scaling"
+        )
     # the runtime whose quantizers the forward saved for this backward (a publish in between
     # must not enrol another runtime's buffers)
     enrol_backward(entry[2].delayed_groups(fwd=False), entry[1])
