@@ -96,6 +96,10 @@ class _EmptyGemm(torch.autograd.Function):
         )
 
 
+@torch.compiler.disable(
+    reason="a weight all-gathered in FP8 by FSDP2 (GatheredFloat8Weight) is not a traceable "
+    "tensor subclass: traced, its gradient would be dropped"
+)
 def empty_gemm(x: Tensor, weight: GatheredFloat8Weight, bias: Tensor | None) -> Tensor:
     """A GEMM of an empty input (`x` has no rows; a GroupedLinear expert without tokens) with a
     weight gathered in FP8: the output `(0, out_features)` and zero weight and bias gradients."""

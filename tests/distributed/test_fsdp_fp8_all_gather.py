@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from fsdp_check import RECIPES, Stack, assert_equal_runs, batch, local, shard, train_dp
-from harness import rank_device, run_ranks
+from harness import expect_error, rank_device, run_ranks
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -87,6 +87,36 @@ def test_fp8_all_gather_under_activation_checkpoint_equals_high_precision_all_ga
     no amax to the history."""
     runs = [("delayed", False, True), ("current", True, True)]
     assert run_ranks(_equal_to_hp_gather, 2, runs, timeout_s=300.0) == [len(runs)] * 2
+
+
+def _compiled_equals_eager(rank: int, world: int, recipes: list[str]) -> str:
+    """Blocks compiled one at a time (`aot_eager`, no fullgraph): the GEMM of an FP8-gathered
+    weight runs eagerly between the compiled pieces; everything equals the eager model."""
+    for recipe in recipes:
+        runs = []
+        for compiled in (True, False):
+            model = _sharded(True)
+            if compiled:
+                for layer in model.layers:
+                    layer.compile(backend="aot_eager")
+            after = precompute_fp8_weight_scales if recipe == "current" else None
+            params = list(model.named_parameters())
+            runs.append(train_dp(model, params, recipe, rank, world, STEPS, after))
+        assert_equal_runs(
+            runs[0], runs[1], f"compiled vs eager FP8 all-gather, {recipe}, rank {rank}"
+        )
+    model = _sharded(True)
+    model.layers[0].compile(backend="aot_eager", fullgraph=True)
+    dq.apply_recipe(model, RECIPES["delayed"]())
+    with dq.autocast(amax_reduction_group=dist.group.WORLD):
+        return expect_error(lambda: model(local(batch(0, world)[0], rank)))
+
+
+def test_compiled_blocks_with_fp8_all_gather_equal_eager_and_fullgraph_refuses_them():
+    """A traced GEMM would drop the gradient of the gathered weight (it is not a traceable tensor
+    subclass), so that GEMM is kept out of the graph: a graph break, which fullgraph refuses."""
+    for message in run_ranks(_compiled_equals_eager, 2, ["delayed", "current"], timeout_s=300.0):
+        assert "GatheredFloat8Weight" in message and "gradient would be dropped" in message
 
 
 def _switch_follows(rank: int, world: int) -> int:
