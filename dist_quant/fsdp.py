@@ -40,7 +40,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from dist_quant import kernels as fp8_kernels
-from dist_quant.fsdp_tensor import GatheredFloat8Weight
+from dist_quant.fsdp_tensor import GatheredFloat8Weight, GatherOrigin
 from dist_quant.modules import GroupedLinear, LayerNormLinear, LayerNormMLP, Linear
 from dist_quant.modules.base import QuantizedModule
 from dist_quant.quantizers import (
@@ -48,7 +48,6 @@ from dist_quant.quantizers import (
     Float8Quantizer,
     allreduce_current_amax,
 )
-from dist_quant.tensor import Float8Tensor
 
 # parameter name -> index of its forward weight slot (the modules' `get_quantizer_roles` order)
 _WEIGHT_SLOTS: dict[type, dict[str, int]] = {
@@ -92,7 +91,8 @@ class _WeightInfo:
         self.folds_full_amax = type(owner) is GroupedLinear
         self.precomputed: tuple | None = None  # (scale, scale_inv, quantizer, version, dtype)
         self.precomputed_amax: tuple | None = None  # (full amax, quantizer, version, dtype)
-        self.last_cast: tuple | None = None  # the forward's (scale, scale_inv, quantizer)
+        # the forward's (scale, scale_inv, quantizer, shard amax)
+        self.last_cast: tuple | None = None
         # the shard's dtype as gathered (FSDP2 mixed precision casts it first)
         self.gather_dtype: torch.dtype | None = None
 
@@ -157,8 +157,9 @@ class FP8AllGatherWeight(Tensor):
         shard_amax = None
         if torch._C._current_graph_task_id() != -1 and info.last_cast is not None:
             # a re-gather for the backward: the forward kept its own copy of the bytes; cast
-            # with the forward's scale, and record no amax (the step's history is closed)
-            scale, scale_inv, quantizer = info.last_cast
+            # with the forward's scale. The forward's shard amax goes along: a recompute folds it
+            # as the forward did (one graph structure for both), and its frame restores the rows
+            scale, scale_inv, quantizer, shard_amax = info.last_cast
         else:
             quantizer = _weight_quantizer(info)
             if isinstance(quantizer, Float8Quantizer):
@@ -169,7 +170,7 @@ class FP8AllGatherWeight(Tensor):
                     shard_amax = _full_amax(self, shard, shard_amax, quantizer, group)
             else:
                 scale, scale_inv = _current_scale(self, shard, quantizer, group)
-            info.last_cast = (scale, scale_inv, quantizer)
+            info.last_cast = (scale, scale_inv, quantizer, shard_amax)
         data = fp8_kernels.cast_to_fp8(shard, scale, quantizer.fp8_dtype)
         meta = {
             "name": info.name,
@@ -190,13 +191,15 @@ class FP8AllGatherWeight(Tensor):
         out: Tensor | None = None,
     ) -> tuple[Tensor, tuple[Tensor, ...]] | None:
         (data_u8,) = all_gather_outputs  # (out_features, in_features) bytes of every rank
-        fp8 = Float8Tensor(
-            data_u8.view(metadata["quantizer"].fp8_dtype), metadata["scale_inv"], dtype=param_dtype
+        data = data_u8.view(metadata["quantizer"].fp8_dtype)
+        origin = GatherOrigin(
+            metadata["name"], metadata["quantizer"], metadata["group"], metadata["tp_group"]
         )
+        gathered = (data, metadata["scale_inv"], metadata["shard_amax"], origin)
         if out is not None:  # FSDP2 reuses the unsharded parameter from the first all-gather
-            out.update(fp8, metadata)
+            out.update(*gathered)
             return None
-        return GatheredFloat8Weight(fp8, metadata), (data_u8,)
+        return GatheredFloat8Weight(*gathered, dtype=param_dtype), (data_u8,)
 
 
 def _weight_quantizer(info: _WeightInfo) -> Float8Quantizer | Float8CurrentScalingQuantizer:

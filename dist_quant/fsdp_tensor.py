@@ -8,6 +8,7 @@ under autocast can use it (`gathered_weight_operand`); any other op on it raises
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,30 +23,97 @@ _SAME_TENSOR_OPS = {_aten.detach.default, _aten.alias.default}
 _RESHAPE_OPS = {_aten.as_strided.default, _aten.view.default}
 
 
+class GatherOrigin:
+    """What an FP8 all-gather of one weight was cast for: its name, the weight slot's quantizer,
+    the FSDP shard group and the TP group of a TP shard (else None).
+
+    It is the context dynamo guards a compiled forward on (`__tensor_flatten__`), so it compares
+    by structure (the quantizer's class and FP8 format, TP or not), not by module: identical
+    blocks compiled one at a time share one graph, as they do without FP8 all-gather. The
+    per-module checks of `gathered_weight_operand` then run when a graph is traced, and the
+    graph's guards on each module's quantizers retrace it after a switch."""
+
+    __slots__ = ("name", "quantizer", "group", "tp_group")
+
+    def __init__(self, name: str, quantizer: Quantizer, group: Any, tp_group: Any) -> None:
+        self.name, self.quantizer, self.group, self.tp_group = name, quantizer, group, tp_group
+
+    def _structure(self) -> tuple:
+        q = self.quantizer
+        return (type(q), q.fp8_dtype, self.tp_group is None)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, GatherOrigin) and self._structure() == other._structure()
+
+    def __hash__(self) -> int:
+        return hash(self._structure())
+
+    def __deepcopy__(self, memo: dict) -> GatherOrigin:
+        # dynamo's guard keeps a deep copy of the context; it names live objects (process groups
+        # cannot be copied), and an origin is never mutated, so the copy is the origin itself
+        return self
+
+
 class GatheredFloat8Weight(Tensor):
     """A full (unsharded) weight as FP8 bytes plus its fp32 `scale_inv`; `dtype` is the weight's
-    high-precision dtype (what its gradient has). `float8_tensor()` gives the bytes and scale."""
+    high-precision dtype (what its gradient has). `float8_tensor()` gives the bytes and scale.
+
+    A traceable wrapper subclass: its inner tensors are the bytes, the scale inverse and (delayed
+    scaling) the shard amax the forward folds into the weight's history, so a torch.compile'd
+    forward takes it as a tensor input whose gradient it keeps."""
 
     @staticmethod
-    def __new__(cls, fp8: Float8Tensor, meta: dict[str, Any]) -> GatheredFloat8Weight:
+    def __new__(
+        cls,
+        data: Tensor,
+        scale_inv: Tensor,
+        shard_amax: Tensor | None,
+        origin: GatherOrigin,
+        dtype: torch.dtype,
+    ) -> GatheredFloat8Weight:
         return Tensor._make_wrapper_subclass(
-            cls, fp8.shape, dtype=fp8.dtype, device=fp8.device, requires_grad=False
+            cls, data.shape, dtype=dtype, device=data.device, requires_grad=False
         )
 
-    def __init__(self, fp8: Float8Tensor, meta: dict[str, Any]) -> None:
-        self._fp8 = fp8
-        # quantizer: the slot it was cast for; shard_amax: the amax a delayed-scaling forward
-        # folds into the history (this rank's shard's, or the full weight's for GroupedLinear);
-        # group: the FSDP shard group; tp_group: the TP group of a TP shard, else None; name
-        self._meta = meta
+    def __init__(
+        self,
+        data: Tensor,
+        scale_inv: Tensor,
+        shard_amax: Tensor | None,
+        origin: GatherOrigin,
+        dtype: torch.dtype,
+    ) -> None:
+        self._data, self._scale_inv, self._shard_amax = data, scale_inv, shard_amax
+        self._origin = origin
 
     def float8_tensor(self) -> Float8Tensor:
         """The gathered bytes (`data`, the full weight's shape) and the `scale_inv` they carry."""
-        return self._fp8
+        return Float8Tensor(self._data, self._scale_inv, dtype=self.dtype)
 
-    def update(self, fp8: Float8Tensor, meta: dict[str, Any]) -> None:
+    def update(
+        self, data: Tensor, scale_inv: Tensor, shard_amax: Tensor | None, origin: GatherOrigin
+    ) -> None:
         """A new all-gather into the same unsharded parameter (FSDP2 reuses it)."""
-        self._fp8, self._meta = fp8, meta
+        self._data, self._scale_inv, self._shard_amax = data, scale_inv, shard_amax
+        self._origin = origin
+
+    def __tensor_flatten__(self) -> tuple[list[str], tuple]:
+        inner = ["_data", "_scale_inv"] + ([] if self._shard_amax is None else ["_shard_amax"])
+        return inner, (self._origin, self.dtype)
+
+    @staticmethod
+    def __tensor_unflatten__(
+        inner: dict[str, Tensor], ctx: tuple, outer_size: Any, outer_stride: Any
+    ) -> GatheredFloat8Weight:
+        origin, dtype = ctx
+        return GatheredFloat8Weight(
+            inner["_data"], inner["_scale_inv"], inner.get("_shard_amax"), origin, dtype
+        )
+
+    def _same(self) -> GatheredFloat8Weight:
+        return GatheredFloat8Weight(
+            self._data, self._scale_inv, self._shard_amax, self._origin, self.dtype
+        )
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
@@ -54,8 +122,8 @@ class GatheredFloat8Weight(Tensor):
             func in _SAME_TENSOR_OPS
             or (func in _RESHAPE_OPS and tuple(args[1]) == tuple(this.shape))
         ):
-            return GatheredFloat8Weight(this._fp8, this._meta)
-        name = this._meta["name"] if this is not None else "a weight"
+            return this._same()
+        name = this._origin.name if this is not None else "a weight"
         raise RuntimeError(
             f"{name} was all-gathered in FP8 by dist_quant.fsdp (enable_fp8_all_gather): it holds "
             f"FP8 bytes, not high-precision values, and only a dq module's forward under "
@@ -66,8 +134,8 @@ class GatheredFloat8Weight(Tensor):
 
     def __repr__(self) -> str:
         return (
-            f"GatheredFloat8Weight({self._meta['name']}, shape={tuple(self.shape)}, "
-            f"fp8_dtype={self._fp8.fp8_dtype})"
+            f"GatheredFloat8Weight({self._origin.name}, shape={tuple(self.shape)}, "
+            f"fp8_dtype={self._data.dtype})"
         )
 
 
@@ -96,17 +164,11 @@ class _EmptyGemm(torch.autograd.Function):
         )
 
 
-@torch.compiler.disable(
-    reason="a weight all-gathered in FP8 by FSDP2 (GatheredFloat8Weight) is not a traceable "
-    "tensor subclass: traced, its gradient would be dropped"
-)
 def empty_gemm(x: Tensor, weight: GatheredFloat8Weight, bias: Tensor | None) -> Tensor:
     """A GEMM of an empty input (`x` has no rows; a GroupedLinear expert without tokens) with a
     weight gathered in FP8: the output `(0, out_features)` and zero weight and bias gradients."""
     if x.numel() != 0:
-        raise ValueError(
-            f"empty_gemm: the input of {weight._meta['name']} has {x.numel()} elements"
-        )
+        raise ValueError(f"empty_gemm: the input of {weight._origin.name} has {x.numel()} elements")
     return _EmptyGemm.apply(x, weight, bias)
 
 
@@ -141,32 +203,30 @@ def gathered_weight_operand(
     weight: GatheredFloat8Weight,
     quantizer: Quantizer,
     reduction_group: Any,
-    owner: str,
-    *,
-    fold_amax: bool = True,
+    owner: Callable[[], str],
 ) -> Float8Tensor:
     """The GEMM operand of a weight gathered in FP8, in place of `quantizer.quantize(full_weight)`
     (the same bytes and scale). Delayed scaling: this rank's shard amax enters the history slot;
     the amax reduction over `reduction_group` (which must cover the FSDP ranks) makes it the full
     weight's amax, as quantizing the full weight on every rank would."""
-    meta = weight._meta
-    if not _same_slot(meta["quantizer"], quantizer, meta["tp_group"]):
+    origin = weight._origin
+    if not _same_slot(origin.quantizer, quantizer, origin.tp_group):
         raise RuntimeError(
-            f"{owner}: {meta['name']} was all-gathered in FP8 for another quantizer than this "
+            f"{owner()}: {origin.name} was all-gathered in FP8 for another quantizer than this "
             f"forward's weight slot ({quantizer!r}); the recipe changed between the all-gather "
             "and the forward. Switch recipes between steps (apply_recipe / the coordinator)."
         )
     if isinstance(quantizer, Float8Quantizer):
-        if not _group_covers(reduction_group, meta["group"]):
+        if not _group_covers(reduction_group, origin.group):
             raise RuntimeError(
-                f"{owner}: delayed scaling with an FP8 weight all-gather needs an "
+                f"{owner()}: delayed scaling with an FP8 weight all-gather needs an "
                 "amax_reduction_group (dq.autocast) that covers the FSDP ranks, so the weight's "
                 "history records the full weight's amax; pass the data-parallel group (or WORLD)"
             )
-        if fold_amax:  # running max of the step, NaN kept (as Float8Quantizer.quantize folds it)
-            torch.maximum(quantizer.amax, meta["shard_amax"], out=quantizer.amax)
+        # running max of the step, NaN kept (as Float8Quantizer.quantize folds it); in a
+        # recompute the checkpoint frame restores the amax rows afterwards, as for any cast
+        torch.maximum(quantizer.amax, weight._shard_amax, out=quantizer.amax)
     elif not isinstance(quantizer, Float8CurrentScalingQuantizer):
-        raise RuntimeError(f"{owner}: {meta['name']} is FP8 but its slot runs {quantizer!r}")
-    fp8 = weight._fp8
+        raise RuntimeError(f"{owner()}: {origin.name} is FP8 but its slot runs {quantizer!r}")
     # a copy: FSDP2 frees the gathered storage after the forward, the backward needs the bytes
-    return Float8Tensor(fp8.data.clone(), fp8.scale_inv, dtype=fp8.dtype)
+    return Float8Tensor(weight._data.clone(), weight._scale_inv, dtype=weight.dtype)

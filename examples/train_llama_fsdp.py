@@ -12,8 +12,8 @@ the forward did. `--switch-at STEP --switch-to RECIPE` makes rank 0 request a sw
 or current scaling, switches between those; 1D and with TP) makes FSDP2 all-gather the GEMM
 weights in FP8. `--compile` compiles every block (`fullgraph=True`, one block at a time, as
 torchtitan does): identical blocks share one graph (one more for the delayed-scaling recompute),
-and a switch recompiles it once. With `--fp8-all-gather` the GEMMs of the gathered weights run
-eagerly between compiled pieces (no fullgraph).
+and a switch recompiles it once. With `--fp8-all-gather` the blocks compile over the FP8-gathered
+weights.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def main() -> None:
     p.add_argument(
         "--compile",
         action="store_true",
-        help="torch.compile every block (per block; fullgraph unless --fp8-all-gather)",
+        help="torch.compile every block (fullgraph, per block)",
     )
     p.add_argument("--run-dir", default=os.environ.get("DIST_QUANT_RUN_DIR", "dist_quant_run"))
     args = p.parse_args()
@@ -131,9 +131,7 @@ def main() -> None:
         enable_fp8_all_gather(model)  # before fully_shard; TP blocks gather their TP shards
     for layer in model.layers:
         if args.compile:
-            # in place: parameter names and checkpoints unchanged. An FP8-gathered weight's GEMM
-            # stays eager (a graph break, see docs/compile_and_graphs.md), so no fullgraph then
-            layer.compile(fullgraph=not args.fp8_all_gather)
+            layer.compile(fullgraph=True)  # in place: parameter names and checkpoints unchanged
         fully_shard(layer, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)

@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dist_quant import recompute
 from dist_quant.binding import ForwardPlan
 from dist_quant.fsdp_tensor import GatheredFloat8Weight, gathered_weight_operand
 from dist_quant.modules.base import QuantizedModule, check_sizes, delayed_anchor
@@ -179,13 +178,14 @@ class LinearBase(QuantizedModule):
                 return parallel_linear_hp(x, weight, bias, tp)
             return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
         slots.weight.set_usage(rowwise=True, columnwise=x.requires_grad)
-        if gathered_fp8:
-            return _linear_with_gathered_weight(
-                x, weight, bias, slots, self.role_name, fp8_output, fp8_grad_input, tp
+        if gathered_fp8:  # FSDP2 gathered the bytes `slots.weight` would cast: no re-cast
+            weight_q = gathered_weight_operand(
+                weight, slots.weight, slots.reduction_group, lambda: f"module {self.role_name!r}"
             )
-        weight_q = self.quantize_weight(
-            cache_slot, weight, slots.weight, runtime, is_first_microbatch
-        )
+        else:
+            weight_q = self.quantize_weight(
+                cache_slot, weight, slots.weight, runtime, is_first_microbatch
+            )
         return quantized_linear(
             x,
             weight,
@@ -219,41 +219,6 @@ class LinearBase(QuantizedModule):
             fp8_grad_input,
             tp,
         )
-
-
-@torch.compiler.disable(
-    reason="a weight all-gathered in FP8 by FSDP2 (GatheredFloat8Weight) is not a traceable "
-    "tensor subclass: traced, its gradient would be dropped"
-)
-def _linear_with_gathered_weight(
-    x: torch.Tensor,
-    weight: GatheredFloat8Weight,
-    bias: torch.Tensor | None,
-    slots: LinearSlots,
-    role_name: str,
-    fp8_output: bool,
-    fp8_grad_input: bool,
-    tp: TPLayout | None,
-) -> torch.Tensor:
-    """The GEMM of a weight FSDP2 gathered as the bytes `slots.weight` would cast (no re-cast).
-    Always eager: under torch.compile it is a graph break (`fullgraph=True` refuses it)."""
-    weight_q = gathered_weight_operand(
-        weight,
-        slots.weight,
-        slots.reduction_group,
-        f"module {role_name!r}",
-        fold_amax=not recompute.replaying(),  # the forward folded it
-    )
-    return quantized_linear(
-        x,
-        weight,
-        bias,
-        slots,
-        weight_q,
-        fp8_output=fp8_output,
-        fp8_grad_input=fp8_grad_input,
-        tp=tp,
-    )
 
 
 def init_linear_(weight: torch.Tensor, bias: torch.Tensor | None, fan_in: int) -> None:

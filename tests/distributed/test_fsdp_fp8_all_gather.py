@@ -12,8 +12,19 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from fsdp_check import RECIPES, Stack, assert_equal_runs, batch, local, shard, train_dp
-from harness import expect_error, rank_device, run_ranks
+from fsdp_check import (
+    FFN,
+    HEADS,
+    HIDDEN,
+    RECIPES,
+    Stack,
+    assert_equal_runs,
+    batch,
+    local,
+    shard,
+    train_dp,
+)
+from harness import rank_device, run_ranks
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -89,34 +100,55 @@ def test_fp8_all_gather_under_activation_checkpoint_equals_high_precision_all_ga
     assert run_ranks(_equal_to_hp_gather, 2, runs, timeout_s=300.0) == [len(runs)] * 2
 
 
-def _compiled_equals_eager(rank: int, world: int, recipes: list[str]) -> str:
-    """Blocks compiled one at a time (`aot_eager`, no fullgraph): the GEMM of an FP8-gathered
-    weight runs eagerly between the compiled pieces; everything equals the eager model."""
-    for recipe in recipes:
-        runs = []
+DEEP = 9  # one more block than dynamo's default recompile limit
+
+
+def _deep(fp8_all_gather: bool, checkpointed: bool) -> Stack:
+    model = Stack()
+    torch.manual_seed(1)
+    model.layers = nn.ModuleList(dq.TransformerLayer(HIDDEN, FFN, HEADS) for _ in range(DEEP))
+    model.checkpointed = checkpointed
+    if fp8_all_gather:
+        enable_fp8_all_gather(model)
+    return shard(model)
+
+
+def _compiled_equals_eager(rank: int, world: int, runs: list[tuple[str, bool]]) -> list[int]:
+    """Every block `compile(fullgraph=True)`d on its own (`aot_eager`) over FP8-gathered weights,
+    beside the eager model: outputs, gradients, weights and scaling state equal bit for bit; the
+    number of graphs compiled per run."""
+    graphs = []
+    for recipe, checkpointed in runs:
+        torch._dynamo.reset()
+        count = [0]
+
+        def counting(gm, example_inputs, count=count):
+            count[0] += 1
+            return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+        results = []
         for compiled in (True, False):
-            model = _sharded(True)
+            model = _deep(True, checkpointed)
             if compiled:
                 for layer in model.layers:
-                    layer.compile(backend="aot_eager")
+                    layer.compile(backend=counting, fullgraph=True)
             after = precompute_fp8_weight_scales if recipe == "current" else None
             params = list(model.named_parameters())
-            runs.append(train_dp(model, params, recipe, rank, world, STEPS, after))
-        assert_equal_runs(
-            runs[0], runs[1], f"compiled vs eager FP8 all-gather, {recipe}, rank {rank}"
-        )
-    model = _sharded(True)
-    model.layers[0].compile(backend="aot_eager", fullgraph=True)
-    dq.apply_recipe(model, RECIPES["delayed"]())
-    with dq.autocast(amax_reduction_group=dist.group.WORLD):
-        return expect_error(lambda: model(local(batch(0, world)[0], rank)))
+            results.append(train_dp(model, params, recipe, rank, world, STEPS, after))
+        where = f"compiled vs eager, FP8 all-gather, {recipe}, AC={checkpointed}, rank {rank}"
+        assert_equal_runs(results[0], results[1], where)
+        graphs.append(count[0])
+    return graphs
 
 
-def test_compiled_blocks_with_fp8_all_gather_equal_eager_and_fullgraph_refuses_them():
-    """A traced GEMM would drop the gradient of the gathered weight (it is not a traceable tensor
-    subclass), so that GEMM is kept out of the graph: a graph break, which fullgraph refuses."""
-    for message in run_ranks(_compiled_equals_eager, 2, ["delayed", "current"], timeout_s=300.0):
-        assert "GatheredFloat8Weight" in message and "gradient would be dropped" in message
+def test_blocks_compiled_with_fullgraph_over_fp8_gathered_weights_equal_eager_and_share_a_graph():
+    """The gathered weight is a traceable tensor subclass: a compiled forward takes it as a
+    tensor input and keeps its gradient (an opaque one used to lose it: the weights never
+    trained). Identical blocks share one graph (two under activation checkpointing with delayed
+    scaling: the recompute replays without enrolling)."""
+    runs = [("delayed", False), ("current", False), ("delayed", True)]
+    for rank_graphs in run_ranks(_compiled_equals_eager, 2, runs, timeout_s=600.0):
+        assert rank_graphs == [1, 1, 2]
 
 
 def _switch_follows(rank: int, world: int) -> int:
