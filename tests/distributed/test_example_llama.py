@@ -58,19 +58,13 @@ def test_llama_fsdp_example_on_4_ranks_runs_fsdp2_x_tp_with_fp8_all_gather(tmp_p
 
 
 @pytest.mark.slow  # inductor compiles the blocks' graphs on both ranks: ~1 min on 2 cores
-@pytest.mark.parametrize(
-    ("gather", "tolerance"),
-    [((), 2e-3), (("--fp8-all-gather",), 5e-3)],
-    ids=["bf16-gather", "fp8-gather"],
-)
-def test_llama_fsdp_example_with_compiled_blocks_trains_as_eager_and_switches(
-    tmp_path, gather, tolerance
-):
+@pytest.mark.parametrize("gather", [(), ("--fp8-all-gather",)], ids=["bf16-gather", "fp8-gather"])
+def test_llama_fsdp_example_with_compiled_blocks_trains_as_eager_and_switches(tmp_path, gather):
     """--compile: every block `torch.compile(fullgraph=True)` inside FSDP2 and activation
     checkpointing, delayed scaling, then a switch to current scaling. Nine blocks: more than
     dynamo's recompile limit, which a graph per block would exceed (fullgraph: a hard error).
-    With FP8 all-gather the gathered weights' GEMMs run eagerly between compiled pieces (no
-    fullgraph), and their weights still train (a traced GEMM used to drop their gradients)."""
+    With FP8 all-gather the blocks compile over the FP8-gathered weights (whose gradients an
+    opaque weight once lost: the weights did not train, and the recompute failed)."""
     runs = {}
     for name, extra in (("eager", gather), ("compiled", ("--compile", *gather))):
         cmd = [
@@ -86,9 +80,7 @@ def test_llama_fsdp_example_with_compiled_blocks_trains_as_eager_and_switches(
     assert [r for _, _, r in compiled] == ["DelayedScaling"] * 3 + ["Float8CurrentScaling"] * 3
     # The FP8 casts and GEMMs are bit-identical compiled (tests/test_compile.py); inductor fuses
     # the norms, SwiGLU and attention around them with other rounding, which moves the printed
-    # (4-decimal) loss by at most a few units in its last place over 6 steps. With FP8 all-gather
-    # the graph breaks at every weight GEMM also change the order in which the gradients reaching
-    # a block's input are summed (fp32 reassociation: 1e-7 relative on the embedding gradient
-    # under aot_eager), which delayed scaling carries into later steps (2.4e-3 seen).
+    # (4-decimal) loss by at most a few units in its last place over 6 steps (1.7e-3 seen with FP8
+    # all-gather; under aot_eager both variants print the eager losses exactly).
     for (step, want, _), (_, got, _) in zip(eager, compiled, strict=True):
-        assert abs(got - want) <= tolerance, (step, want, got)
+        assert abs(got - want) <= 2e-3, (step, want, got)
