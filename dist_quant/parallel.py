@@ -335,8 +335,9 @@ def all_gather_quantized(
         full = all_gather_seq(x, group)
         quantizer.set_usage(rowwise=True, columnwise=columnwise)
         return quantizer.quantize(full)
-    quantizer.set_usage(rowwise=True, columnwise=False)  # the transpose is built from the whole
-    q = quantizer.quantize(x.contiguous())
+    # the shard's bytes only (the transpose is built from the whole), without touching the
+    # quantizer's usage flags: this runs inside an autograd.Function that torch.compile traces
+    q = quantizer.cast(x.contiguous(), transpose=False)
     data_u8 = q.data.reshape(-1).view(torch.uint8)
     scale_u8 = q.scale_inv.reshape(1).view(torch.uint8)  # fp32 -> 4 bytes
     packed = torch.cat([data_u8, scale_u8])
@@ -351,9 +352,10 @@ def all_gather_quantized(
         "autocast(amax_reduction_group=...) covering the TP ranks for delayed scaling, "
         "amax_reduction_group on the quantizer for current scaling."
     )
-    if x.device.type == "cuda":
+    if x.device.type == "cuda" or torch.compiler.is_compiling():
         # no host sync in the hot path: a mismatch trips a device-side assert (the module has
-        # already warned if autocast has no amax_reduction_group)
+        # already warned if autocast has no amax_reduction_group); traced, the check is an op
+        # (on the CPU it raises when the graph runs), a bool() of it would be data-dependent
         where = "a sequence-parallel all-gather" if torch.compiler.is_compiling() else what()
         torch._assert_async(agree, f"{where}: {advice}")
     elif not bool(agree):
