@@ -21,6 +21,7 @@ import torch
 from model_state import scaling_buffers
 
 import dist_quant as dq
+from dist_quant import factories
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -75,10 +76,10 @@ def _inductor_reduction(param_name: str) -> bool:
     return "bias" in leaf or leaf.startswith("layer_norm")
 
 
-def _run_side_by_side(kind: str, recipe_name: str | dict, backend: str) -> None:
+def _run_side_by_side(kind: str, recipe_name: str | dict | dq.Recipe, backend: str) -> None:
     eager = _model(kind)
     compiled_src = copy.deepcopy(eager)
-    recipe = dq.recipe_from_dict(recipe_name)
+    recipe = recipe_name if isinstance(recipe_name, dq.Recipe) else dq.recipe_from_dict(recipe_name)
     dq.apply_recipe(eager, recipe)
     dq.apply_recipe(compiled_src, recipe)
     compiled = torch.compile(compiled_src, backend=backend, fullgraph=True)
@@ -126,6 +127,21 @@ def test_compiled_model_whose_input_needs_no_gradient_matches_eager_bit_for_bit(
             p_e.grad, p_c.grad = None, None
         buf_e, buf_c = scaling_buffers(eager), scaling_buffers(compiled_src)
         assert all(torch.equal(buf_e[k], buf_c[k]) for k in buf_e), f"step {step}"
+
+
+@dq.quantizer_factory(key="tests.compile.mxfp8_attention.v1")
+def mxfp8_attention(role):
+    """MXFP8 on attention's own roles, current scaling on the GEMMs."""
+    if role is not None and role.module_type == "dpa":
+        return dq.MXFP8Quantizer()
+    return factories.current_scaling(role)
+
+
+def test_compiled_layer_with_mxfp8_quantizers_on_attention_slots_matches_eager_bit_for_bit():
+    """Quantizers other than per-tensor ones set their usage flags before they quantize: outside
+    attention's autograd.Function, where a fullgraph trace may change them."""
+    recipe = dq.CustomRecipe(mxfp8_attention, fp8_dpa=True)
+    _run_side_by_side("transformer_layer", recipe, "aot_eager")
 
 
 @pytest.mark.parametrize("scaling", ["DelayedScaling", "Float8CurrentScaling"])

@@ -96,6 +96,11 @@ def _round(
 ) -> torch.Tensor:
     if fwd_q is None and bwd_q is None:
         return x
+    for q in (fwd_q, bwd_q):
+        # the rowwise bytes are all a fake quantization reads; set here, outside the Function,
+        # where torch.compile may trace the change (inside, `fake_quantize`'s set is then a no-op)
+        if q is not None:
+            q.set_usage(rowwise=True, columnwise=False)
     return _FakeQuant.apply(x, fwd_q, bwd_q, slots)
 
 
