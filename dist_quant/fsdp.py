@@ -172,15 +172,8 @@ class FP8AllGatherWeight(Tensor):
                 scale, scale_inv = _current_scale(self, shard, quantizer, group)
             info.last_cast = (scale, scale_inv, quantizer, shard_amax)
         data = fp8_kernels.cast_to_fp8(shard, scale, quantizer.fp8_dtype)
-        meta = {
-            "name": info.name,
-            "quantizer": quantizer,
-            "shard_amax": shard_amax,
-            "group": group,
-            "tp_group": info.tp_group,
-            "scale_inv": scale_inv,
-        }
-        return (data.view(torch.uint8),), meta
+        origin = GatherOrigin(info.name, quantizer, group, info.tp_group)
+        return (data.view(torch.uint8),), (scale_inv, shard_amax, origin)
 
     def fsdp_post_all_gather(
         self,
@@ -191,11 +184,8 @@ class FP8AllGatherWeight(Tensor):
         out: Tensor | None = None,
     ) -> tuple[Tensor, tuple[Tensor, ...]] | None:
         (data_u8,) = all_gather_outputs  # (out_features, in_features) bytes of every rank
-        data = data_u8.view(metadata["quantizer"].fp8_dtype)
-        origin = GatherOrigin(
-            metadata["name"], metadata["quantizer"], metadata["group"], metadata["tp_group"]
-        )
-        gathered = (data, metadata["scale_inv"], metadata["shard_amax"], origin)
+        scale_inv, shard_amax, origin = metadata
+        gathered = (data_u8.view(origin.quantizer.fp8_dtype), scale_inv, shard_amax, origin)
         if out is not None:  # FSDP2 reuses the unsharded parameter from the first all-gather
             out.update(*gathered)
             return None

@@ -83,8 +83,7 @@ class GatheredFloat8Weight(Tensor):
         origin: GatherOrigin,
         dtype: torch.dtype,
     ) -> None:
-        self._data, self._scale_inv, self._shard_amax = data, scale_inv, shard_amax
-        self._origin = origin
+        self.update(data, scale_inv, shard_amax, origin)
 
     def float8_tensor(self) -> Float8Tensor:
         """The gathered bytes (`data`, the full weight's shape) and the `scale_inv` they carry."""
