@@ -116,12 +116,17 @@ class QuantBinding:
         self._runtime: ModuleRuntime | None = None
         self._pinned: Recipe | None = None
         self._weights: dict[str, tuple[tuple, Any]] = {}  # slot -> (tag, quantized weight)
+        self.fp8_gathered_weights: dict[int, str] = {}
+        """Forward weight slot -> its parameter's name, for the weights FSDP2 all-gathers in FP8
+        (`dist_quant.fsdp.enable_fp8_all_gather`): every runtime planned for the module must give
+        those slots a quantizer the gather can serve (the module's `validate_quantizers`)."""
 
     def copied(self, enrol_key: int) -> QuantBinding:
         """This binding for a copy of its module (deepcopy, unpickling): its own weight cache and
         enrolment key, names kept, the fast path reset."""
         other = copy.copy(self)
         other._weights = dict(self._weights)
+        other.fp8_gathered_weights = dict(self.fp8_gathered_weights)
         other.enrol_key = enrol_key
         other.enrol_tag = _key_tag(enrol_key)
         other.seen_revision = -1

@@ -24,8 +24,11 @@ casts; FSDP2 shards and gathers the TP shard.)
       (then over the TP group for a TP shard, as the TP forward's weight quantizer reduces it):
       batched over every weight by `precompute_fp8_weight_scales(model)` after the optimizer step
       (a weight changed since falls back to its own all-reduce in its all-gather).
-Other recipes (MXFP8, block scaling, identity) have no per-tensor scale to share: their all-gather
-raises, naming the module and the recipe.
+Other recipes (MXFP8, block scaling, identity) have no per-tensor scale to share. Once the weights
+are wrapped, every recipe planned for their modules is validated against this: `apply_recipe`, a
+coordinator switch (refused on every rank before the commit, so the job keeps its recipe) and a
+lazy `autocast(recipe=...)` raise `RecipeUpdateError` naming the module and the weight, and
+`enable_fp8_all_gather` refuses a model whose applied recipe is one of them.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from dist_quant import kernels as fp8_kernels
-from dist_quant.fsdp_tensor import GatheredFloat8Weight, GatherOrigin
+from dist_quant.fsdp_tensor import GatheredFloat8Weight, GatherOrigin, gatherable_in_fp8
 from dist_quant.modules import GroupedLinear, LayerNormLinear, LayerNormMLP, Linear
 from dist_quant.modules.base import QuantizedModule
 from dist_quant.quantizers import (
@@ -203,10 +206,7 @@ def _weight_quantizer(info: _WeightInfo) -> Float8Quantizer | Float8CurrentScali
             "this all-gather ran with autocast off"
         )
     quantizer = runtime.fwd_quantizers[info.slot]
-    if isinstance(quantizer, Float8Quantizer) or (
-        isinstance(quantizer, Float8CurrentScalingQuantizer)
-        and quantizer.amax_reduction_group is None
-    ):
+    if gatherable_in_fp8(quantizer):
         return quantizer
     raise RuntimeError(
         f"{info.name}: FP8 all-gather needs per-tensor (delayed or current) scaling of the "
@@ -270,10 +270,19 @@ def enable_fp8_all_gather(model: nn.Module) -> int:
                     f"enable_fp8_all_gather: {name}.{param_name} is a {type(param).__name__}, "
                     "not a plain Parameter (call it before fully_shard)"
                 )
-            found.append((module, param_name, slots[param_name], f"{name}.{param_name}", param))
+            runtime = module.quant_binding.runtime
+            slot = slots[param_name]
+            if runtime is not None and not gatherable_in_fp8(runtime.fwd_quantizers[slot]):
+                raise ValueError(
+                    f"enable_fp8_all_gather: {name}.{param_name} runs "
+                    f"{type(runtime.recipe).__name__} ({runtime.fwd_quantizers[slot]!r}); an FP8 "
+                    "all-gather needs per-tensor (delayed or current) scaling of the weight"
+                )
+            found.append((module, param_name, slot, f"{name}.{param_name}", param))
     for module, param_name, slot, qualified, param in found:
         wrapped = FP8AllGatherWeight(param.data, _WeightInfo(module, slot, qualified))
         setattr(module, param_name, nn.Parameter(wrapped, requires_grad=param.requires_grad))
+        module.quant_binding.fp8_gathered_weights[slot] = qualified
     return len(found)
 
 
@@ -327,14 +336,9 @@ def _per_tensor_weights(model: nn.Module) -> bool:
         runtime = module.quant_binding.runtime
         if runtime is None:
             return False
-        for slot in slots.values():
-            q = runtime.fwd_quantizers[slot]
-            per_tensor = isinstance(q, Float8Quantizer) or (
-                isinstance(q, Float8CurrentScalingQuantizer) and q.amax_reduction_group is None
-            )
-            if not per_tensor:
-                return False
-            found = True
+        if not all(gatherable_in_fp8(runtime.fwd_quantizers[slot]) for slot in slots.values()):
+            return False
+        found = True
     return found
 
 

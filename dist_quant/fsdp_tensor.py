@@ -23,6 +23,18 @@ _SAME_TENSOR_OPS = {_aten.detach.default, _aten.alias.default}
 _RESHAPE_OPS = {_aten.as_strided.default, _aten.view.default}
 
 
+def gatherable_in_fp8(quantizer: Quantizer) -> bool:
+    """Whether a weight slot's quantizer lets FSDP2 all-gather the weight in FP8 exactly: one
+    per-tensor scale every rank can apply to its own shard before the gather. Delayed scaling
+    (the scale comes from the history) and current scaling whose amax the gather itself reduces
+    (no reduction group of the quantizer's own); not MXFP8 or block scaling (per-block scales of
+    the whole weight) nor high precision (nothing to gather in FP8)."""
+    return isinstance(quantizer, Float8Quantizer) or (
+        isinstance(quantizer, Float8CurrentScalingQuantizer)
+        and quantizer.amax_reduction_group is None
+    )
+
+
 class GatherOrigin:
     """What an FP8 all-gather of one weight was cast for: its name, the weight slot's quantizer,
     the FSDP shard group and the TP group of a TP shard (else None).

@@ -80,7 +80,8 @@ def request_switch_at(recipe: str, step: int, run_dir: str) -> None:
             result = request_switch(recipe, at_step=step, timeout_s=60.0, run_dir=run_dir)
         except SwitchBusyError:
             continue  # a previous switch is still publishing
-        print(f"switch to {recipe}: committed={result.committed} at step {result.step}", flush=True)
+        outcome = f"committed=True at step {result.step}" if result.committed else result.summary
+        print(f"switch to {recipe}: {outcome}", flush=True)
         return
 
 

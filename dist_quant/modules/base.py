@@ -27,6 +27,7 @@ from dist_quant.binding import (  # noqa: F401 - provisional_role_names: the mod
     provisional_role_names,
 )
 from dist_quant.checkpoint.module_state import load_module_extra_state, module_extra_state
+from dist_quant.fsdp_tensor import gatherable_in_fp8
 from dist_quant.modules.enrol import enrol_forward, enrol_forward_now, module_key
 from dist_quant.quantizers import IdentityQuantizer, Quantizer
 from dist_quant.recipes import Recipe
@@ -150,6 +151,18 @@ class QuantizedModule(nn.Module):
         for q, role in zip(quantizers, roles):
             if not isinstance(q, Quantizer):
                 raise TypeError(f"slot {role} got {type(q).__name__}, not a Quantizer")
+        if not fwd:
+            return
+        for slot, weight in self.quant_binding.fp8_gathered_weights.items():
+            if not gatherable_in_fp8(quantizers[slot]):
+                raise ValueError(
+                    f"role {roles[slot]} got {quantizers[slot]!r} from {type(recipe).__name__}, "
+                    f"but FSDP2 all-gathers the weight {weight!r} in FP8 "
+                    "(dist_quant.fsdp.enable_fp8_all_gather), which needs per-tensor (delayed or "
+                    "current) scaling of it: per-block scales or high precision cannot be cast "
+                    "before the all-gather. Keep a per-tensor recipe, or build the model without "
+                    "enable_fp8_all_gather"
+                )
 
     def quantizer_device(self) -> torch.device:
         for p in self.parameters():

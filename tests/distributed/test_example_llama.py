@@ -41,6 +41,26 @@ def test_llama_fsdp_example_trains_and_switches_recipe_at_the_asked_step(tmp_pat
     assert steps[-1][1] < 0.8 * steps[0][1], steps
 
 
+def test_llama_fsdp_example_refuses_a_switch_its_fp8_all_gather_cannot_serve_and_trains_on(
+    tmp_path,
+):
+    """FP8 all-gather needs per-tensor scaling of the weights: a switch to MXFP8 requested through
+    the coordinator is refused by every rank's validation, before the commit, so the job keeps
+    training on its recipe instead of crashing at the next all-gather."""
+    cmd = [
+        *(sys.executable, "-m", "dist_quant.launch.cli", "run", "--nproc", "2"),
+        *("--run-dir", str(tmp_path / "run"), str(SCRIPT), "--fp8-all-gather"),
+        *("--steps", "4", "--switch-at", "2", "--switch-to", "mxfp8", "--recipe", "delayed"),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [r for _, _, r in _losses(proc)] == ["DelayedScaling"] * 4, proc.stdout
+    refusal = next(line for line in proc.stdout.splitlines() if "switch to mxfp8:" in line)
+    for rank in (0, 1):
+        assert f"rank {rank}: RecipeUpdateError: module 'layers.0." in refusal, refusal
+    assert "all-gathers the weight" in refusal and "per-tensor" in refusal, refusal
+
+
 @pytest.mark.slow  # 4 ranks with TP: ~1 min on 2 busy cores
 def test_llama_fsdp_example_on_4_ranks_runs_fsdp2_x_tp_with_fp8_all_gather(tmp_path):
     """nproc 4: a (dp=2, tp=2) mesh, FP8 weight all-gather of the TP shards, delayed -> current."""

@@ -298,16 +298,14 @@ def _refusals(rank: int, world: int) -> list[str]:
     x = local(batch(0, world)[0], rank)
     for recipe in ("mxfp8", "block", "identity"):
         model = _sharded(True)
-        dq.apply_recipe(model, RECIPES[recipe]())
-        with pytest.raises(RuntimeError, match="per-tensor") as err, dq.autocast():
-            model(x)
+        with pytest.raises(dq.RecipeUpdateError, match="per-tensor") as err:
+            dq.apply_recipe(model, RECIPES[recipe]())
+        assert dq.current_recipe(model) is None  # nothing was published
         messages.append(str(err.value))
-    # a switch away from per-tensor scaling after FP8-gathered steps
-    model = _sharded(True)
-    train_dp(model, list(model.named_parameters()), "delayed", rank, world, range(1))
-    dq.apply_recipe(model, RECIPES["mxfp8"]())
-    with pytest.raises(RuntimeError, match="MXFP8BlockScaling") as err, dq.autocast():
-        model(x)
+    # a lazy switch of an unpinned model, raised by the first all-gather that would need it
+    with pytest.raises(dq.RecipeUpdateError, match="per-tensor") as err:
+        with dq.autocast(recipe=RECIPES["mxfp8"](), amax_reduction_group=dist.group.WORLD):
+            _sharded(True)(x)
     messages.append(str(err.value))
     model = _sharded(True)
     dq.apply_recipe(model, RECIPES["delayed"]())
@@ -320,9 +318,44 @@ def _refusals(rank: int, world: int) -> list[str]:
 
 def test_fp8_all_gather_refuses_recipes_and_settings_it_cannot_make_exact():
     for messages in run_ranks(_refusals, 2, timeout_s=120.0):
-        assert all("layers.0" in m for m in messages), messages
+        assert all("layers.0" in m and ".weight'" in m for m in messages), messages
         assert "MXFP8BlockScaling" in messages[0] and "Float8BlockScaling" in messages[1]
         assert "CustomRecipe" in messages[2] and "MXFP8BlockScaling" in messages[3]
+
+
+def _refused_switch(rank: int, world: int, how: str) -> int:
+    """After FP8-gathered steps, a switch to a recipe the gather cannot serve raises before
+    anything is published (`apply_recipe`) or gathered (a lazy `autocast(recipe=...)` of an
+    unpinned model, running the default per-tensor recipe): the model trains on exactly as a
+    twin that never tried."""
+    runs = []
+    for tries in (True, False):
+        model = _sharded(True)
+        params = list(model.named_parameters())
+        out = train_dp(model, params, "delayed" if how == "apply_recipe" else None, rank, world,
+                       range(2))  # fmt: skip
+        if tries:
+            with pytest.raises(dq.RecipeUpdateError, match="MXFP8BlockScaling"):
+                if how == "apply_recipe":
+                    dq.apply_recipe(model, RECIPES["mxfp8"]())
+                else:
+                    group = dist.group.WORLD
+                    with dq.autocast(recipe=RECIPES["mxfp8"](), amax_reduction_group=group):
+                        model(local(batch(2, world)[0], rank))
+            assert type(dq.current_recipe(model)) is not dq.MXFP8BlockScaling
+        runs.append(out + train_dp(model, params, None, rank, world, range(2, 4)))
+    assert_equal_runs(runs[0], runs[1], f"refused switch ({how}), rank {rank}")
+    plain = Stack()
+    dq.apply_recipe(plain, RECIPES["mxfp8"]())
+    with pytest.raises(ValueError, match=r"layers\.0\.self_attention.*per-tensor"):
+        enable_fp8_all_gather(plain)
+    assert not any(isinstance(p, FP8AllGatherWeight) for p in plain.parameters())
+    return 1
+
+
+@pytest.mark.parametrize("how", ["apply_recipe", "autocast"])
+def test_a_switch_the_fp8_all_gather_cannot_serve_is_refused_and_leaves_training_as_it_was(how):
+    assert run_ranks(_refused_switch, 2, how, timeout_s=240.0) == [1, 1]
 
 
 def _default_on(rank: int, world: int) -> dict[str, bool]:
