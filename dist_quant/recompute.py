@@ -19,14 +19,18 @@ or an all-identity recipe); otherwise it raises `RecomputeError` naming the modu
 
 from __future__ import annotations
 
+import re
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.fx.traceback as fx_traceback
 import torch.utils.checkpoint as torch_checkpoint
 from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils.checkpoint import CheckpointPolicy
 
 from dist_quant import context as _context
 from dist_quant.binding import BoundModule
@@ -222,6 +226,8 @@ def activation_checkpoint(
         raise ValueError(
             f"activation_checkpoint: use_reentrant must be a bool, got {use_reentrant!r}"
         )
+    if torch.compiler.is_compiling():
+        return _compiled_checkpoint(fn, args, context_fn, kwargs)
     if _local.frame is not None:
         raise RecomputeError(
             "activation_checkpoint cannot nest: the block is already inside a checkpointed block "
@@ -251,3 +257,81 @@ def activation_checkpoint(
     if context_fn is not None:
         kwargs["context_fn"] = context_fn
     return torch_checkpoint.checkpoint(run, *args, use_reentrant=use_reentrant, **kwargs)
+
+
+def _save_dist_quant_ops(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Selective checkpointing's policy inside a compiled region: dist-quant's ops (the casts, the
+    enrolment) are saved, everything else recomputed as plain checkpointing would."""
+    if getattr(op, "namespace", None) == "dist_quant":
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# the forward dispatch modes of the checkpointed regions `activation_checkpoint` is tracing under
+# torch.compile (weakly held: a mode lives as long as its region's trace)
+_own_regions: weakref.WeakSet = weakref.WeakSet()
+
+
+def _save_dist_quant_ops_contexts() -> tuple[Any, Any]:
+    forward_mode, recompute_mode = torch_checkpoint.create_selective_checkpoint_contexts(
+        _save_dist_quant_ops
+    )
+    _own_regions.add(forward_mode)
+    return forward_mode, recompute_mode
+
+
+def _compiled_checkpoint(
+    fn: Callable[..., Any], args: tuple, context_fn: Any, kwargs: dict[str, Any]
+) -> Any:
+    """`activation_checkpoint` traced by torch.compile, the block compiled around its checkpoint
+    (torchtitan wraps each block for checkpointing, then compiles it). The recompute is then part
+    of the compiled backward graph, not a Python re-run a frame could replay, so the quantization
+    is kept by never recomputing it: the casts' outputs are saved (FP8, with their scale inverses)
+    and only the rest of the block is recomputed. A recomputed delayed-scaling cast would read the
+    scale the autocast exit has updated since."""
+    if context_fn is not None:
+        raise RecomputeError(
+            "activation_checkpoint: a context_fn (selective checkpointing) is not supported inside "
+            "a torch.compile'd region, where dist-quant installs its own policy (its casts are "
+            "saved, everything else recomputed); compile the block inside the checkpoint instead "
+            "(activation_checkpoint(torch.compile(block), x))"
+        )
+    return torch_checkpoint.checkpoint(
+        fn, *args, use_reentrant=False, context_fn=_save_dist_quant_ops_contexts, **kwargs
+    )
+
+
+_RECOMPUTED = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+def refuse_compiled_recompute_of_delayed_scaling() -> None:
+    """Called while torch.compile traces a forward with delayed scaling (the enrolment op's fake
+    kernel): RecomputeError when the trace is inside a checkpointed region whose ops the compiled
+    backward recomputes (plain `torch.utils.checkpoint` compiled around, torchtitan's order
+    without `activation_checkpoint`). That recompute would cast with the scales the autocast exit
+    updated since: silently other FP8 bytes on CUDA."""
+    meta = fx_traceback.get_current_meta()
+    if meta.get("recompute") not in _RECOMPUTED:
+        return
+    # torch tags every op of a region as recomputed while tracing it and applies the region's
+    # policy afterwards: a region of activation_checkpoint's is told apart by its graph id
+    region = meta.get("ac_graph_id")
+    if any(getattr(mode, "ac_graph_id", None) == region for mode in _own_regions):
+        return
+    modules = list((meta.get("nn_module_stack") or {}).values())
+    module = f"module {_traced_path(modules[-1][0])!r}" if modules else "a dist-quant module"
+    raise RecomputeError(
+        f"{module} (delayed scaling) is traced inside torch.utils.checkpoint in a "
+        "torch.compile'd region: the compiled backward would recompute its FP8 casts with the "
+        "scales updated at the autocast exit, not the forward's. Checkpoint the block with "
+        "dist_quant.activation_checkpoint (checkpoint_wrapper(block, "
+        "checkpoint_fn=dist_quant.activation_checkpoint)), which saves the casts under compile"
+    )
+
+
+def _traced_path(source: str) -> str:
+    """A module's path in the compiled block from dynamo's source of it
+    (``L['self'].__dict__['_modules']['_checkpoint_wrapped_module'].mlp`` -> ``mlp``)."""
+    path = re.sub(r"\.__dict__\['_modules'\]\['(\w+)'\]", r".\1", source)
+    path = re.sub(r"^L\['self'\]\.?", "", path)
+    return path.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "") or source

@@ -166,6 +166,7 @@ class _Plan:
     def __init__(self, groups: Sequence[Sequence]) -> None:
         self.checked = [_check_group(i, g) for i, g in enumerate(groups)]
         self.objects = tuple(x for g in groups for x in g[:3])  # history, scale, fp8_max
+        self.updated = tuple(x for g in groups for x in g[:2])  # history, scale
         self.tensors = tuple(x for x in self.objects if isinstance(x, torch.Tensor))
         self.layout = _layout(self.tensors)
         # A limit _check_group had to convert (another dtype or device) is a copy of its values
@@ -207,6 +208,10 @@ class _Plan:
     def launch(self) -> None:
         if self.config is None:
             return
+        # The kernel writes through raw pointers, which autograd does not see: a graph that saved
+        # a scale or history for its backward (a compiled recompute) must fail its version check
+        # instead of reading the updated values.
+        torch.autograd.graph.increment_version(self.updated)
         if self.prepared is not None:
             prepared, device = self.prepared
             if torch._C._cuda_getDevice() == device:

@@ -15,6 +15,7 @@ import pytest
 import torch
 from model_state import scaling_buffers
 from torch._inductor.utils import run_and_get_code
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 import dist_quant as dq
 
@@ -115,3 +116,46 @@ def test_reduce_overhead_step_matches_eager_bit_for_bit_over_six_steps(recipe: s
     for step in range(6):
         eager.weight.grad = compiled_src.weight.grad = None
         _assert_same_step(eager, compiled_src, compiled, _input(step), _input(step), f"step {step}")
+
+
+def _mlp_stack() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        dq.Linear(256, 512, bias=False, params_dtype=torch.bfloat16, device="cuda"),
+        torch.nn.ReLU(),
+        dq.Linear(512, 256, bias=False, params_dtype=torch.bfloat16, device="cuda"),
+    )
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_block_compiled_around_its_activation_checkpoint_matches_eager_bit_for_bit(recipe):
+    """torchtitan's order on CUDA (inductor, fullgraph): checkpoint_wrapper with
+    `checkpoint_fn=dq.activation_checkpoint`, then compile; the casts are saved, not recomputed."""
+    eager = _mlp_stack()
+    wrapped = copy.deepcopy(eager)
+    for m in (eager, wrapped):
+        dq.apply_recipe(m, dq.recipe_from_dict(recipe))
+    compiled = torch.compile(
+        checkpoint_wrapper(wrapped, checkpoint_fn=dq.activation_checkpoint), fullgraph=True
+    )
+    for step in range(STEPS):
+        x_e, x_c = _input(step), _input(step)
+        assert torch.equal(_step(eager, x_e), _step(compiled, x_c)), f"step {step}: outputs"
+        assert torch.equal(x_e.grad, x_c.grad), f"step {step}: input gradients"
+        for (name, p), q in zip(eager.named_parameters(), wrapped.parameters()):
+            assert torch.equal(p.grad, q.grad), f"step {step}: {name}.grad"
+            p.grad = q.grad = None
+    got, want = scaling_buffers(wrapped), scaling_buffers(eager)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+
+
+def test_plain_checkpoint_compiled_around_delayed_scaling_never_runs_silently_on_cuda():
+    """Plain torch.utils.checkpoint in that order would recompute the casts in the compiled
+    backward with the scales updated since: refused while tracing (the CUDA update's raw writes
+    also bump the buffers' versions, so a saved scale could never be read stale)."""
+    model = _mlp_stack()
+    dq.apply_recipe(model, dq.recipe_from_dict("delayed"))
+    compiled = torch.compile(checkpoint_wrapper(model), fullgraph=True)
+    with pytest.raises(Exception, match="dist_quant.activation_checkpoint"):
+        for step in range(STEPS):
+            _step(compiled, _input(step))

@@ -1,19 +1,28 @@
-"""Blocks compiled one by one and each under `dist_quant.activation_checkpoint`, as torchtitan
-wraps every transformer block: the recompute runs in the forward's autocast context, so the compiled
-block replays the graph of its forward; outputs, gradients and scaling state equal the eager run
-without checkpointing, bit for bit (`aot_eager`: torch's own kernels, the same reduction order).
+"""Blocks compiled one by one and each checkpointed with `dist_quant.activation_checkpoint`; outputs,
+gradients and scaling state equal the eager run without checkpointing, bit for bit (`aot_eager`:
+torch's own kernels, the same reduction order). Both orders:
 
-Delayed scaling included: the compiled forward's enrolment records its scales in the checkpoint
-frame, the recompute swaps them back in (they moved at the autocast exit) and restores the amax
-rows its casts folded into afterwards, so the history is the one of the plain run.
+- checkpoint around the compiled block (`activation_checkpoint(compiled_block, x)`): the recompute
+  runs in the forward's autocast context, so the compiled block replays the graph of its forward.
+  Delayed scaling included: the compiled forward's enrolment records its scales in the checkpoint
+  frame, the recompute swaps them back in (they moved at the autocast exit) and restores the amax
+  rows its casts folded into afterwards, so the history is the one of the plain run.
+- compile around the checkpoint (torchtitan: `checkpoint_wrapper(block, checkpoint_fn=...)`, then
+  `block.compile(fullgraph=True)`): the recompute is part of the compiled backward; the casts are
+  saved, never recomputed. Plain `torch.utils.checkpoint` in that order would recompute a
+  delayed-scaling cast with the updated scale (silently other bytes on CUDA): refused while tracing.
 """
 
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+from torch.utils.checkpoint import noop_context_fn
 
 import dist_quant as dq
 
@@ -40,14 +49,27 @@ class Blocks(torch.nn.Module):
         return x
 
 
-def _pair(recipe_name: str) -> tuple[Blocks, Blocks]:
+def _pair(recipe_name: str, compiled_around: Any = None) -> tuple[Blocks, Blocks]:
+    """The plain eager stack and its checkpointed, compiled twin: checkpoint around the compiled
+    blocks, or with `compiled_around` (a checkpoint function) each block wrapped by
+    `checkpoint_wrapper` with it and the wrapper compiled."""
     plain = Blocks(compiled=False, checkpointed=False)
     wrapped = copy.deepcopy(plain)
-    wrapped.checkpointed = True
     recipe = dq.recipe_from_dict(recipe_name)
     dq.apply_recipe(plain, recipe)
     dq.apply_recipe(wrapped, recipe)
-    wrapped.compile_blocks()
+    if compiled_around is None:
+        wrapped.checkpointed = True
+        wrapped.compile_blocks()
+    else:
+        wrapped.blocks = [
+            torch.compile(
+                checkpoint_wrapper(b, checkpoint_fn=compiled_around),
+                backend="aot_eager",
+                fullgraph=True,
+            )
+            for b in wrapped.layers
+        ]
     return plain, wrapped
 
 
@@ -86,9 +108,7 @@ def _assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
         assert torch.equal(a[name], b[name]), f"{name} differs"
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "delayed", "current", "mxfp8", "block"])
-def test_checkpointed_compiled_blocks_match_the_plain_eager_run_bit_for_bit(recipe: str) -> None:
-    plain, wrapped = _pair(recipe)
+def _assert_trains_as(plain: Blocks, wrapped: Blocks) -> None:
     for step in range(STEPS):
         x_p, x_w = _input(step), _input(step)
         y_p, y_w = _step(plain, x_p), _step(wrapped, x_w)
@@ -98,3 +118,40 @@ def test_checkpointed_compiled_blocks_match_the_plain_eager_run_bit_for_bit(reci
             assert torch.equal(p.grad, q.grad), f"step {step}: {name}.grad differs"
             p.grad, q.grad = None, None
     _assert_same_state(_scaling_state(plain), _scaling_state(wrapped))
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "delayed", "current", "mxfp8", "block"])
+def test_checkpointed_compiled_blocks_match_the_plain_eager_run_bit_for_bit(recipe: str) -> None:
+    _assert_trains_as(*_pair(recipe))
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current", "mxfp8"])
+def test_blocks_compiled_around_their_checkpoint_match_the_plain_eager_run_bit_for_bit(
+    recipe: str,
+) -> None:
+    """torchtitan's order with `checkpoint_fn=dq.activation_checkpoint`, fullgraph."""
+    _assert_trains_as(*_pair(recipe, compiled_around=dq.activation_checkpoint))
+
+
+def test_plain_torch_checkpoint_compiled_around_delayed_scaling_is_refused_while_tracing() -> None:
+    plain, wrapped = _pair("delayed", compiled_around=torch_checkpoint)
+    # raised in the trace; torch.compile reports it as its backend's failure, message kept
+    with pytest.raises(Exception, match=r"RecomputeError: module '.*self_attention\.qkv'") as err:
+        _step(wrapped, _input(0))
+    assert "dist_quant.activation_checkpoint" in str(err.value)
+    _assert_same_state(_scaling_state(plain), _scaling_state(wrapped))  # nothing was enrolled
+
+
+@pytest.mark.parametrize("recipe", ["current", "mxfp8"])
+def test_plain_torch_checkpoint_compiled_around_stateless_scaling_matches_eager(recipe) -> None:
+    """Scales computed from the data itself are recomputed into the same bytes."""
+    _assert_trains_as(*_pair(recipe, compiled_around=torch_checkpoint))
+
+
+def test_a_selective_checkpointing_policy_is_refused_inside_a_compiled_region() -> None:
+    def with_policy(fn, *args, **kwargs):
+        return dq.activation_checkpoint(fn, *args, context_fn=noop_context_fn, **kwargs)
+
+    _, wrapped = _pair("current", compiled_around=with_policy)
+    with pytest.raises(Exception, match="context_fn"):
+        _step(wrapped, _input(0))

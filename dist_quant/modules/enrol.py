@@ -210,6 +210,11 @@ def _enrol_backward(key: int) -> None:
 
 
 @register_fake("dist_quant::enrol_forward", lib=_lib)
+def _(anchor: Tensor, key: Tensor) -> None:
+    recompute.refuse_compiled_recompute_of_delayed_scaling()
+    return None
+
+
 @register_fake("dist_quant::enrol_backward", lib=_lib)
 def _(anchor: Tensor, key: Tensor) -> None:
     return None
