@@ -26,6 +26,7 @@ from fsdp_check import (
 )
 from harness import rank_device, run_ranks
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import dist_quant as dq
@@ -103,17 +104,22 @@ def test_fp8_all_gather_under_activation_checkpoint_equals_high_precision_all_ga
 DEEP = 9  # one more block than dynamo's default recompile limit
 
 
-def _deep(fp8_all_gather: bool, checkpointed: bool) -> Stack:
+def _deep(fp8_all_gather: bool, checkpointed: bool | str) -> Stack:
+    """`DEEP` blocks; `checkpointed="around"`: each block wrapped by `checkpoint_wrapper` with
+    `dq.activation_checkpoint` (torchtitan's order: a compiled block is the wrapper)."""
     model = Stack()
     torch.manual_seed(1)
     model.layers = nn.ModuleList(dq.TransformerLayer(HIDDEN, FFN, HEADS) for _ in range(DEEP))
-    model.checkpointed = checkpointed
+    model.checkpointed = checkpointed is True
+    if checkpointed == "around":
+        for i, layer in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(layer, checkpoint_fn=dq.activation_checkpoint)
     if fp8_all_gather:
         enable_fp8_all_gather(model)
     return shard(model)
 
 
-def _compiled_equals_eager(rank: int, world: int, runs: list[tuple[str, bool]]) -> list[int]:
+def _compiled_equals_eager(rank: int, world: int, runs: list[tuple[str, bool | str]]) -> list[int]:
     """Every block `compile(fullgraph=True)`d on its own (`aot_eager`) over FP8-gathered weights,
     beside the eager model: outputs, gradients, weights and scaling state equal bit for bit; the
     number of graphs compiled per run."""
@@ -149,6 +155,16 @@ def test_blocks_compiled_with_fullgraph_over_fp8_gathered_weights_equal_eager_an
     runs = [("delayed", False), ("current", False), ("delayed", True)]
     for rank_graphs in run_ranks(_compiled_equals_eager, 2, runs, timeout_s=600.0):
         assert rank_graphs == [1, 1, 2]
+
+
+def test_blocks_compiled_around_their_checkpoint_over_fp8_gathered_weights_equal_eager():
+    """torchtitan's order (checkpoint wrapper, then compile, then fully_shard), delayed scaling:
+    the compiled backward recomputes the blocks without recasting (the casts are saved), exact
+    and one graph for all blocks."""
+    for rank_graphs in run_ranks(
+        _compiled_equals_eager, 2, [("delayed", "around")], timeout_s=600.0
+    ):
+        assert rank_graphs == [1]
 
 
 def _switch_follows(rank: int, world: int) -> int:
