@@ -19,6 +19,7 @@ or an all-identity recipe); otherwise it raises `RecomputeError` naming the modu
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 import weakref
@@ -259,12 +260,21 @@ def activation_checkpoint(
     return torch_checkpoint.checkpoint(run, *args, use_reentrant=use_reentrant, **kwargs)
 
 
-def _save_dist_quant_ops(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """Selective checkpointing's policy inside a compiled region: dist-quant's ops (the casts, the
-    enrolment) are saved, everything else recomputed as plain checkpointing would."""
-    if getattr(op, "namespace", None) == "dist_quant":
+def _save_scale_reading_casts(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Selective checkpointing's policy inside a compiled region: dist-quant's casts that read a
+    scale buffer (delayed scaling's) are saved, since the autocast exit updates that buffer before
+    the backward, and its side-effect ops (the enrolment, no outputs) never run again; everything
+    else is recomputed as plain checkpointing would, casts that compute their scale from the data
+    (current scaling, MXFP8, blocks) included: they recompute the same bytes."""
+    if getattr(op, "namespace", None) == "dist_quant" and _kept_from_recompute(op):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@functools.cache
+def _kept_from_recompute(op: Any) -> bool:
+    schema = op._schema
+    return not schema.returns or any(argument.name == "scale" for argument in schema.arguments)
 
 
 # the forward dispatch modes of the checkpointed regions `activation_checkpoint` is tracing under
@@ -272,9 +282,9 @@ def _save_dist_quant_ops(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkp
 _own_regions: weakref.WeakSet = weakref.WeakSet()
 
 
-def _save_dist_quant_ops_contexts() -> tuple[Any, Any]:
+def _save_scale_reading_casts_contexts() -> tuple[Any, Any]:
     forward_mode, recompute_mode = torch_checkpoint.create_selective_checkpoint_contexts(
-        _save_dist_quant_ops
+        _save_scale_reading_casts
     )
     _own_regions.add(forward_mode)
     return forward_mode, recompute_mode
@@ -285,19 +295,18 @@ def _compiled_checkpoint(
 ) -> Any:
     """`activation_checkpoint` traced by torch.compile, the block compiled around its checkpoint
     (torchtitan wraps each block for checkpointing, then compiles it). The recompute is then part
-    of the compiled backward graph, not a Python re-run a frame could replay, so the quantization
-    is kept by never recomputing it: the casts' outputs are saved (FP8, with their scale inverses)
-    and only the rest of the block is recomputed. A recomputed delayed-scaling cast would read the
-    scale the autocast exit has updated since."""
+    of the compiled backward graph, not a Python re-run a frame could replay: the casts that read
+    a scale buffer are saved (their FP8 outputs and scale inverses), because recomputed they would
+    read the scale the autocast exit has updated since; the rest of the block is recomputed."""
     if context_fn is not None:
         raise RecomputeError(
             "activation_checkpoint: a context_fn (selective checkpointing) is not supported inside "
-            "a torch.compile'd region, where dist-quant installs its own policy (its casts are "
-            "saved, everything else recomputed); compile the block inside the checkpoint instead "
+            "a torch.compile'd region, where dist-quant installs its own policy (the casts that "
+            "read a scale buffer are saved, everything else recomputed); compile the block inside the checkpoint instead "
             "(activation_checkpoint(torch.compile(block), x))"
         )
     return torch_checkpoint.checkpoint(
-        fn, *args, use_reentrant=False, context_fn=_save_dist_quant_ops_contexts, **kwargs
+        fn, *args, use_reentrant=False, context_fn=_save_scale_reading_casts_contexts, **kwargs
     )
 
 
