@@ -302,8 +302,8 @@ def _compiled_checkpoint(
         raise RecomputeError(
             "activation_checkpoint: a context_fn (selective checkpointing) is not supported inside "
             "a torch.compile'd region, where dist-quant installs its own policy (the casts that "
-            "read a scale buffer are saved, everything else recomputed); compile the block inside the checkpoint instead "
-            "(activation_checkpoint(torch.compile(block), x))"
+            "read a scale buffer are saved, everything else recomputed); compile the block "
+            "inside the checkpoint instead (activation_checkpoint(torch.compile(block), x))"
         )
     return torch_checkpoint.checkpoint(
         fn, *args, use_reentrant=False, context_fn=_save_scale_reading_casts_contexts, **kwargs
