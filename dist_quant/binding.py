@@ -80,6 +80,15 @@ class BoundModule(Protocol):
 
 _NOT_RUN = object()  # `QuantBinding.last_reduction_group` before the module's first forward
 
+STATE_DICT_TRANSPARENT = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+"""Attributes under which torch's wrappers hold the module they wrap and which their state-dict
+hooks drop from the keys: the activation-checkpoint and offload wrappers (`checkpoint_wrapper`,
+torchtitan's way of checkpointing every block) and FSDP1."""
+
+WRAPPER_ATTRIBUTES = frozenset((*STATE_DICT_TRANSPARENT, "_orig_mod"))
+"""Path segments role names skip: those wrappers, and torch.compile's `OptimizedModule` (whose
+state-dict keys keep `_orig_mod`), so a module is named by its place in the model, wrapped or not."""
+
 
 def _key_tag(key: int) -> torch.Tensor:
     """A 0-dim int64 CPU tensor holding `key` (see `dist_quant.modules.enrol`)."""
@@ -290,6 +299,8 @@ def assign_role_names(model: nn.Module, names: Mapping[nn.Module, str] | None = 
         parent, _, leaf = path.rpartition(".")
         if not path:
             candidate = ""
+        elif leaf in WRAPPER_ATTRIBUTES:  # a wrapper's module is named as the wrapper
+            candidate = prefix_of[parent]
         else:
             base = prefix_of[parent]
             candidate = f"{base}.{leaf}" if base else leaf

@@ -20,6 +20,7 @@ import textwrap
 import pytest
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 import dist_quant as dq
 from dist_quant import factories
@@ -113,6 +114,20 @@ def test_plain_sequential_root_names_its_blocks_by_their_path():
     with dq.autocast(recipe=dq.CustomRecipe(rec)):
         model(x_in())
     assert rec.names() == layer_names("0") | layer_names("1")
+
+
+def test_blocks_wrapped_for_checkpointing_or_compiled_are_named_by_their_place_in_the_model():
+    """torchtitan wraps each block (`checkpoint_wrapper`, `torch.compile`); a factory targeting
+    `1.mlp.fc2` must still find it, and checkpoint keys must not depend on the wrapping."""
+    model = nn.Sequential(layer(seed=0), layer(seed=1), layer(seed=2))
+    model[1] = checkpoint_wrapper(model[1], checkpoint_fn=dq.activation_checkpoint)
+    model[2] = torch.compile(model[2], backend="eager")
+    rec = Recorder()
+    with dq.autocast(recipe=dq.CustomRecipe(rec)):
+        model(x_in())
+    assert rec.names() == layer_names("0") | layer_names("1") | layer_names("2")
+    keys = {k for k in model.state_dict() if k.endswith("_extra_state")}
+    assert "1.mlp._extra_state" in keys and "2._orig_mod.mlp._extra_state" in keys
 
 
 def test_explicit_name_wins_over_the_path_and_restarts_it():

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.module import _IncompatibleKeys
 
+from dist_quant.binding import STATE_DICT_TRANSPARENT
 from dist_quant.checkpoint.module_state import (
     FORMAT,
     checkpoint_names,
@@ -70,11 +71,13 @@ def recipe_of(state_dict: Mapping[str, Any]) -> Recipe:
 
 
 def _dq_modules_by_key(model: nn.Module) -> dict[str, QuantizedModule]:
-    return {
-        prefix + ("." if prefix else "") + EXTRA_STATE_SUFFIX: m
-        for prefix, m in model.named_modules(remove_duplicate=False)
-        if isinstance(m, QuantizedModule)
-    }
+    """Every dist-quant module by the state-dict key of its extra state."""
+    out = {}
+    for prefix, m in model.named_modules(remove_duplicate=False):
+        if isinstance(m, QuantizedModule):
+            path = [p for p in prefix.split(".") if p and p not in STATE_DICT_TRANSPARENT]
+            out[".".join((*path, EXTRA_STATE_SUFFIX))] = m
+    return out
 
 
 def stage_model(
