@@ -430,46 +430,33 @@ def test_fp8_all_gather_on_cuda_equals_the_high_precision_path():
     assert run_ranks(_cuda_equal, 1, ["delayed", "current"], timeout_s=240.0) == [2]
 
 
-def _dcp_resume(rank: int, world: int, path: str) -> int:
-    model = _sharded(True)
+def _wrapped_and_compiled() -> Stack:
+    """torchtitan's model: blocks wrapped for checkpointing, compiled, FSDP2, FP8 all-gather."""
+    model = _deep(True, "around")
+    for layer in model.layers:
+        layer.compile(backend="aot_eager", fullgraph=True)
+    return model
+
+
+_BUILDS = {"plain": lambda: _sharded(True), "wrapped and compiled": _wrapped_and_compiled}
+
+
+def _dcp_resume(rank: int, world: int, path: str, build: str) -> int:
+    model = _BUILDS[build]()
     after = precompute_fp8_weight_scales
     train_dp(model, list(model.named_parameters()), "delayed", rank, world, range(2), after)
     dq.checkpoint.dcp_save(model, path)
     want = train_dp(model, list(model.named_parameters()), None, rank, world, range(2, 4), after)
-    resumed = _sharded(True)
+    resumed = _BUILDS[build]()
     dq.apply_recipe(resumed, RECIPES["delayed"]())  # plans the roles the checkpoint holds
     dq.checkpoint.dcp_load(resumed, path)
     got = train_dp(resumed, list(resumed.named_parameters()), None, rank, world, range(2, 4), after)
-    assert_equal_runs(got, want, f"resumed FSDP2 with FP8 all-gather, rank {rank}")
+    assert_equal_runs(got, want, f"resumed FSDP2 with FP8 all-gather ({build}), rank {rank}")
     return 1
 
 
-def test_fp8_all_gather_model_resumes_from_a_dcp_checkpoint_bit_for_bit(tmp_path):
-    assert run_ranks(_dcp_resume, 2, str(tmp_path / "ckpt"), timeout_s=240.0) == [1, 1]
-
-
-def _dcp_resume_wrapped(rank: int, world: int, path: str) -> int:
-    """torchtitan's model: blocks wrapped for checkpointing and compiled, FSDP2, FP8 all-gather;
-    its checkpoint keys are the model's own paths, so a fresh model of the same build resumes."""
-
-    def build() -> Stack:
-        model = _deep(True, "around")
-        for layer in model.layers:
-            layer.compile(backend="aot_eager", fullgraph=True)
-        return model
-
-    after = precompute_fp8_weight_scales
-    model = build()
-    train_dp(model, list(model.named_parameters()), "delayed", rank, world, range(2), after)
-    dq.checkpoint.dcp_save(model, path)
-    want = train_dp(model, list(model.named_parameters()), None, rank, world, range(2, 4), after)
-    resumed = build()
-    dq.apply_recipe(resumed, RECIPES["delayed"]())
-    dq.checkpoint.dcp_load(resumed, path)
-    got = train_dp(resumed, list(resumed.named_parameters()), None, rank, world, range(2, 4), after)
-    assert_equal_runs(got, want, f"resumed wrapped and compiled blocks, rank {rank}")
-    return 1
-
-
-def test_blocks_wrapped_for_checkpointing_and_compiled_resume_from_a_dcp_checkpoint(tmp_path):
-    assert run_ranks(_dcp_resume_wrapped, 2, str(tmp_path / "ckpt"), timeout_s=600.0) == [1, 1]
+@pytest.mark.parametrize("build", list(_BUILDS))
+def test_fp8_all_gather_model_resumes_from_a_dcp_checkpoint_bit_for_bit(tmp_path, build):
+    """Wrapped blocks too: their checkpoint keys are the model's own paths (the wrappers'
+    attributes are not part of them), so a fresh model of the same build resumes."""
+    assert run_ranks(_dcp_resume, 2, str(tmp_path / "ckpt"), build, timeout_s=600.0) == [1, 1]
