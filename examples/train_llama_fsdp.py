@@ -13,7 +13,9 @@ or current scaling, switches between those; 1D and with TP) makes FSDP2 all-gath
 weights in FP8. `--compile` compiles every block (`fullgraph=True`, one block at a time, as
 torchtitan does): identical blocks share one graph (one more for the delayed-scaling recompute),
 and a switch recompiles it once. With `--fp8-all-gather` the blocks compile over the FP8-gathered
-weights.
+weights. `--checkpoint-wrapper` checkpoints as torchtitan does instead, each block wrapped by
+`checkpoint_wrapper(block, checkpoint_fn=dq.activation_checkpoint)` and the wrapper compiled (the
+recompute is then part of the compiled backward).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from dist_quant.coordinator import SwitchBusyError, attach, request_switch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -39,7 +42,14 @@ class Llama(nn.Module):
     RMSNorm and an FP8 output head. Tokens (batch, seq) -> logits (batch, seq, vocab)."""
 
     def __init__(
-        self, vocab: int, hidden: int, ffn: int, heads: int, layers: int, tp_group
+        self,
+        vocab: int,
+        hidden: int,
+        ffn: int,
+        heads: int,
+        layers: int,
+        tp_group,
+        checkpoint_wrapped: bool = False,
     ) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, hidden)
@@ -55,13 +65,17 @@ class Llama(nn.Module):
             )
             for _ in range(layers)
         )
+        if checkpoint_wrapped:  # torchtitan's way: the wrapper checkpoints, forward just calls
+            for i, layer in enumerate(self.layers):
+                self.layers[i] = checkpoint_wrapper(layer, checkpoint_fn=dq.activation_checkpoint)
+        self.checkpoint_wrapped = checkpoint_wrapped
         self.norm = nn.RMSNorm(hidden)
         self.head = dq.Linear(hidden, vocab, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens).transpose(0, 1)  # (seq, batch, hidden): the layers' "sbhd"
         for layer in self.layers:
-            x = dq.activation_checkpoint(layer, x)
+            x = layer(x) if self.checkpoint_wrapped else dq.activation_checkpoint(layer, x)
         # contiguous: FSDP2 warns on a root output that is a view
         return self.head(self.norm(x)).transpose(0, 1).contiguous()
 
@@ -110,6 +124,11 @@ def main() -> None:
         action="store_true",
         help="torch.compile every block (fullgraph, per block)",
     )
+    p.add_argument(
+        "--checkpoint-wrapper",
+        action="store_true",
+        help="checkpoint each block with checkpoint_wrapper (then compile it: torchtitan's order)",
+    )
     p.add_argument("--run-dir", default=os.environ.get("DIST_QUANT_RUN_DIR", "dist_quant_run"))
     args = p.parse_args()
     cuda = torch.cuda.is_available()
@@ -125,7 +144,15 @@ def main() -> None:
     # The same seed everywhere: replicated weights (embedding, norms, head) start equal on the TP
     # ranks and stay equal (every TP rank sees the same batch and the same full activations).
     torch.manual_seed(0)
-    model = Llama(args.vocab, args.hidden, args.ffn, args.heads, args.layers, tp_group).to(device)
+    model = Llama(
+        args.vocab,
+        args.hidden,
+        args.ffn,
+        args.heads,
+        args.layers,
+        tp_group,
+        checkpoint_wrapped=args.checkpoint_wrapper,
+    ).to(device)
     dq.apply_recipe(model, dq.recipe_from_dict(args.recipe))
     participant = attach(model, tp_group=tp_group, run_dir=args.run_dir)
     if args.fp8_all_gather:

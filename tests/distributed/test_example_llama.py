@@ -78,13 +78,18 @@ def test_llama_fsdp_example_on_4_ranks_runs_fsdp2_x_tp_with_fp8_all_gather(tmp_p
 
 
 @pytest.mark.slow  # inductor compiles the blocks' graphs on both ranks: ~1 min on 2 cores
-@pytest.mark.parametrize("gather", [(), ("--fp8-all-gather",)], ids=["bf16-gather", "fp8-gather"])
+@pytest.mark.parametrize(
+    "gather",
+    [(), ("--fp8-all-gather",), ("--fp8-all-gather", "--checkpoint-wrapper")],
+    ids=["bf16-gather", "fp8-gather", "fp8-gather-checkpoint-wrapper"],
+)
 def test_llama_fsdp_example_with_compiled_blocks_trains_as_eager_and_switches(tmp_path, gather):
     """--compile: every block `torch.compile(fullgraph=True)` inside FSDP2 and activation
     checkpointing, delayed scaling, then a switch to current scaling. Nine blocks: more than
     dynamo's recompile limit, which a graph per block would exceed (fullgraph: a hard error).
     With FP8 all-gather the blocks compile over the FP8-gathered weights (whose gradients an
-    opaque weight once lost: the weights did not train, and the recompute failed)."""
+    opaque weight once lost: the weights did not train, and the recompute failed). With
+    --checkpoint-wrapper the compiled block is torchtitan's checkpoint wrapper around it."""
     runs = {}
     for name, extra in (("eager", gather), ("compiled", ("--compile", *gather))):
         cmd = [
