@@ -133,6 +133,18 @@ def test_blocks_compiled_around_their_checkpoint_match_the_plain_eager_run_bit_f
     _assert_trains_as(*_pair(recipe, compiled_around=dq.activation_checkpoint))
 
 
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_a_whole_model_compiled_with_activation_checkpoint_in_its_forward_matches_eager(recipe):
+    """The model compiled as a whole (fullgraph), its forward checkpointing each block."""
+    plain = Blocks(compiled=False, checkpointed=False)
+    whole = copy.deepcopy(plain)
+    whole.checkpointed = True
+    for model in (plain, whole):
+        dq.apply_recipe(model, dq.recipe_from_dict(recipe))
+    whole.compile(backend="aot_eager", fullgraph=True)
+    _assert_trains_as(plain, whole)
+
+
 def test_plain_torch_checkpoint_compiled_around_delayed_scaling_is_refused_while_tracing() -> None:
     plain, wrapped = _pair("delayed", compiled_around=torch_checkpoint)
     # raised in the trace; torch.compile reports it as its backend's failure, message kept
