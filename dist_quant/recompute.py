@@ -15,6 +15,11 @@ without checkpointing.
 A dist-quant forward that runs during backward outside such a frame is a plain torch recompute. It is
 exact only when neither the recompute nor the module's last forward quantize anything (autocast off,
 or an all-identity recipe); otherwise it raises `RecomputeError` naming the module.
+
+Compiled around the checkpoint (torchtitan: the checkpoint wrapper, then `torch.compile`), the
+recompute is part of the compiled backward graph and no frame can replay it: traced, the checkpoint
+is torch's with a selective policy that saves the casts reading a scale buffer, and a delayed-scaling
+forward traced inside any other recomputed region is refused while tracing.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import CheckpointPolicy
 
 from dist_quant import context as _context
-from dist_quant.binding import BoundModule
+from dist_quant.binding import WRAPPER_ATTRIBUTES, BoundModule
 from dist_quant.quantizers import IdentityQuantizer
 
 if TYPE_CHECKING:
@@ -343,4 +348,4 @@ def _traced_path(source: str) -> str:
     (``L['self'].__dict__['_modules']['_checkpoint_wrapped_module'].mlp`` -> ``mlp``)."""
     path = re.sub(r"\.__dict__\['_modules'\]\['(\w+)'\]", r".\1", source)
     path = re.sub(r"^L\['self'\]\.?", "", path)
-    return path.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "") or source
+    return ".".join(p for p in path.split(".") if p and p not in WRAPPER_ATTRIBUTES) or source
