@@ -7,8 +7,10 @@ of the training loop:
 - `ac`: every block under activation checkpointing (`torch.utils.checkpoint` for BF16,
   `dist_quant.activation_checkpoint` for FP8, non-reentrant);
 - `compiled`: every block `torch.compile`'d (per block, as torchtitan does);
-- `ac+compiled`: both (a compiled delayed-scaling block cannot be recomputed exactly: dist-quant
-  refuses it, and the row says so).
+- `ac+compiled`: both (checkpointing compiled around dist-quant's checkpoint);
+- `+caller` after any of them (`eager+caller`, `ac+compiled+caller`): the backward run by the
+  calling thread (`torch.autograd.set_multithreading_enabled(False)`) instead of the autograd
+  engine's CUDA device thread, for every recipe alike.
 
 It prints the median GPU time of a step, the host time to issue one, and the ratio over BF16 run
 in the same variant and over BF16 eager. The eager delayed step also reports the share spent in the
@@ -31,6 +33,7 @@ import dist_quant as dq
 import dist_quant.amax as amax_mod
 
 VARIANTS = ("eager", "ac", "compiled", "ac+compiled")
+CALLER = "+caller"
 RECIPES = {
     "bf16": None,
     "fp8 delayed": dq.DelayedScaling(),
@@ -65,12 +68,13 @@ class Blocks(torch.nn.Module):
         return x
 
 
-def make_step(model, opt, x, recipe):
+def make_step(model, opt, x, recipe, *, backward_on_caller: bool):
     def step():
         opt.zero_grad(set_to_none=True)
         with dq.autocast(enabled=recipe is not None, recipe=recipe):
             y = model(x)
-        y.float().square().mean().backward()
+        with torch.autograd.set_multithreading_enabled(not backward_on_caller):
+            y.float().square().mean().backward()
         opt.step()
 
     return step
@@ -136,11 +140,15 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--layers", type=int, default=1)
-    p.add_argument("--variants", default="eager", help="comma list of " + ", ".join(VARIANTS))
+    p.add_argument(
+        "--variants",
+        default="eager",
+        help=f"comma list of {', '.join(VARIANTS)}, each optionally followed by {CALLER}",
+    )
     args = p.parse_args()
     variants = args.variants.split(",")
-    if any(v not in VARIANTS for v in variants):
-        p.error(f"--variants takes {', '.join(VARIANTS)}")
+    if any(v.removesuffix(CALLER) not in VARIANTS for v in variants):
+        p.error(f"--variants takes {', '.join(VARIANTS)}, each optionally followed by {CALLER}")
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     print(f"hidden {args.hidden}, seq {args.seq}, batch {args.batch}, layers {args.layers}")
     print(f"{'variant':>12} | {'recipe':>12} | {'ms/step':>8} | {'host ms':>8} | "
@@ -152,11 +160,12 @@ def main() -> None:
         torch._dynamo.reset()
         base = None
         for label, recipe in RECIPES.items():
-            model = Blocks(args.hidden, args.heads, args.layers, variant, recipe is not None)
+            kind = variant.removesuffix(CALLER)
+            model = Blocks(args.hidden, args.heads, args.layers, kind, recipe is not None)
             if recipe is not None:
                 dq.apply_recipe(model, recipe)  # pinned: a compiled block needs no planning
             opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-            step = make_step(model, opt, x, recipe)
+            step = make_step(model, opt, x, recipe, backward_on_caller=variant.endswith(CALLER))
             try:
                 ms = cuda_median_ms(step, iters=10, warmup=3)
             except (

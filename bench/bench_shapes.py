@@ -8,7 +8,9 @@ in one process on one GPU:
   backward graphed, autocast's bookkeeping and the delayed update eager around them), whole-step
   graphed (`dist_quant.GraphedStep` over the step: autocast, forward, backward and the delayed
   update in one graph, the same for BF16), `torch.compile(fullgraph=True)`'d, and compiled with
-  `mode="reduce-overhead"` (inductor's CUDA graphs: "compiled-ro");
+  `mode="reduce-overhead"` (inductor's CUDA graphs: "compiled-ro"); "eager-caller" is the eager
+  step with its backward run on the calling thread (`torch.autograd.set_multithreading_enabled(False)`,
+  every variant alike) instead of the autograd engine's CUDA device thread;
 - torchao's `Float8Linear` (tensorwise scaling) compiled both ways, when torchao is installed
   (else "-");
 
@@ -40,7 +42,7 @@ SHAPES = [
     (8192, 4096, 1792),  # Llama MLP, TP=8
     (8192, 8192, 8192),
 ]
-MODES = ("eager", "graphed", "step", "compiled", "compiled-ro")
+MODES = ("eager", "eager-caller", "graphed", "step", "compiled", "compiled-ro")
 COMPILE_MODES = {"compiled": None, "compiled-ro": "reduce-overhead"}
 RECIPES = {"dq delayed": dq.DelayedScaling(), "dq current": dq.Float8CurrentScaling()}
 HOST_STEPS = 20
@@ -85,6 +87,16 @@ def _variant(label: str, mode: str, k: int, n: int, x: torch.Tensor, device: str
     return module, recipe
 
 
+def backward_on_caller(step: Callable[[], None]) -> Callable[[], None]:
+    """`step` with its backward run by the calling thread, not the engine's device thread."""
+
+    def run() -> None:
+        with torch.autograd.set_multithreading_enabled(False):
+            step()
+
+    return run
+
+
 def _host_us(step: Callable[[], None]) -> float:
     """Median host time to issue one step (no sync between steps: the GPU runs behind)."""
     torch.cuda.synchronize()
@@ -121,6 +133,8 @@ def bench_shape(m: int, k: int, n: int, modes: list[str], cold: dict[str, float]
                 continue
             module, recipe = built
             step = make_step(module, x, dy, recipe)
+            if mode == "eager-caller":
+                step = backward_on_caller(step)
             if mode == "step":  # the whole step in one CUDA graph; its warm-up steps are real
                 step = dq.GraphedStep(step, module)
             key = f"{label} {mode}"
@@ -188,8 +202,10 @@ def main() -> None:
     for mode in modes:
         for shape in shapes:
             rows = bench_shape(*shape, [mode], cold)
-            if mode == "eager":
-                eager_bf16[shape] = next(us for _, label, us, _ in rows if label == "bf16")
+            if mode.startswith("eager"):
+                eager_bf16.setdefault(
+                    shape, next(us for _, label, us, _ in rows if label == "bf16")
+                )
             print_rows(shape, rows, eager_bf16.get(shape))
     print("\nfirst step in this process (s; includes Triton compilation of kernels not yet used):")
     for key, s in cold.items():

@@ -2,11 +2,14 @@
 cProfile's top entries. Diagnostic, prints only.
 
     python bench/profile_step.py [--shape 4096x4096x4096] [--top 30] [--prepared-ab]
-        [--per-tensor-ab] [--floor]
+        [--per-tensor-ab] [--floor] [--backward-on-caller]
 
 `--per-tensor-ab` alternates the per-tensor linear path with the general one in this process;
 `--floor` times the delayed step's kernels issued by one bare `autograd.Function` (the host time
 no Python around the kernels could go below), next to BF16 `nn.Linear` and a BF16 `Function`.
+`--backward-on-caller` runs every step's backward on the calling thread
+(`torch.autograd.set_multithreading_enabled(False)`) instead of the autograd engine's CUDA device
+thread; cProfile sees only the thread it runs on, so its table includes the backward only then.
 """
 
 from __future__ import annotations
@@ -238,7 +241,13 @@ def main():
     p.add_argument(
         "--floor", action="store_true", help="after delayed: the bare kernels' host floor"
     )
+    p.add_argument(
+        "--backward-on-caller",
+        action="store_true",
+        help="run each backward on the calling thread, not the engine's device thread",
+    )
     a = p.parse_args()
+    torch.autograd.set_multithreading_enabled(not a.backward_on_caller)
     m, k, n = (int(v) for v in a.shape.split("x"))
     torch.manual_seed(0)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)

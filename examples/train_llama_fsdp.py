@@ -180,7 +180,10 @@ def main() -> None:
                 logits = model(tokens)
             loss = F.cross_entropy(logits.float().reshape(-1, args.vocab), targets.reshape(-1))
             opt.zero_grad(set_to_none=True)
-            loss.backward()  # outside autocast; the blocks' recompute replays their forward
+            # outside autocast (the blocks' recompute replays their forward), on this thread
+            # rather than the engine's CUDA worker thread (docs/performance.md)
+            with torch.autograd.set_multithreading_enabled(False):
+                loss.backward()
             opt.step()
             if args.fp8_all_gather:
                 precompute_fp8_weight_scales(model)  # current scaling: one all-reduce for all

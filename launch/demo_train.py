@@ -99,7 +99,9 @@ def train_rank(cfg: dict[str, Any]) -> dict[str, Any]:
                     logits = model(tokens)  # (batch, seq, vocab), full on every TP rank
                 loss = F.cross_entropy(logits.float().reshape(-1, spec.vocab), targets.reshape(-1))
                 optimizer.zero_grad(set_to_none=True)
-                loss.backward()
+                # on this thread, not the engine's CUDA worker (docs/performance.md)
+                with torch.autograd.set_multithreading_enabled(False):
+                    loss.backward()
                 reported = loss.detach()
                 if dp > 1:
                     for p in model.parameters():
