@@ -5,7 +5,9 @@ a CUDA backward on the thread that called it instead of handing it to its per-de
 thread; the docs recommend it for host-bound eager FP8 steps. Nothing dist-quant does in a
 backward may depend on the thread: the gradient casts, the enrolment of delayed-scaling groups and
 the engine's final callback that reduces their amaxes and updates the backward scales must all
-run, in the same order, either way. Two copies of one model train side by side, one per setting;
+run, in the same order, either way, and so must the recompute of an activation-checkpointed block
+(`dq.activation_checkpoint`, reentrant or not), which runs inside the backward. Two copies of one
+model train side by side, one per setting;
 after every step their losses, gradients, parameters and scaling buffers must be equal, and the
 backward scales must have moved (the final callback ran). On a CPU the engine always uses the
 calling thread, so there the test checks that the flag changes nothing; the CUDA case compares the
@@ -31,12 +33,27 @@ DEVICES = [
 ]
 
 
-def _models(device: str, recipe: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+class _Model(torch.nn.Module):
+    def __init__(self, device: str, checkpointing: str) -> None:
+        super().__init__()
+        self.block = dq.TransformerLayer(
+            HIDDEN, 2 * HIDDEN, 4, params_dtype=torch.bfloat16, device=device
+        )
+        self.head = dq.Linear(HIDDEN, HIDDEN, params_dtype=torch.bfloat16, device=device)
+        self.checkpointing = checkpointing
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpointing == "none":
+            return self.head(self.block(x))
+        reentrant = self.checkpointing == "reentrant"
+        return self.head(dq.activation_checkpoint(self.block, x, use_reentrant=reentrant))
+
+
+def _models(
+    device: str, recipe: str, checkpointing: str
+) -> tuple[torch.nn.Module, torch.nn.Module]:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        dq.TransformerLayer(HIDDEN, 2 * HIDDEN, 4, params_dtype=torch.bfloat16, device=device),
-        dq.Linear(HIDDEN, HIDDEN, params_dtype=torch.bfloat16, device=device),
-    )
+    model = _Model(device, checkpointing)
     twin = copy.deepcopy(model)
     for m in (model, twin):
         dq.apply_recipe(m, dq.recipe_from_dict(recipe))
@@ -57,12 +74,17 @@ def _step(model: torch.nn.Module, x: torch.Tensor, *, on_caller: bool) -> torch.
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("recipe", ["delayed", "current"])
-def test_backward_on_calling_thread_trains_like_the_device_thread(device: str, recipe: str) -> None:
-    engine_thread, caller = _models(device, recipe)
+@pytest.mark.parametrize("checkpointing", ["none", "non-reentrant", "reentrant"])
+def test_backward_on_calling_thread_trains_like_the_device_thread(
+    device: str, recipe: str, checkpointing: str
+) -> None:
+    engine_thread, caller = _models(device, recipe, checkpointing)
     backward_scales = {k: v for k, v in scaling_buffers(caller).items() if ".backward." in k}
     for step in range(STEPS):
         g = torch.Generator(device=device).manual_seed(step)
+        # requires grad: a reentrant checkpoint passes gradients to the block's weights only then
         x = torch.randn(SEQ, BATCH, HIDDEN, device=device, dtype=torch.bfloat16, generator=g)
+        x.requires_grad_()
         loss_e = _step(engine_thread, x, on_caller=False)
         loss_c = _step(caller, x, on_caller=True)
         assert torch.equal(loss_e, loss_c), f"step {step}: loss {loss_e} != {loss_c}"
