@@ -38,7 +38,10 @@ def cuda_median_ms(fn, iters: int = 30, warmup: int = 8) -> float:
     return times[len(times) // 2]
 
 
-def make_step(module, x, dy, recipe=None):
+def make_step(module, x, dy, recipe=None, *, backward_on_caller=False):
+    """One fwd+bwd step; `backward_on_caller` runs the backward on the calling thread
+    (`torch.autograd.set_multithreading_enabled(False)`), not the engine's CUDA device thread."""
+
     def step():
         x.grad = None
         module.weight.grad = None
@@ -47,7 +50,8 @@ def make_step(module, x, dy, recipe=None):
         else:
             with dq.autocast(recipe=recipe):
                 y = module(x)
-        y.backward(dy)
+        with torch.autograd.set_multithreading_enabled(not backward_on_caller):
+            y.backward(dy)
 
     return step
 

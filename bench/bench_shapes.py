@@ -87,16 +87,6 @@ def _variant(label: str, mode: str, k: int, n: int, x: torch.Tensor, device: str
     return module, recipe
 
 
-def backward_on_caller(step: Callable[[], None]) -> Callable[[], None]:
-    """`step` with its backward run by the calling thread, not the engine's device thread."""
-
-    def run() -> None:
-        with torch.autograd.set_multithreading_enabled(False):
-            step()
-
-    return run
-
-
 def _host_us(step: Callable[[], None]) -> float:
     """Median host time to issue one step (no sync between steps: the GPU runs behind)."""
     torch.cuda.synchronize()
@@ -132,9 +122,7 @@ def bench_shape(m: int, k: int, n: int, modes: list[str], cold: dict[str, float]
                 rows.append((mode, label, None, None))
                 continue
             module, recipe = built
-            step = make_step(module, x, dy, recipe)
-            if mode == "eager-caller":
-                step = backward_on_caller(step)
+            step = make_step(module, x, dy, recipe, backward_on_caller=mode == "eager-caller")
             if mode == "step":  # the whole step in one CUDA graph; its warm-up steps are real
                 step = dq.GraphedStep(step, module)
             key = f"{label} {mode}"
