@@ -13,9 +13,10 @@ transposed copy). Two kernels:
 - ``_nvfp4_columnwise_kernel``: the columnwise cast without RHT, on ``[NB, 16, BN]`` tiles in
   ``x``'s orientation (the MXFP8 columnwise kernel's shape). The first kernel with swapped strides
   computed it too, but compiled by Triton 3.6 for the H200 it wrote wrong block scales (every one
-  the same byte, data independent) under three of four launch configurations tried, and its
-  16-element-last variant under one of four; this layout gave the reference's bytes under every
-  configuration swept (BENCHMARKS.md, NVFP4).
+  the same byte, data independent) under three of four launch configurations tried, and a variant
+  with the nibble-pair axis explicit (``[BM, NB, 8, 2]``) under one of four, while the interpreter
+  ran both exactly; this layout gave the reference's bytes under every configuration swept
+  (BENCHMARKS.md, "NVFP4 cast and emulated GEMM").
 
 Exactness on GPU and in the interpreter alike: every operation is an IEEE fp32 add, multiply or
 ``div_rn`` of the reference's, in its order, or integer arithmetic on bits. The E4M3 block scale
@@ -53,11 +54,11 @@ from dist_quant.kernels.ops import register_op
 from torch import Tensor
 
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_FLT_MAX = ref.FLT_MAX
 _SIGN_MASK = sum(1 << i for i, s in enumerate(ref.NVFP4_RHT_SIGNS) if s < 0)
 
-# GPU launch configurations: BM output rows x NB 16-blocks per program. Columnwise reads run along
-# BM in memory, so it is the long side there.
+# GPU launch configurations (bench/bench_nvfp4.py --sweep; H200, 8192x8192 bf16, BENCHMARKS.md):
+# rowwise 122.5 us (32x4: 127.0, 8x16: 123.7); columnwise 207.3 us (NB 4 x BN 32: 202.5, within
+# noise; 1x128: 221.2); columnwise RHT + SR 420.2 us (128x1: 414.8, 32x4: 417.2).
 GPU_ROWWISE = {"BM": 16, "NB": 8, "num_warps": 4}
 GPU_COLUMNWISE = {"NB": 2, "BN": 64, "num_warps": 4}  # _nvfp4_columnwise_kernel
 GPU_COLUMNWISE_RHT = {"BM": 64, "NB": 2, "num_warps": 4}
