@@ -95,15 +95,40 @@ def group_rank(group: Any) -> int:
 
 
 # ---- sharding of parameters ----------------------------------------------------------------------
-def mark_tp_split(module: nn.Module, name: str, dim: int, parts: int = 1) -> None:
+def mark_tp_split(module: nn.Module, name: str, dim: int, parts: int | tuple[int, ...] = 1) -> None:
     """Record that parameter `name` of `module` is a TP shard: the full tensor is cut along `dim`
-    into `parts` equal pieces (3 for fused QKV, 2 for SwiGLU's gate/up) and each piece is split
-    over the ranks; the rank's shard is its chunk of every piece, concatenated. The record sits on
-    the module (`tp_splits` reads it) and on the parameter (`param.tp_split`): FSDP2's
-    `fully_shard` replaces the parameter, dropping its attributes, but keeps the module."""
-    split = (dim, parts)
+    into pieces and each piece is split over the ranks; the rank's shard is its chunk of every
+    piece, concatenated. `parts` is the number of equal pieces (3 for fused QKV, 2 for SwiGLU's
+    gate/up) or their relative sizes when they differ (`(4, 1, 1)`: a grouped-query QKV with four
+    query heads per KV head, q rows then k and v rows); equal relative sizes are stored as their
+    count, so a split has one spelling. The record sits on the module (`tp_splits` reads it) and on
+    the parameter (`param.tp_split`): FSDP2's `fully_shard` replaces the parameter, dropping its
+    attributes, but keeps the module."""
+    split = (dim, _canonical_parts(parts))
     getattr(module, name).tp_split = split
     module.__dict__.setdefault("_tp_splits", {})[name] = split
+
+
+def _canonical_parts(parts: int | tuple[int, ...]) -> int | tuple[int, ...]:
+    sizes = (parts,) if isinstance(parts, int) else tuple(parts)
+    if not sizes or any(isinstance(p, bool) or not isinstance(p, int) or p < 1 for p in sizes):
+        raise ValueError(
+            f"mark_tp_split: parts must be an int >= 1 or a tuple of them, got {parts!r}"
+        )
+    if isinstance(parts, int):
+        return parts
+    return len(sizes) if len(set(sizes)) == 1 else sizes
+
+
+def piece_sizes(length: int, parts: int | tuple[int, ...]) -> list[int]:
+    """The lengths of the pieces of a dimension of `length` under a split's `parts`."""
+    relative = [1] * parts if isinstance(parts, int) else list(parts)
+    unit, rest = divmod(length, sum(relative))
+    if rest:
+        raise ValueError(
+            f"cannot cut a dimension of {length} into pieces of relative sizes {relative}"
+        )
+    return [unit * r for r in relative]
 
 
 def tp_splits(model: nn.Module) -> dict[str, tuple[int, int]]:
@@ -122,15 +147,26 @@ def mark_sequence_parallel(param: nn.Parameter) -> None:
     param.sequence_parallel = True
 
 
-def shard_of(full: torch.Tensor, dim: int, parts: int, rank: int, size: int) -> torch.Tensor:
+def shard_of(
+    full: torch.Tensor, dim: int, parts: int | tuple[int, ...], rank: int, size: int
+) -> torch.Tensor:
     """The rank's shard of `full` under `mark_tp_split(dim, parts)`."""
-    if full.shape[dim] % (parts * size):
+    sizes = piece_sizes(full.shape[dim], parts)
+    if any(n % size for n in sizes):
         raise ValueError(
-            f"cannot shard a tensor of shape {tuple(full.shape)} along dim {dim} into {parts} "
-            f"piece(s) x {size} ranks: {full.shape[dim]} is not divisible by {parts * size}"
+            f"cannot shard a tensor of shape {tuple(full.shape)} along dim {dim} into pieces of "
+            f"{sizes} x {size} ranks: a piece is not divisible by {size}"
         )
-    pieces = full.chunk(parts, dim=dim)
+    pieces = full.split(sizes, dim=dim)
     return torch.cat([p.chunk(size, dim=dim)[rank] for p in pieces], dim=dim)
+
+
+def unshard(shards: list[torch.Tensor], dim: int, parts: int | tuple[int, ...]) -> torch.Tensor:
+    """The full tensor from every rank's `shard_of` shard (in rank order): its inverse."""
+    size = len(shards)
+    cuts = [t.split(piece_sizes(t.shape[dim], parts), dim=dim) for t in shards]
+    n_pieces = len(cuts[0])
+    return torch.cat([cuts[r][i] for i in range(n_pieces) for r in range(size)], dim=dim)
 
 
 def allreduce_sequence_parallel_grads(model: nn.Module, tp_group: Any) -> None:

@@ -23,6 +23,12 @@ runtime at the first FP8 forward, before anything is quantized: an attention slo
 kind raises ValueError naming the module and role. A boundary slot holding a neighbouring linear's
 role (`o`, `dqkv` under MultiheadAttention) may hold any kind; when attention cannot produce that
 kind, the tensor leaves in high precision and the consuming linear quantizes it with its own slot.
+
+Grouped-query attention (`num_gqa_groups`, Transformer Engine's name: the number of key/value
+heads, each shared by `num_attention_heads / num_gqa_groups` consecutive query heads): k and v keep
+their KV heads through every slot (FP8 attention rounds k, v and their gradients at KV-head shape,
+as a fused kernel reads and writes them) and are broadcast to the query heads only inside the
+attention product. Tensor parallelism splits the KV heads over the ranks with their query groups.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.torch_version
 
 from dist_quant.binding import ForwardPlan
 from dist_quant.kinds import ScalingKind
@@ -50,6 +57,8 @@ MASK_TYPES = ("no_mask", "causal", "padding", "padding_causal")
 QKV_FORMATS = ("sbhd", "bshd")
 FWD_SLOTS = ("qkv", "s", "o")
 BWD_SLOTS = ("do", "dp", "dqkv")
+# SDPA broadcasts KV heads itself from torch 2.5 (`enable_gqa`); before, k and v are repeated
+_SDPA_HAS_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
 
 
 @dataclass(frozen=True)
@@ -104,6 +113,13 @@ def _round(
     return _FakeQuant.apply(x, fwd_q, bwd_q, slots)
 
 
+def repeat_kv(t: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """(b, kv_heads, s, d) -> (b, num_heads, s, d): KV head j serves query heads
+    [j * group, (j + 1) * group), group = num_heads / kv_heads; backward sums over each group."""
+    group = num_heads // t.shape[1]
+    return t if group == 1 else t.repeat_interleave(group, dim=1)
+
+
 def fp8_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -111,10 +127,13 @@ def fp8_attention(
     masked: torch.Tensor | None,
     slots: _AttentionSlots,
 ) -> torch.Tensor:
-    """Emulated FP8 attention on (batch, heads, seq, head_dim) tensors; fp32 math, output in q's
-    dtype. `masked` (broadcast to (b, h, sq, sk)) is True where a query may not see a key."""
+    """Emulated FP8 attention on (batch, heads, seq, head_dim) tensors, k and v with their own
+    (KV) head count; fp32 math, output in q's dtype. `masked` (broadcast to (b, h, sq, sk)) is
+    True where a query may not see a key."""
     # contiguous: the layout permutes leave strided views, and cast kernels want dense rows
     q_, k_, v_ = (_round(t.float().contiguous(), slots.qkv, slots.dqkv, slots) for t in (q, k, v))
+    # after the rounding: dk and dv are rounded once summed over their query group
+    k_, v_ = repeat_kv(k_, q.shape[1]), repeat_kv(v_, q.shape[1])
     scores = (q_ @ k_.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (b, h, sq, sk)
     scores = _round(scores, None, slots.dp, slots)
     if masked is not None:
@@ -124,17 +143,43 @@ def fp8_attention(
     return _round(out, slots.o, slots.do, slots)
 
 
+def check_gqa_groups(
+    owner: str, num_attention_heads: int, num_gqa_groups: int | None, tp_size: int
+) -> int:
+    """The number of KV heads (`num_gqa_groups`, None: one per query head), checked: it divides
+    the query heads, and the tensor-parallel size divides both (each rank holds whole groups)."""
+    kv_heads = num_attention_heads if num_gqa_groups is None else num_gqa_groups
+    check_sizes(owner, num_gqa_groups=kv_heads)
+    if num_attention_heads % kv_heads:
+        raise ValueError(
+            f"{owner}: num_gqa_groups={kv_heads} must divide "
+            f"num_attention_heads={num_attention_heads}"
+        )
+    if kv_heads % tp_size:  # then num_attention_heads % tp_size == 0 too
+        what = (
+            f"num_attention_heads={num_attention_heads}"
+            if num_gqa_groups is None
+            else f"num_gqa_groups={kv_heads} (the key/value heads, which tensor parallelism splits)"
+        )
+        raise ValueError(f"{owner}: {what} must be divisible by the tensor-parallel size {tp_size}")
+    return kv_heads
+
+
 class DotProductAttention(QuantizedModule):
     """Scaled dot-product attention over (seq, batch, heads, head_dim) tensors ("sbhd", Transformer
     Engine's default) or (batch, seq, heads, head_dim) ("bshd"); returns (..., heads * head_dim)
     in the same layout. Masks: "causal" (top-left aligned), "padding" (`attention_mask` True where a
     key is masked out, broadcastable to (batch, 1, seq_q, seq_kv)), "padding_causal", "no_mask".
 
+    `num_gqa_groups` (None: `num_attention_heads`, plain multi-head attention) is the number of
+    key/value heads; it must divide `num_attention_heads`. Key and value then carry
+    `num_gqa_groups` heads, query head h attending with KV head h // (heads / groups).
+
     It has no weights, hence no `params_dtype` / `parallel_mode`; `device` places its
     delayed-scaling buffers (they follow `.to()`). With a `tp_group` of more than one rank the
-    inputs hold this rank's `num_attention_heads / tp` heads, and its current-scaling quantizers
-    reduce their amax over the group (every tensor here is a head shard), so each rank casts with
-    the scale of the whole tensor.
+    inputs hold this rank's `num_attention_heads / tp` query heads and `num_gqa_groups / tp` KV
+    heads, and its current-scaling quantizers reduce their amax over the group (every tensor here
+    is a head shard), so each rank casts with the scale of the whole tensor.
     """
 
     module_type = "dpa"
@@ -145,6 +190,7 @@ class DotProductAttention(QuantizedModule):
         num_attention_heads: int,
         kv_channels: int,
         *,
+        num_gqa_groups: int | None = None,
         attn_mask_type: str = "causal",
         qkv_format: str = "sbhd",
         name: str | None = None,
@@ -154,6 +200,8 @@ class DotProductAttention(QuantizedModule):
     ) -> None:
         owner = f"DotProductAttention {name!r}"
         check_sizes(owner, num_attention_heads=num_attention_heads, kv_channels=kv_channels)
+        tp_size = group_size(tp_group)
+        kv_heads = check_gqa_groups(owner, num_attention_heads, num_gqa_groups, tp_size)
         super().__init__(name=name)
         if attn_mask_type not in MASK_TYPES:
             raise ValueError(
@@ -168,14 +216,11 @@ class DotProductAttention(QuantizedModule):
                 f"{owner}: attention does not shard the sequence (no context parallelism); under "
                 "sequence parallelism MultiheadAttention's qkv GEMM hands it the whole sequence"
             )
-        self.tp_group, self.tp_size = tp_group, group_size(tp_group)
-        if num_attention_heads % self.tp_size:
-            raise ValueError(
-                f"{owner}: num_attention_heads={num_attention_heads} must be divisible by the "
-                f"tensor-parallel size {self.tp_size}"
-            )
+        self.tp_group, self.tp_size = tp_group, tp_size
         self.num_attention_heads, self.kv_channels = num_attention_heads, kv_channels
-        self.local_heads = num_attention_heads // self.tp_size  # the heads this rank computes
+        self.num_gqa_groups = kv_heads
+        self.local_heads = num_attention_heads // tp_size  # the query heads this rank computes
+        self.local_kv_heads = kv_heads // tp_size  # and the KV heads they attend with
         self.attn_mask_type, self.qkv_format = attn_mask_type, qkv_format
         # no parameters to take the device from: this empty buffer carries it through .to()
         self.register_buffer("_device_anchor", torch.empty(0, device=device), persistent=False)
@@ -281,12 +326,12 @@ class DotProductAttention(QuantizedModule):
         value: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        h, d = self.local_heads, self.kv_channels
-        for label, t in (("query", query), ("key", key), ("value", value)):
-            if t.dim() != 4 or t.shape[-2:] != (h, d):
+        h, hkv, d = self.local_heads, self.local_kv_heads, self.kv_channels
+        for label, t, heads in (("query", query, h), ("key", key, hkv), ("value", value, hkv)):
+            if t.dim() != 4 or t.shape[-2:] != (heads, d):
                 raise ValueError(
-                    f"{self._owner()}: {label} must be 4D {self.qkv_format} with {h} heads of {d} "
-                    f"channels, got shape {tuple(t.shape)}"
+                    f"{self._owner()}: {label} must be 4D {self.qkv_format} with {heads} heads of "
+                    f"{d} channels, got shape {tuple(t.shape)}"
                 )
         sbhd = self.qkv_format == "sbhd"
         # (seq, batch, h, d) or (batch, seq, h, d) -> (batch, h, seq, d)
@@ -299,7 +344,14 @@ class DotProductAttention(QuantizedModule):
         if slots is None:
             causal_only = self.attn_mask_type == "causal"
             keep = None if causal_only or masked is None else ~masked  # SDPA: True = attend
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, is_causal=causal_only)
+            gqa = {}
+            if hkv != h and _SDPA_HAS_GQA:
+                gqa = {"enable_gqa": True}  # broadcast inside SDPA, no repeated copy of k and v
+            elif hkv != h:
+                k, v = repeat_kv(k, h), repeat_kv(v, h)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=keep, is_causal=causal_only, **gqa
+            )
         else:
             out = fp8_attention(q, k, v, masked, slots)
         # (batch, h, sq, d) -> the input's layout, heads flattened
@@ -309,8 +361,8 @@ class DotProductAttention(QuantizedModule):
     def extra_repr(self) -> str:
         return (
             f"num_attention_heads={self.num_attention_heads}, kv_channels={self.kv_channels}, "
-            f"attn_mask_type={self.attn_mask_type}, qkv_format={self.qkv_format}, "
-            f"name={self.role_name!r}"
+            f"num_gqa_groups={self.num_gqa_groups}, attn_mask_type={self.attn_mask_type}, "
+            f"qkv_format={self.qkv_format}, name={self.role_name!r}"
         )
 
 
@@ -332,10 +384,17 @@ class MultiheadAttention(QuantizedModule):
     receiving side quantizes again with its own slot of the same role, which reproduces on-grid
     values exactly under current scaling and may round twice under delayed scaling).
 
+    Grouped-query attention (`num_gqa_groups` KV heads, None: `num_attention_heads`): the qkv
+    GEMM has `(num_attention_heads + 2 * num_gqa_groups) * head_dim` outputs, laid out as Transformer
+    Engine's `fuse_qkv_params=False` layout concatenates them, q rows (all query heads) then k rows
+    then v rows (the KV heads): with one KV head per query head that is the `[q; k; v]` layout of
+    plain multi-head attention, unchanged.
+
     Tensor parallel (`tp_group` of more than one rank): qkv is column-parallel with each rank
-    holding its `num_attention_heads / tp` heads of q, k and v, attention runs on those heads, proj
-    is row-parallel (its partial sums reduced once, bias added after). With `sequence_parallel`
-    the input and output hold this rank's rows of dim 0 (the sequence, in "sbhd").
+    holding its `num_attention_heads / tp` query heads and `num_gqa_groups / tp` KV heads (the
+    weight rows of its chunk of each of q, k and v), attention runs on those heads, proj is
+    row-parallel (its partial sums reduced once, bias added after). With `sequence_parallel` the
+    input and output hold this rank's rows of dim 0 (the sequence, in "sbhd").
     """
 
     def __init__(
@@ -343,6 +402,7 @@ class MultiheadAttention(QuantizedModule):
         hidden_size: int,
         num_attention_heads: int,
         *,
+        num_gqa_groups: int | None = None,
         attn_mask_type: str = "causal",
         qkv_format: str = "sbhd",
         input_layernorm: bool = False,
@@ -365,15 +425,14 @@ class MultiheadAttention(QuantizedModule):
             )
         if not isinstance(input_layernorm, bool):
             raise ValueError(f"{owner}: input_layernorm must be a bool, got {input_layernorm!r}")
-        self.hidden_size, self.num_attention_heads = hidden_size, num_attention_heads
-        self.kv_channels = hidden_size // num_attention_heads
         tp_size = group_size(tp_group)
-        if num_attention_heads % tp_size:
-            raise ValueError(
-                f"{owner}: num_attention_heads={num_attention_heads} must be divisible by the "
-                f"tensor-parallel size {tp_size}"
-            )
-        self.local_heads = num_attention_heads // tp_size  # heads computed on this rank
+        kv_heads = check_gqa_groups(owner, num_attention_heads, num_gqa_groups, tp_size)
+        self.hidden_size, self.num_attention_heads = hidden_size, num_attention_heads
+        self.num_gqa_groups = kv_heads
+        self.kv_channels = hidden_size // num_attention_heads
+        self.local_heads = num_attention_heads // tp_size  # query heads computed on this rank
+        self.local_kv_heads = kv_heads // tp_size
+        qkv_size = (num_attention_heads + 2 * kv_heads) * self.kv_channels
         # Tensor parallelism, one place per GEMM: qkv splits heads (column), proj reduces (row).
         tp = tp_group is not None or sequence_parallel
         parallel = {"tp_group": tp_group, "sequence_parallel": sequence_parallel}
@@ -382,22 +441,24 @@ class MultiheadAttention(QuantizedModule):
         if input_layernorm:
             self.qkv = LayerNormLinear(
                 hidden_size,
-                3 * hidden_size,
+                qkv_size,
                 normalization=normalization,
                 eps=eps,
                 parallel_mode=column,
                 **common,
             )
         else:
-            self.qkv = Linear(hidden_size, 3 * hidden_size, parallel_mode=column, **common)
+            self.qkv = Linear(hidden_size, qkv_size, parallel_mode=column, **common)
         if tp_size > 1:
             # the qkv rows stack [q; k; v] (all heads each): a rank takes its heads of all three
-            mark_tp_split(self.qkv, "weight", 0, parts=3)
+            parts = (num_attention_heads // kv_heads, 1, 1)
+            mark_tp_split(self.qkv, "weight", 0, parts=parts)
             if self.qkv.bias is not None:
-                mark_tp_split(self.qkv, "bias", 0, parts=3)
+                mark_tp_split(self.qkv, "bias", 0, parts=parts)
         self.core_attention = DotProductAttention(
             num_attention_heads,
             self.kv_channels,
+            num_gqa_groups=kv_heads,
             attn_mask_type=attn_mask_type,
             qkv_format=qkv_format,
             device=device,
@@ -423,14 +484,16 @@ class MultiheadAttention(QuantizedModule):
         runtime = self.core_attention.active_runtime()
         fp8_mha = runtime is not None and getattr(runtime.recipe, "fp8_mha", False)
         mixed = self.qkv(hidden_states, is_first_microbatch=is_first_microbatch, fp8_output=fp8_mha)
-        # (s, b, 3 * hidden / tp) -> q, k, v each (s, b, heads / tp, kv_channels); under SP the
-        # qkv GEMM has gathered the whole sequence
-        q, k, v = mixed.reshape(*mixed.shape[:2], 3, self.local_heads, self.kv_channels).unbind(2)
+        # (s, b, (heads + 2 kv_heads) * d / tp) -> q (s, b, heads / tp, d), k and v
+        # (s, b, kv_heads / tp, d); under SP the qkv GEMM has gathered the whole sequence
+        h, hkv, d = self.local_heads, self.local_kv_heads, self.kv_channels
+        q, k, v = mixed.split([h * d, hkv * d, hkv * d], dim=-1)
+        q, k, v = (t.unflatten(-1, (-1, d)) for t in (q, k, v))
         context = self.core_attention(q, k, v, attention_mask)  # (s, b, hidden / tp)
         return self.proj(context, is_first_microbatch=is_first_microbatch, fp8_grad_input=fp8_mha)
 
     def extra_repr(self) -> str:
         return (
             f"hidden_size={self.hidden_size}, num_attention_heads={self.num_attention_heads}, "
-            f"name={self.role_name!r}"
+            f"num_gqa_groups={self.num_gqa_groups}, name={self.role_name!r}"
         )

@@ -18,7 +18,8 @@ from dist_quant.modules.layernorm_mlp import LayerNormMLP
 
 class TransformerLayer(QuantizedModule):
     """One transformer layer on (seq, batch, hidden) ("sbhd", Transformer Engine's default) or
-    (batch, seq, hidden) ("bshd") input."""
+    (batch, seq, hidden) ("bshd") input. `num_gqa_groups` key/value heads (None: one per query
+    head) make its attention grouped-query (see `MultiheadAttention`)."""
 
     def __init__(
         self,
@@ -26,6 +27,7 @@ class TransformerLayer(QuantizedModule):
         ffn_hidden_size: int,
         num_attention_heads: int,
         *,
+        num_gqa_groups: int | None = None,
         self_attn_mask_type: str = "causal",
         attn_input_format: str = "sbhd",
         normalization: str = "LayerNorm",
@@ -57,6 +59,7 @@ class TransformerLayer(QuantizedModule):
         self.self_attention = MultiheadAttention(
             hidden_size,
             num_attention_heads,
+            num_gqa_groups=num_gqa_groups,
             attn_mask_type=self_attn_mask_type,
             qkv_format=attn_input_format,
             input_layernorm=True,
