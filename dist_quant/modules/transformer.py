@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from dist_quant.modules.attention import MultiheadAttention
+from dist_quant.modules.attention import MultiheadAttention, check_gqa_groups
 from dist_quant.modules.base import QuantizedModule, check_sizes
 from dist_quant.modules.layernorm_mlp import LayerNormMLP
+from dist_quant.parallel import group_size
 
 
 class TransformerLayer(QuantizedModule):
@@ -40,12 +41,14 @@ class TransformerLayer(QuantizedModule):
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
+        owner = f"TransformerLayer {name!r}"
         check_sizes(
-            f"TransformerLayer {name!r}",
+            owner,
             hidden_size=hidden_size,
             ffn_hidden_size=ffn_hidden_size,
             num_attention_heads=num_attention_heads,
         )
+        check_gqa_groups(owner, num_attention_heads, num_gqa_groups, group_size(tp_group))
         super().__init__(name=name)
         common = {
             "normalization": normalization,
