@@ -117,3 +117,43 @@ def test_tp2_gqa_layer_matches_the_unsharded_layer_with_and_without_sp():
             "current+fp8_dpa +SP": 4,
             "delayed +SP": 4,
         }, per_rank
+
+
+def mha(group) -> dq.MultiheadAttention:
+    torch.manual_seed(3)
+    return dq.MultiheadAttention(HIDDEN, HEADS, num_gqa_groups=KV_HEADS, tp_group=group, name="a")
+
+
+def _dcp_round_trip(rank: int, world: int, path: str) -> None:
+    """Save a TP=2 grouped-query block through DCP, load it at TP=2 and without TP."""
+    group = dist.group.WORLD
+    full = mha(None)
+    saved = mha(group)
+    load_full_state_dict_into_shards(saved, full.state_dict(), group)
+    recipe = dq.DelayedScaling(amax_history_len=4)
+    dq.apply_recipe(saved, recipe)
+    with dq.autocast(amax_reduction_group=group):  # scaling rows equal on both ranks
+        saved(torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(7)))
+    dq.checkpoint.dcp_save(saved, path, tp_group=group)
+    resumed, whole = mha(group), mha(None)
+    dq.checkpoint.dcp_load(resumed, path, tp_group=group)
+    dq.checkpoint.dcp_load(whole, path)
+    for name, want in full.state_dict().items():
+        if name.endswith("_extra_state"):
+            continue
+        mine = resumed.state_dict()[name]
+        split = tp_splits(saved).get(name)
+        expect = want if split is None else shard_of(want, *split, rank, world)
+        assert torch.equal(mine, expect), f"rank {rank} TP=2 {name}"
+        assert torch.equal(whole.state_dict()[name], want), f"rank {rank} whole {name}"
+    assert torch.equal(
+        resumed.core_attention.quant_binding.runtime.fwd_state.amax_history,
+        saved.core_attention.quant_binding.runtime.fwd_state.amax_history,
+    )
+
+
+def test_dcp_saves_uneven_qkv_pieces_whole_and_loads_them_at_tp2_and_without_tp(tmp_path):
+    """The [q; k; v] rows of a grouped-query qkv have no view in which a rank's shard is one
+    block: DCP must hold the whole tensor (any other layout keeps one rank's rows under the key),
+    and a TP rank must get back exactly its shard, a single process the whole."""
+    run_ranks(_dcp_round_trip, 2, str(tmp_path / "ckpt"))
