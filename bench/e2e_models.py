@@ -170,23 +170,19 @@ def build(name: str, d: Dims, device: str, backend: str = "inductor") -> Built:
         layers = [_te_layer(d, device) for _ in range(d.layers)]
         return Built(Stack(layers, v.compiled, backend), _te_context(), sbhd=True)
     if v.family == "dq-layer":
-        if d.head_dim * d.heads != d.dim:
-            raise NotImplementedError(
-                f"dq TransformerLayer has head_dim = dim / heads; these dims have "
-                f"{d.heads} heads of {d.head_dim} on dim {d.dim}"
-            )
         layers = [
             dq.TransformerLayer(
                 d.dim,
                 d.ffn,
                 d.heads,
                 num_gqa_groups=d.kv_heads,
+                kv_channels=d.head_dim,
                 normalization="RMSNorm",
                 activation="swiglu",
                 bias=False,
                 params_dtype=torch.bfloat16,
                 device=device,
-            )  # fmt: skip
+            )
             for _ in range(d.layers)
         ]
         recipe = DQ_RECIPES[v.quant.removeprefix("dq-")]()

@@ -384,8 +384,12 @@ class MultiheadAttention(QuantizedModule):
     receiving side quantizes again with its own slot of the same role, which reproduces on-grid
     values exactly under current scaling and may round twice under delayed scaling).
 
+    Heads have `kv_channels` channels each (None: `hidden_size / num_attention_heads`; Transformer
+    Engine's name), so the attention width `num_attention_heads * kv_channels` may differ from
+    `hidden_size` (a tensor-parallel rank's share of a larger model, run alone); proj maps it back.
+
     Grouped-query attention (`num_gqa_groups` KV heads, None: `num_attention_heads`): the qkv
-    GEMM has `(num_attention_heads + 2 * num_gqa_groups) * head_dim` outputs, laid out as Transformer
+    GEMM has `(num_attention_heads + 2 * num_gqa_groups) * kv_channels` outputs, laid out as Transformer
     Engine's `fuse_qkv_params=False` layout concatenates them, q rows (all query heads) then k rows
     then v rows (the KV heads): with one KV head per query head that is the `[q; k; v]` layout of
     plain multi-head attention, unchanged.
@@ -403,6 +407,7 @@ class MultiheadAttention(QuantizedModule):
         num_attention_heads: int,
         *,
         num_gqa_groups: int | None = None,
+        kv_channels: int | None = None,
         attn_mask_type: str = "causal",
         qkv_format: str = "sbhd",
         input_layernorm: bool = False,
@@ -417,11 +422,13 @@ class MultiheadAttention(QuantizedModule):
     ) -> None:
         owner = f"MultiheadAttention {name!r}"
         check_sizes(owner, hidden_size=hidden_size, num_attention_heads=num_attention_heads)
+        if kv_channels is not None:
+            check_sizes(owner, kv_channels=kv_channels)
         super().__init__(name=name)
-        if hidden_size % num_attention_heads:
+        if kv_channels is None and hidden_size % num_attention_heads:
             raise ValueError(
                 f"{owner}: hidden_size={hidden_size} must be a multiple of "
-                f"num_attention_heads={num_attention_heads}"
+                f"num_attention_heads={num_attention_heads} (or give kv_channels)"
             )
         if not isinstance(input_layernorm, bool):
             raise ValueError(f"{owner}: input_layernorm must be a bool, got {input_layernorm!r}")
@@ -429,7 +436,8 @@ class MultiheadAttention(QuantizedModule):
         kv_heads = check_gqa_groups(owner, num_attention_heads, num_gqa_groups, tp_size)
         self.hidden_size, self.num_attention_heads = hidden_size, num_attention_heads
         self.num_gqa_groups = kv_heads
-        self.kv_channels = hidden_size // num_attention_heads
+        self.kv_channels = kv_channels or hidden_size // num_attention_heads
+        width = num_attention_heads * self.kv_channels  # attention's output features
         self.local_heads = num_attention_heads // tp_size  # query heads computed on this rank
         self.local_kv_heads = kv_heads // tp_size
         qkv_size = (num_attention_heads + 2 * kv_heads) * self.kv_channels
@@ -465,7 +473,7 @@ class MultiheadAttention(QuantizedModule):
             tp_group=tp_group,  # the whole sequence arrives: qkv gathered it under SP
         )
         # the context's features are head-major, so this rank's heads are proj's input shard
-        self.proj = Linear(hidden_size, hidden_size, parallel_mode=row, **common)
+        self.proj = Linear(width, hidden_size, parallel_mode=row, **common)
 
     def _wire_boundary_roles(self) -> None:
         dpa, qkv, proj = self.core_attention, self.qkv, self.proj
@@ -489,11 +497,12 @@ class MultiheadAttention(QuantizedModule):
         h, hkv, d = self.local_heads, self.local_kv_heads, self.kv_channels
         q, k, v = mixed.split([h * d, hkv * d, hkv * d], dim=-1)
         q, k, v = (t.unflatten(-1, (-1, d)) for t in (q, k, v))
-        context = self.core_attention(q, k, v, attention_mask)  # (s, b, hidden / tp)
+        context = self.core_attention(q, k, v, attention_mask)  # (s, b, heads * d / tp)
         return self.proj(context, is_first_microbatch=is_first_microbatch, fp8_grad_input=fp8_mha)
 
     def extra_repr(self) -> str:
         return (
             f"hidden_size={self.hidden_size}, num_attention_heads={self.num_attention_heads}, "
-            f"num_gqa_groups={self.num_gqa_groups}, name={self.role_name!r}"
+            f"num_gqa_groups={self.num_gqa_groups}, kv_channels={self.kv_channels}, "
+            f"name={self.role_name!r}"
         )

@@ -20,7 +20,8 @@ from dist_quant.parallel import group_size
 class TransformerLayer(QuantizedModule):
     """One transformer layer on (seq, batch, hidden) ("sbhd", Transformer Engine's default) or
     (batch, seq, hidden) ("bshd") input. `num_gqa_groups` key/value heads (None: one per query
-    head) make its attention grouped-query (see `MultiheadAttention`)."""
+    head) make its attention grouped-query, and `kv_channels` (None: hidden / heads) sets the head
+    width (see `MultiheadAttention`)."""
 
     def __init__(
         self,
@@ -29,6 +30,7 @@ class TransformerLayer(QuantizedModule):
         num_attention_heads: int,
         *,
         num_gqa_groups: int | None = None,
+        kv_channels: int | None = None,
         self_attn_mask_type: str = "causal",
         attn_input_format: str = "sbhd",
         normalization: str = "LayerNorm",
@@ -48,6 +50,8 @@ class TransformerLayer(QuantizedModule):
             ffn_hidden_size=ffn_hidden_size,
             num_attention_heads=num_attention_heads,
         )
+        if kv_channels is not None:
+            check_sizes(owner, kv_channels=kv_channels)
         check_gqa_groups(owner, num_attention_heads, num_gqa_groups, group_size(tp_group))
         super().__init__(name=name)
         common = {
@@ -63,6 +67,7 @@ class TransformerLayer(QuantizedModule):
             hidden_size,
             num_attention_heads,
             num_gqa_groups=num_gqa_groups,
+            kv_channels=kv_channels,
             attn_mask_type=self_attn_mask_type,
             qkv_format=attn_input_format,
             input_layernorm=True,

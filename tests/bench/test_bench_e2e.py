@@ -2,6 +2,7 @@
 driver starts one process per variant, a missing optional package skips its variant with a note,
 and the JSON holds every number the table prints, the ratio's baseline included."""
 
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -44,8 +45,15 @@ def test_tiny_cpu_run_measures_each_variant_in_its_own_process(tmp_path, capsys)
     assert "| bf16-compiled |" in table and "| 1.00x |" in table
 
 
-def test_dq_layer_variant_refuses_dims_whose_head_dim_is_not_dim_over_heads():
-    dims = TINY.__class__(**{**TINY.__dict__, "head_dim": TINY.head_dim * 2})
+def test_layer_and_block_variants_hold_the_same_weights_for_a_tp_shard_shape():
+    """A TP=8 rank of Llama-3-70B has heads * head_dim != dim: the dq TransformerLayer variant
+    (kv_channels) and the torch blocks must hold the same GEMM shapes, so they time one model."""
+    dims = dataclasses.replace(TINY, head_dim=TINY.head_dim * 2, layers=1)
+    layer = build("dq-layer-delayed", dims, "cpu").model.layers[0]
+    block = build("bf16-eager", dims, "cpu").model.layers[0]
     assert VARIANTS["dq-layer-delayed"].family == "dq-layer"
-    with pytest.raises(NotImplementedError, match="4 heads of 32 on dim 64"):
-        build("dq-layer-delayed", dims, "cpu")
+    qkv_rows = sum(block.get_submodule(n).weight.shape[0] for n in ("wq", "wk", "wv"))
+    assert layer.self_attention.qkv.weight.shape == (qkv_rows, dims.dim)
+    assert layer.self_attention.proj.weight.shape == block.wo.weight.shape
+    assert layer.mlp.fc1_weight.shape == (2 * dims.ffn, dims.dim)
+    assert layer.mlp.fc2_weight.shape == block.w2.weight.shape

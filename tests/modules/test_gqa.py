@@ -136,9 +136,11 @@ def test_gqa_fp8_attention_matches_float64_rederivation(mask_type, recipe):
             assert_fp8_close(a, r8, rhp, f"step {step} {name}")
 
 
-def mha(groups: int, seed: int = 0) -> dq.MultiheadAttention:
+def mha(groups: int, seed: int = 0, kv_channels: int | None = None) -> dq.MultiheadAttention:
     torch.manual_seed(seed)
-    m = dq.MultiheadAttention(HIDDEN, H, num_gqa_groups=groups, input_layernorm=True, name="attn")
+    m = dq.MultiheadAttention(
+        HIDDEN, H, num_gqa_groups=groups, kv_channels=kv_channels, input_layernorm=True, name="attn"
+    )
     with torch.no_grad():
         m.qkv.layer_norm_weight.uniform_(0.5, 1.5)
         m.qkv.layer_norm_bias.uniform_(-0.5, 0.5)
@@ -148,25 +150,31 @@ def mha(groups: int, seed: int = 0) -> dq.MultiheadAttention:
 def mha_reference(m, x, dy, sc: Scaling, *, fp8_dpa: bool):
     """norm -> qkv GEMM -> [q; k; v] rows split into query and KV heads -> attention -> proj."""
     x64, ln_w, ln_b, wqkv, bqkv, wp, bp = leaves(x, *m.parameters())
-    g = m.num_gqa_groups
+    g, d = m.num_gqa_groups, m.kv_channels
     mixed = linear(layer_norm(x64, ln_w, ln_b), wqkv, bqkv, sc, "qkv")
-    q, k, v = mixed.split([H * D, g * D, g * D], dim=-1)
-    q, k, v = (t.reshape(S, B, -1, D).permute(1, 2, 0, 3) for t in (q, k, v))
+    q, k, v = mixed.split([H * d, g * d, g * d], dim=-1)
+    q, k, v = (t.reshape(S, B, -1, d).permute(1, 2, 0, 3) for t in (q, k, v))
     ctx = gqa_attention(q, k, v, causal(), sc, fp8=fp8_dpa)
-    out = linear(ctx.permute(2, 0, 1, 3).reshape(S, B, HIDDEN), wp, bp, sc, "proj")
+    out = linear(ctx.permute(2, 0, 1, 3).reshape(S, B, H * d), wp, bp, sc, "proj")
     out.backward(dy.double())
     sc.step()
     return [out, x64.grad, ln_w.grad, ln_b.grad, wqkv.grad, bqkv.grad, wp.grad, bp.grad]
 
 
+@pytest.mark.parametrize("kv_channels", [None, 2 * D], ids=["d=hidden/heads", "d=2*hidden/heads"])
 @pytest.mark.parametrize("fp8_dpa", [False, True], ids=["fp8_linears", "fp8_linears_and_dpa"])
 @pytest.mark.parametrize("recipe", list(RECIPES))
-def test_gqa_mha_matches_float64_rederivation(recipe, fp8_dpa):
+def test_gqa_mha_matches_float64_rederivation(recipe, fp8_dpa, kv_channels):
     """The three GEMMs in FP8, attention in high precision (SDPA with KV broadcast) or emulated
     FP8; two steps. Under fp8_dpa attention's `o` and `dqkv` slots (roles of proj's input and
-    qkv's output gradient) round with attention's own quantizers, and the linears round again."""
-    m = mha(groups=2, seed=1)
-    assert m.qkv.weight.shape == ((H + 2 * 2) * D, HIDDEN)
+    qkv's output gradient) round with attention's own quantizers, and the linears round again.
+    With `kv_channels` the heads are wider than hidden / heads and proj maps them back."""
+    m = mha(groups=2, seed=1, kv_channels=kv_channels)
+    d = kv_channels or D
+    assert m.qkv.weight.shape == ((H + 2 * 2) * d, HIDDEN) and m.proj.weight.shape == (
+        HIDDEN,
+        H * d,
+    )
     ref8, ref_hp = Scaling(recipe), Scaling("none")
     names = ["output", "dgrad"] + [n for n, _ in m.named_parameters()]
     for step in range(2):
@@ -249,6 +257,14 @@ def test_gqa_checkpoint_round_trip_restores_weights_and_scaling_state(tmp_path):
         (
             lambda: dq.TransformerLayer(32, 64, 4, num_gqa_groups=True, name="t"),
             r"TransformerLayer 't': num_gqa_groups must be an int >= 1, got True",
+        ),
+        (
+            lambda: dq.TransformerLayer(32, 64, 4, kv_channels=0, name="t"),
+            r"TransformerLayer 't': kv_channels must be an int >= 1, got 0",
+        ),
+        (
+            lambda: dq.MultiheadAttention(30, 4, name="m"),
+            r"'m': hidden_size=30 must be a multiple of num_attention_heads=4 \(or give kv_",
         ),
         (
             lambda: dq.MultiheadAttention(32, 4, num_gqa_groups=8, name="m"),
