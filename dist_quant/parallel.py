@@ -17,6 +17,7 @@ checks that it did.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -100,8 +101,8 @@ def mark_tp_split(module: nn.Module, name: str, dim: int, parts: int | tuple[int
     into pieces and each piece is split over the ranks; the rank's shard is its chunk of every
     piece, concatenated. `parts` is the number of equal pieces (3 for fused QKV, 2 for SwiGLU's
     gate/up) or their relative sizes when they differ (`(4, 1, 1)`: a grouped-query QKV with four
-    query heads per KV head, q rows then k and v rows); equal relative sizes are stored as their
-    count, so a split has one spelling. The record sits on the module (`tp_splits` reads it) and on
+    query heads per KV head, q rows then k and v rows); relative sizes are stored reduced by their
+    common divisor, equal ones as their count, so a split has one spelling. The record sits on the module (`tp_splits` reads it) and on
     the parameter (`param.tp_split`): FSDP2's `fully_shard` replaces the parameter, dropping its
     attributes, but keeps the module."""
     split = (dim, _canonical_parts(parts))
@@ -110,6 +111,8 @@ def mark_tp_split(module: nn.Module, name: str, dim: int, parts: int | tuple[int
 
 
 def _canonical_parts(parts: int | tuple[int, ...]) -> int | tuple[int, ...]:
+    """One spelling per split: an int stays; relative sizes are reduced by their common divisor,
+    and equal ones become their count."""
     sizes = (parts,) if isinstance(parts, int) else tuple(parts)
     if not sizes or any(isinstance(p, bool) or not isinstance(p, int) or p < 1 for p in sizes):
         raise ValueError(
@@ -117,7 +120,8 @@ def _canonical_parts(parts: int | tuple[int, ...]) -> int | tuple[int, ...]:
         )
     if isinstance(parts, int):
         return parts
-    return len(sizes) if len(set(sizes)) == 1 else sizes
+    common = math.gcd(*sizes)
+    return len(sizes) if len(set(sizes)) == 1 else tuple(p // common for p in sizes)
 
 
 def piece_sizes(length: int, parts: int | tuple[int, ...]) -> list[int]:
@@ -131,7 +135,7 @@ def piece_sizes(length: int, parts: int | tuple[int, ...]) -> list[int]:
     return [unit * r for r in relative]
 
 
-def tp_splits(model: nn.Module) -> dict[str, tuple[int, int]]:
+def tp_splits(model: nn.Module) -> dict[str, tuple[int, int | tuple[int, ...]]]:
     """`(dim, parts)` of every parameter of `model` marked by `mark_tp_split`, by state-dict key;
     valid before and after `fully_shard`."""
     out = {}
@@ -151,12 +155,16 @@ def shard_of(
     full: torch.Tensor, dim: int, parts: int | tuple[int, ...], rank: int, size: int
 ) -> torch.Tensor:
     """The rank's shard of `full` under `mark_tp_split(dim, parts)`."""
-    sizes = piece_sizes(full.shape[dim], parts)
-    if any(n % size for n in sizes):
+    parts = _canonical_parts(parts)
+    # every piece splits evenly over the ranks iff dim is a multiple of this (the relative sizes
+    # are coprime once canonical)
+    unit = (parts if isinstance(parts, int) else sum(parts)) * size
+    if full.shape[dim] % unit:
         raise ValueError(
-            f"cannot shard a tensor of shape {tuple(full.shape)} along dim {dim} into pieces of "
-            f"{sizes} x {size} ranks: a piece is not divisible by {size}"
+            f"cannot shard a tensor of shape {tuple(full.shape)} along dim {dim} into pieces "
+            f"{parts} x {size} ranks: {full.shape[dim]} is not divisible by {unit}"
         )
+    sizes = piece_sizes(full.shape[dim], parts)
     pieces = full.split(sizes, dim=dim)
     return torch.cat([p.chunk(size, dim=dim)[rank] for p in pieces], dim=dim)
 
