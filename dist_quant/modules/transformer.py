@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from dist_quant.modules.attention import MultiheadAttention, check_gqa_groups
+from dist_quant.modules.attention import check_gqa_groups
 from dist_quant.modules.base import QuantizedModule, check_sizes
 from dist_quant.modules.layernorm_mlp import LayerNormMLP
+from dist_quant.modules.multihead_attention import MultiheadAttention
 from dist_quant.parallel import group_size
 
 
