@@ -17,6 +17,7 @@ checks that it did.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -95,18 +96,46 @@ def group_rank(group: Any) -> int:
 
 
 # ---- sharding of parameters ----------------------------------------------------------------------
-def mark_tp_split(module: nn.Module, name: str, dim: int, parts: int = 1) -> None:
+def mark_tp_split(module: nn.Module, name: str, dim: int, parts: int | tuple[int, ...] = 1) -> None:
     """Record that parameter `name` of `module` is a TP shard: the full tensor is cut along `dim`
-    into `parts` equal pieces (3 for fused QKV, 2 for SwiGLU's gate/up) and each piece is split
-    over the ranks; the rank's shard is its chunk of every piece, concatenated. The record sits on
-    the module (`tp_splits` reads it) and on the parameter (`param.tp_split`): FSDP2's
-    `fully_shard` replaces the parameter, dropping its attributes, but keeps the module."""
-    split = (dim, parts)
+    into pieces and each piece is split over the ranks; the rank's shard is its chunk of every
+    piece, concatenated. `parts` is the number of equal pieces (3 for fused QKV, 2 for SwiGLU's
+    gate/up) or their relative sizes when they differ (`(4, 1, 1)`: a grouped-query QKV with four
+    query heads per KV head, q rows then k and v rows); relative sizes are stored reduced by their
+    common divisor, equal ones as their count, so a split has one spelling. The record sits on the module (`tp_splits` reads it) and on
+    the parameter (`param.tp_split`): FSDP2's `fully_shard` replaces the parameter, dropping its
+    attributes, but keeps the module."""
+    split = (dim, _canonical_parts(parts))
     getattr(module, name).tp_split = split
     module.__dict__.setdefault("_tp_splits", {})[name] = split
 
 
-def tp_splits(model: nn.Module) -> dict[str, tuple[int, int]]:
+def _canonical_parts(parts: int | tuple[int, ...]) -> int | tuple[int, ...]:
+    """One spelling per split: an int stays; relative sizes are reduced by their common divisor,
+    and equal ones become their count."""
+    sizes = (parts,) if isinstance(parts, int) else tuple(parts)
+    if not sizes or any(isinstance(p, bool) or not isinstance(p, int) or p < 1 for p in sizes):
+        raise ValueError(
+            f"mark_tp_split: parts must be an int >= 1 or a tuple of them, got {parts!r}"
+        )
+    if isinstance(parts, int):
+        return parts
+    common = math.gcd(*sizes)
+    return len(sizes) if len(set(sizes)) == 1 else tuple(p // common for p in sizes)
+
+
+def piece_sizes(length: int, parts: int | tuple[int, ...]) -> list[int]:
+    """The lengths of the pieces of a dimension of `length` under a split's `parts`."""
+    relative = [1] * parts if isinstance(parts, int) else list(parts)
+    unit, rest = divmod(length, sum(relative))
+    if rest:
+        raise ValueError(
+            f"cannot cut a dimension of {length} into pieces of relative sizes {relative}"
+        )
+    return [unit * r for r in relative]
+
+
+def tp_splits(model: nn.Module) -> dict[str, tuple[int, int | tuple[int, ...]]]:
     """`(dim, parts)` of every parameter of `model` marked by `mark_tp_split`, by state-dict key;
     valid before and after `fully_shard`."""
     out = {}
@@ -122,15 +151,30 @@ def mark_sequence_parallel(param: nn.Parameter) -> None:
     param.sequence_parallel = True
 
 
-def shard_of(full: torch.Tensor, dim: int, parts: int, rank: int, size: int) -> torch.Tensor:
+def shard_of(
+    full: torch.Tensor, dim: int, parts: int | tuple[int, ...], rank: int, size: int
+) -> torch.Tensor:
     """The rank's shard of `full` under `mark_tp_split(dim, parts)`."""
-    if full.shape[dim] % (parts * size):
+    parts = _canonical_parts(parts)
+    # every piece splits evenly over the ranks iff dim is a multiple of this (the relative sizes
+    # are coprime once canonical)
+    unit = (parts if isinstance(parts, int) else sum(parts)) * size
+    if full.shape[dim] % unit:
         raise ValueError(
-            f"cannot shard a tensor of shape {tuple(full.shape)} along dim {dim} into {parts} "
-            f"piece(s) x {size} ranks: {full.shape[dim]} is not divisible by {parts * size}"
+            f"cannot shard a tensor of shape {tuple(full.shape)} along dim {dim} into pieces "
+            f"{parts} x {size} ranks: {full.shape[dim]} is not divisible by {unit}"
         )
-    pieces = full.chunk(parts, dim=dim)
+    sizes = piece_sizes(full.shape[dim], parts)
+    pieces = full.split(sizes, dim=dim)
     return torch.cat([p.chunk(size, dim=dim)[rank] for p in pieces], dim=dim)
+
+
+def unshard(shards: list[torch.Tensor], dim: int, parts: int | tuple[int, ...]) -> torch.Tensor:
+    """The full tensor from every rank's `shard_of` shard (in rank order): its inverse."""
+    size = len(shards)
+    cuts = [t.split(piece_sizes(t.shape[dim], parts), dim=dim) for t in shards]
+    n_pieces = len(cuts[0])
+    return torch.cat([cuts[r][i] for i in range(n_pieces) for r in range(size)], dim=dim)
 
 
 def allreduce_sequence_parallel_grads(model: nn.Module, tp_group: Any) -> None:

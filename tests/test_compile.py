@@ -38,12 +38,14 @@ def _model(kind: str) -> torch.nn.Module:
         return dq.LayerNormLinear(HIDDEN, 48)
     if kind == "layernorm_mlp":
         return dq.LayerNormMLP(HIDDEN, 64)
+    if kind == "gqa_transformer_layer":  # 4 query heads sharing 2 KV heads
+        return dq.TransformerLayer(HIDDEN, 64, 4, num_gqa_groups=2)
     return dq.TransformerLayer(HIDDEN, 64, 2)
 
 
 def _input(kind: str, step: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(100 + step)
-    shape = (4, 2, HIDDEN) if kind == "transformer_layer" else (8, HIDDEN)
+    shape = (4, 2, HIDDEN) if kind.endswith("transformer_layer") else (8, HIDDEN)
     return (torch.randn(shape, generator=g) * (1 + step)).requires_grad_()
 
 
@@ -151,6 +153,15 @@ def test_compiled_transformer_layer_with_fp8_attention_matches_eager_bit_for_bit
     _run_side_by_side(
         "transformer_layer", {"type": scaling, "fp8_dpa": True, "fp8_mha": True}, "aot_eager"
     )
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "delayed"])
+def test_compiled_gqa_transformer_layer_matches_eager_bit_for_bit(recipe: str) -> None:
+    """Grouped-query attention traces whole: SDPA's KV broadcast (bf16), and under fp8_dpa the
+    KV-shaped rounding before the repeat (delayed: the backward enrolment of its slots too)."""
+    if recipe == "delayed":
+        recipe = {"type": "DelayedScaling", "fp8_dpa": True}
+    _run_side_by_side("gqa_transformer_layer", recipe, "aot_eager")
 
 
 @pytest.mark.slow

@@ -15,6 +15,10 @@ tensor-parallel model would therefore keep one rank's weight shard and one rank'
   tensor. A fused split on dim 0 (QKV, SwiGLU's fc1) cannot be placed that way (FSDP2's slice of
   the concatenated parts is not one block of the parts view): its TP shard is all-gathered over
   the data-parallel ranks while saving and loading (one such parameter at a time);
+- a fused split into unequal pieces (a grouped-query QKV: q rows, then the fewer k and v rows) has
+  no view in which a rank's shard is one block: it is all-gathered over the TP group (and the
+  data-parallel ranks under FSDP2) and saved whole, as a replicated tensor, one parameter at a
+  time; loading reads it whole and cuts this rank's shard;
 - other parameters and buffers are replicated within the TP group and saved once;
 - each dist-quant module's extra state is split in two: its description (recipe, key, roles,
   pinned), identical across a TP group (checked at save: no TP group runs two recipes), as one
@@ -51,7 +55,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from dist_quant.checkpoint.model import _dq_modules_by_key, load_state_dict
 from dist_quant.checkpoint.module_state import parse_extra_state
-from dist_quant.parallel import group_rank, group_size, shard_of, tp_splits
+from dist_quant.parallel import group_rank, group_size, shard_of, tp_splits, unshard
 
 _MODEL, _JOB = "model", "job"  # top-level keys; the caller's `extra` sits beside them
 _SEP = "/"  # between a module's extra-state key and its buffer names (never in a module path)
@@ -88,7 +92,7 @@ class _Layout:
         self._meshes: dict[Any, DeviceMesh] = {}
         self.whole: set[str] = set()  # keys loaded as the whole tensor (another TP layout)
 
-    def split(self, key: str) -> tuple[int, int] | None:
+    def split(self, key: str) -> tuple[int, int | tuple[int, ...]] | None:
         return self.splits.get(key)
 
     def mesh_2d(self, fsdp: DTensor) -> DeviceMesh:
@@ -100,6 +104,13 @@ class _Layout:
     def saved(self, key: str, t: Tensor) -> Tensor:
         """`t` (a TP shard, or FSDP2's DTensor of one) as the checkpoint holds it."""
         split = self.splits[key]
+        if _uneven(split):
+            if isinstance(t, DTensor):
+                _check_fsdp(t, key)
+                t = t.full_tensor()  # dp slices -> this rank's TP shard
+            shards = [torch.empty_like(t) for _ in range(group_size(self.tp_group))]
+            dist.all_gather(shards, t.contiguous(), group=self.tp_group)  # every rank's TP shard
+            return unshard(shards, *split)
         if not isinstance(t, DTensor):
             view, dim = _split_view(t, split)
             return _sharded(view, dim, self.mesh)
@@ -111,6 +122,10 @@ class _Layout:
     def template(self, key: str, value: Tensor) -> Tensor:
         """An empty tensor laid out as `saved(key, value)`, for DCP to load into."""
         split = self.splits[key]
+        if _uneven(split):
+            whole = list(value.shape)  # the TP shard's (FSDP2's global shape is the TP shard's)
+            whole[split[0]] *= group_size(self.tp_group)
+            return torch.empty(whole, dtype=value.dtype, device=self.device)
         if not isinstance(value, DTensor):
             return self.saved(key, torch.empty_like(value.detach()))
         _check_fsdp(value, key)
@@ -121,6 +136,8 @@ class _Layout:
     def loaded(self, key: str, got: Tensor, value: Tensor) -> Tensor:
         """What DCP filled in (`template`'s layout) -> the model parameter's own layout."""
         local = _local(got)
+        if _uneven(self.splits[key]):
+            return self.cut(key, local, value)  # saved whole
         if not isinstance(value, DTensor):
             return local.reshape(value.shape)  # DCP checked the (parts, rows) view's shape
         if _gathers(self.splits[key]):
@@ -191,6 +208,11 @@ def _fsdp_slice(tp_shard: Tensor, value: DTensor, key: str, *, sliced: bool = Fa
         shape=value.shape,
         stride=value.stride(),
     )
+
+
+def _uneven(split: tuple[int, int | tuple[int, ...]]) -> bool:
+    """Pieces of unequal sizes (`mark_tp_split` keeps a tuple only then): saved whole."""
+    return isinstance(split[1], tuple)
 
 
 def _gathers(split: tuple[int, int]) -> bool:

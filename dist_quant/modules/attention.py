@@ -23,6 +23,12 @@ runtime at the first FP8 forward, before anything is quantized: an attention slo
 kind raises ValueError naming the module and role. A boundary slot holding a neighbouring linear's
 role (`o`, `dqkv` under MultiheadAttention) may hold any kind; when attention cannot produce that
 kind, the tensor leaves in high precision and the consuming linear quantizes it with its own slot.
+
+Grouped-query attention (`num_gqa_groups`, Transformer Engine's name: the number of key/value
+heads, each shared by `num_attention_heads / num_gqa_groups` consecutive query heads): k and v keep
+their KV heads through every slot (FP8 attention rounds k, v and their gradients at KV-head shape,
+as a fused kernel reads and writes them) and are broadcast to the query heads only inside the
+attention product. Tensor parallelism splits the KV heads over the ranks with their query groups.
 """
 
 from __future__ import annotations
@@ -33,15 +39,14 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.torch_version
 
 from dist_quant.binding import ForwardPlan
 from dist_quant.kinds import ScalingKind
 from dist_quant.modules.base import QuantizedModule, check_sizes, delayed_anchor
 from dist_quant.modules.enrol import enrol_backward_from
 from dist_quant.modules.functional import fake_quantize
-from dist_quant.modules.layernorm_linear import LayerNormLinear
-from dist_quant.modules.linear import Linear
-from dist_quant.parallel import group_size, mark_tp_split, tp_amax_quantizer
+from dist_quant.parallel import group_size, tp_amax_quantizer
 from dist_quant.quantizers import Quantizer
 from dist_quant.roles import QuantizerRole
 from dist_quant.runtime import ModuleRuntime
@@ -50,6 +55,8 @@ MASK_TYPES = ("no_mask", "causal", "padding", "padding_causal")
 QKV_FORMATS = ("sbhd", "bshd")
 FWD_SLOTS = ("qkv", "s", "o")
 BWD_SLOTS = ("do", "dp", "dqkv")
+# SDPA broadcasts KV heads itself from torch 2.5 (`enable_gqa`); before, k and v are repeated
+_SDPA_HAS_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
 
 
 @dataclass(frozen=True)
@@ -104,6 +111,13 @@ def _round(
     return _FakeQuant.apply(x, fwd_q, bwd_q, slots)
 
 
+def repeat_kv(t: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """(b, kv_heads, s, d) -> (b, num_heads, s, d): KV head j serves query heads
+    [j * group, (j + 1) * group), group = num_heads / kv_heads; backward sums over each group."""
+    group = num_heads // t.shape[1]
+    return t if group == 1 else t.repeat_interleave(group, dim=1)
+
+
 def fp8_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -111,10 +125,13 @@ def fp8_attention(
     masked: torch.Tensor | None,
     slots: _AttentionSlots,
 ) -> torch.Tensor:
-    """Emulated FP8 attention on (batch, heads, seq, head_dim) tensors; fp32 math, output in q's
-    dtype. `masked` (broadcast to (b, h, sq, sk)) is True where a query may not see a key."""
+    """Emulated FP8 attention on (batch, heads, seq, head_dim) tensors, k and v with their own
+    (KV) head count; fp32 math, output in q's dtype. `masked` (broadcast to (b, h, sq, sk)) is
+    True where a query may not see a key."""
     # contiguous: the layout permutes leave strided views, and cast kernels want dense rows
     q_, k_, v_ = (_round(t.float().contiguous(), slots.qkv, slots.dqkv, slots) for t in (q, k, v))
+    # after the rounding: dk and dv are rounded once summed over their query group
+    k_, v_ = repeat_kv(k_, q.shape[1]), repeat_kv(v_, q.shape[1])
     scores = (q_ @ k_.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (b, h, sq, sk)
     scores = _round(scores, None, slots.dp, slots)
     if masked is not None:
@@ -124,17 +141,43 @@ def fp8_attention(
     return _round(out, slots.o, slots.do, slots)
 
 
+def check_gqa_groups(
+    owner: str, num_attention_heads: int, num_gqa_groups: int | None, tp_size: int
+) -> int:
+    """The number of KV heads (`num_gqa_groups`, None: one per query head), checked: it divides
+    the query heads, and the tensor-parallel size divides both (each rank holds whole groups)."""
+    kv_heads = num_attention_heads if num_gqa_groups is None else num_gqa_groups
+    check_sizes(owner, num_gqa_groups=kv_heads)
+    if num_attention_heads % kv_heads:
+        raise ValueError(
+            f"{owner}: num_gqa_groups={kv_heads} must divide "
+            f"num_attention_heads={num_attention_heads}"
+        )
+    if kv_heads % tp_size:  # then num_attention_heads % tp_size == 0 too
+        what = (
+            f"num_attention_heads={num_attention_heads}"
+            if num_gqa_groups is None
+            else f"num_gqa_groups={kv_heads} (the key/value heads, which tensor parallelism splits)"
+        )
+        raise ValueError(f"{owner}: {what} must be divisible by the tensor-parallel size {tp_size}")
+    return kv_heads
+
+
 class DotProductAttention(QuantizedModule):
     """Scaled dot-product attention over (seq, batch, heads, head_dim) tensors ("sbhd", Transformer
     Engine's default) or (batch, seq, heads, head_dim) ("bshd"); returns (..., heads * head_dim)
     in the same layout. Masks: "causal" (top-left aligned), "padding" (`attention_mask` True where a
     key is masked out, broadcastable to (batch, 1, seq_q, seq_kv)), "padding_causal", "no_mask".
 
+    `num_gqa_groups` (None: `num_attention_heads`, plain multi-head attention) is the number of
+    key/value heads; it must divide `num_attention_heads`. Key and value then carry
+    `num_gqa_groups` heads, query head h attending with KV head h // (heads / groups).
+
     It has no weights, hence no `params_dtype` / `parallel_mode`; `device` places its
     delayed-scaling buffers (they follow `.to()`). With a `tp_group` of more than one rank the
-    inputs hold this rank's `num_attention_heads / tp` heads, and its current-scaling quantizers
-    reduce their amax over the group (every tensor here is a head shard), so each rank casts with
-    the scale of the whole tensor.
+    inputs hold this rank's `num_attention_heads / tp` query heads and `num_gqa_groups / tp` KV
+    heads, and its current-scaling quantizers reduce their amax over the group (every tensor here
+    is a head shard), so each rank casts with the scale of the whole tensor.
     """
 
     module_type = "dpa"
@@ -145,6 +188,7 @@ class DotProductAttention(QuantizedModule):
         num_attention_heads: int,
         kv_channels: int,
         *,
+        num_gqa_groups: int | None = None,
         attn_mask_type: str = "causal",
         qkv_format: str = "sbhd",
         name: str | None = None,
@@ -154,6 +198,8 @@ class DotProductAttention(QuantizedModule):
     ) -> None:
         owner = f"DotProductAttention {name!r}"
         check_sizes(owner, num_attention_heads=num_attention_heads, kv_channels=kv_channels)
+        tp_size = group_size(tp_group)
+        kv_heads = check_gqa_groups(owner, num_attention_heads, num_gqa_groups, tp_size)
         super().__init__(name=name)
         if attn_mask_type not in MASK_TYPES:
             raise ValueError(
@@ -168,14 +214,11 @@ class DotProductAttention(QuantizedModule):
                 f"{owner}: attention does not shard the sequence (no context parallelism); under "
                 "sequence parallelism MultiheadAttention's qkv GEMM hands it the whole sequence"
             )
-        self.tp_group, self.tp_size = tp_group, group_size(tp_group)
-        if num_attention_heads % self.tp_size:
-            raise ValueError(
-                f"{owner}: num_attention_heads={num_attention_heads} must be divisible by the "
-                f"tensor-parallel size {self.tp_size}"
-            )
+        self.tp_group, self.tp_size = tp_group, tp_size
         self.num_attention_heads, self.kv_channels = num_attention_heads, kv_channels
-        self.local_heads = num_attention_heads // self.tp_size  # the heads this rank computes
+        self.num_gqa_groups = kv_heads
+        self.local_heads = num_attention_heads // tp_size  # the query heads this rank computes
+        self.local_kv_heads = kv_heads // tp_size  # and the KV heads they attend with
         self.attn_mask_type, self.qkv_format = attn_mask_type, qkv_format
         # no parameters to take the device from: this empty buffer carries it through .to()
         self.register_buffer("_device_anchor", torch.empty(0, device=device), persistent=False)
@@ -281,12 +324,12 @@ class DotProductAttention(QuantizedModule):
         value: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        h, d = self.local_heads, self.kv_channels
-        for label, t in (("query", query), ("key", key), ("value", value)):
-            if t.dim() != 4 or t.shape[-2:] != (h, d):
+        h, hkv, d = self.local_heads, self.local_kv_heads, self.kv_channels
+        for label, t, heads in (("query", query, h), ("key", key, hkv), ("value", value, hkv)):
+            if t.dim() != 4 or t.shape[-2:] != (heads, d):
                 raise ValueError(
-                    f"{self._owner()}: {label} must be 4D {self.qkv_format} with {h} heads of {d} "
-                    f"channels, got shape {tuple(t.shape)}"
+                    f"{self._owner()}: {label} must be 4D {self.qkv_format} with {heads} heads of "
+                    f"{d} channels, got shape {tuple(t.shape)}"
                 )
         sbhd = self.qkv_format == "sbhd"
         # (seq, batch, h, d) or (batch, seq, h, d) -> (batch, h, seq, d)
@@ -299,7 +342,14 @@ class DotProductAttention(QuantizedModule):
         if slots is None:
             causal_only = self.attn_mask_type == "causal"
             keep = None if causal_only or masked is None else ~masked  # SDPA: True = attend
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, is_causal=causal_only)
+            gqa = {}
+            if hkv != h and _SDPA_HAS_GQA:
+                gqa = {"enable_gqa": True}  # broadcast inside SDPA, no repeated copy of k and v
+            elif hkv != h:
+                k, v = repeat_kv(k, h), repeat_kv(v, h)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=keep, is_causal=causal_only, **gqa
+            )
         else:
             out = fp8_attention(q, k, v, masked, slots)
         # (batch, h, sq, d) -> the input's layout, heads flattened
@@ -309,128 +359,6 @@ class DotProductAttention(QuantizedModule):
     def extra_repr(self) -> str:
         return (
             f"num_attention_heads={self.num_attention_heads}, kv_channels={self.kv_channels}, "
-            f"attn_mask_type={self.attn_mask_type}, qkv_format={self.qkv_format}, "
-            f"name={self.role_name!r}"
-        )
-
-
-class MultiheadAttention(QuantizedModule):
-    """Self-attention block: `qkv` (Linear, or LayerNormLinear with `input_layernorm=True`) ->
-    `core_attention` (DotProductAttention) -> `proj` (Linear). Input and output are
-    (seq, batch, hidden) ("sbhd", Transformer Engine's default) or (batch, seq, hidden) ("bshd").
-
-    When the block is first planned (`apply_recipe`, the first autocast call, `attach`,
-    `dq.checkpoint.load`, whichever comes first; its children are named by then) it wires the FP8
-    boundary roles between the children, once; a forward never changes them, and a role set by
-    hand afterwards stays:
-        qkv.output_quantizer_role                = dpa/qkv@<core_attention>
-        proj.grad_input_quantizer_role           = dpa/do@<core_attention>
-        core_attention.output_quantizer_role     = linear/input@<proj>
-        core_attention.grad_input_quantizer_role = linear/grad_output@<qkv>
-    Under a recipe with `fp8_mha`, the qkv output and proj's input gradient are rounded through
-    those slots (the FP8 hand-over into and out of attention, emulated by quantize-dequantize; the
-    receiving side quantizes again with its own slot of the same role, which reproduces on-grid
-    values exactly under current scaling and may round twice under delayed scaling).
-
-    Tensor parallel (`tp_group` of more than one rank): qkv is column-parallel with each rank
-    holding its `num_attention_heads / tp` heads of q, k and v, attention runs on those heads, proj
-    is row-parallel (its partial sums reduced once, bias added after). With `sequence_parallel`
-    the input and output hold this rank's rows of dim 0 (the sequence, in "sbhd").
-    """
-
-    def __init__(
-        self,
-        hidden_size: int,
-        num_attention_heads: int,
-        *,
-        attn_mask_type: str = "causal",
-        qkv_format: str = "sbhd",
-        input_layernorm: bool = False,
-        normalization: str = "LayerNorm",
-        eps: float = 1e-5,
-        bias: bool = True,
-        name: str | None = None,
-        tp_group=None,
-        sequence_parallel: bool = False,
-        params_dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-    ) -> None:
-        owner = f"MultiheadAttention {name!r}"
-        check_sizes(owner, hidden_size=hidden_size, num_attention_heads=num_attention_heads)
-        super().__init__(name=name)
-        if hidden_size % num_attention_heads:
-            raise ValueError(
-                f"{owner}: hidden_size={hidden_size} must be a multiple of "
-                f"num_attention_heads={num_attention_heads}"
-            )
-        if not isinstance(input_layernorm, bool):
-            raise ValueError(f"{owner}: input_layernorm must be a bool, got {input_layernorm!r}")
-        self.hidden_size, self.num_attention_heads = hidden_size, num_attention_heads
-        self.kv_channels = hidden_size // num_attention_heads
-        tp_size = group_size(tp_group)
-        if num_attention_heads % tp_size:
-            raise ValueError(
-                f"{owner}: num_attention_heads={num_attention_heads} must be divisible by the "
-                f"tensor-parallel size {tp_size}"
-            )
-        self.local_heads = num_attention_heads // tp_size  # heads computed on this rank
-        # Tensor parallelism, one place per GEMM: qkv splits heads (column), proj reduces (row).
-        tp = tp_group is not None or sequence_parallel
-        parallel = {"tp_group": tp_group, "sequence_parallel": sequence_parallel}
-        common = {"bias": bias, "params_dtype": params_dtype, "device": device, **parallel}
-        column, row = ("column", "row") if tp else (None, None)
-        if input_layernorm:
-            self.qkv = LayerNormLinear(
-                hidden_size,
-                3 * hidden_size,
-                normalization=normalization,
-                eps=eps,
-                parallel_mode=column,
-                **common,
-            )
-        else:
-            self.qkv = Linear(hidden_size, 3 * hidden_size, parallel_mode=column, **common)
-        if tp_size > 1:
-            # the qkv rows stack [q; k; v] (all heads each): a rank takes its heads of all three
-            mark_tp_split(self.qkv, "weight", 0, parts=3)
-            if self.qkv.bias is not None:
-                mark_tp_split(self.qkv, "bias", 0, parts=3)
-        self.core_attention = DotProductAttention(
-            num_attention_heads,
-            self.kv_channels,
-            attn_mask_type=attn_mask_type,
-            qkv_format=qkv_format,
-            device=device,
-            tp_group=tp_group,  # the whole sequence arrives: qkv gathered it under SP
-        )
-        # the context's features are head-major, so this rank's heads are proj's input shard
-        self.proj = Linear(hidden_size, hidden_size, parallel_mode=row, **common)
-
-    def _wire_boundary_roles(self) -> None:
-        dpa, qkv, proj = self.core_attention, self.qkv, self.proj
-        qkv.output_quantizer_role = QuantizerRole(dpa.module_type, "qkv", dpa.role_name)
-        proj.grad_input_quantizer_role = QuantizerRole(dpa.module_type, "do", dpa.role_name)
-        dpa.output_quantizer_role = QuantizerRole(proj.module_type, "input", proj.role_name)
-        dpa.grad_input_quantizer_role = QuantizerRole(qkv.module_type, "grad_output", qkv.role_name)
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        *,
-        is_first_microbatch: bool | None = None,
-    ) -> torch.Tensor:
-        runtime = self.core_attention.active_runtime()
-        fp8_mha = runtime is not None and getattr(runtime.recipe, "fp8_mha", False)
-        mixed = self.qkv(hidden_states, is_first_microbatch=is_first_microbatch, fp8_output=fp8_mha)
-        # (s, b, 3 * hidden / tp) -> q, k, v each (s, b, heads / tp, kv_channels); under SP the
-        # qkv GEMM has gathered the whole sequence
-        q, k, v = mixed.reshape(*mixed.shape[:2], 3, self.local_heads, self.kv_channels).unbind(2)
-        context = self.core_attention(q, k, v, attention_mask)  # (s, b, hidden / tp)
-        return self.proj(context, is_first_microbatch=is_first_microbatch, fp8_grad_input=fp8_mha)
-
-    def extra_repr(self) -> str:
-        return (
-            f"hidden_size={self.hidden_size}, num_attention_heads={self.num_attention_heads}, "
-            f"name={self.role_name!r}"
+            f"num_gqa_groups={self.num_gqa_groups}, attn_mask_type={self.attn_mask_type}, "
+            f"qkv_format={self.qkv_format}, name={self.role_name!r}"
         )

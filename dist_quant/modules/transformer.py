@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import torch
 
-from dist_quant.modules.attention import MultiheadAttention
+from dist_quant.modules.attention import check_gqa_groups
 from dist_quant.modules.base import QuantizedModule, check_sizes
 from dist_quant.modules.layernorm_mlp import LayerNormMLP
+from dist_quant.modules.multihead_attention import MultiheadAttention
+from dist_quant.parallel import group_size
 
 
 class TransformerLayer(QuantizedModule):
     """One transformer layer on (seq, batch, hidden) ("sbhd", Transformer Engine's default) or
-    (batch, seq, hidden) ("bshd") input."""
+    (batch, seq, hidden) ("bshd") input. `num_gqa_groups` key/value heads (None: one per query
+    head) make its attention grouped-query, and `kv_channels` (None: hidden / heads) sets the head
+    width (see `MultiheadAttention`)."""
 
     def __init__(
         self,
@@ -26,6 +30,8 @@ class TransformerLayer(QuantizedModule):
         ffn_hidden_size: int,
         num_attention_heads: int,
         *,
+        num_gqa_groups: int | None = None,
+        kv_channels: int | None = None,
         self_attn_mask_type: str = "causal",
         attn_input_format: str = "sbhd",
         normalization: str = "LayerNorm",
@@ -38,12 +44,16 @@ class TransformerLayer(QuantizedModule):
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
+        owner = f"TransformerLayer {name!r}"
         check_sizes(
-            f"TransformerLayer {name!r}",
+            owner,
             hidden_size=hidden_size,
             ffn_hidden_size=ffn_hidden_size,
             num_attention_heads=num_attention_heads,
         )
+        if kv_channels is not None:
+            check_sizes(owner, kv_channels=kv_channels)
+        check_gqa_groups(owner, num_attention_heads, num_gqa_groups, group_size(tp_group))
         super().__init__(name=name)
         common = {
             "normalization": normalization,
@@ -57,6 +67,8 @@ class TransformerLayer(QuantizedModule):
         self.self_attention = MultiheadAttention(
             hidden_size,
             num_attention_heads,
+            num_gqa_groups=num_gqa_groups,
+            kv_channels=kv_channels,
             attn_mask_type=self_attn_mask_type,
             qkv_format=attn_input_format,
             input_layernorm=True,

@@ -44,11 +44,15 @@ RECIPES = {
 
 
 class Stack(nn.Module):
-    def __init__(self, tp_group=None) -> None:
+    def __init__(self, tp_group=None, *, gqa_second_layer: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
+        # gqa_second_layer: that layer's attention is grouped-query (2 KV heads), so its fused qkv
+        # is cut into unequal pieces under TP (which DCP saves whole)
+        groups = (None, 2 if gqa_second_layer else None)
         self.layers = nn.ModuleList(
-            dq.TransformerLayer(HIDDEN, FFN, HEADS, tp_group=tp_group) for _ in range(2)
+            dq.TransformerLayer(HIDDEN, FFN, HEADS, num_gqa_groups=g, tp_group=tp_group)
+            for g in groups
         )
         self.checkpointed = False
 

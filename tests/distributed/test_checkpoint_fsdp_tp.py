@@ -21,6 +21,9 @@ weights. A delayed-scaling history lost or mixed up on the way shows in the next
 - dp=4 -> dp=2: a 4-rank FSDP2 job saves after step 2; 2 ranks load it (their weights and
   scaling state must equal the 4-rank job's at the save, bit for bit) and train on, which must
   equal one process loading the same checkpoint and running the 2 slices as microbatches.
+The model's second layer is grouped-query (`model_of`): its qkv splits into unequal pieces, which
+DCP saves whole (gathered over TP and the data-parallel ranks) and cuts on load, beside the first
+layer's equal pieces saved in their parts view.
 SGD without momentum keeps no optimizer state.
 """
 
@@ -28,12 +31,12 @@ from __future__ import annotations
 
 import re
 
+import fsdp_check
 import pytest
 import torch
 import torch.distributed as dist
 from fsdp_check import (
     RECIPES,
-    Stack,
     assert_equal_runs,
     batch,
     flat_state,
@@ -47,18 +50,25 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import dist_quant as dq
 from dist_quant.checkpoint import load_full_state_dict_into_shards
-from dist_quant.parallel import tp_splits
+from dist_quant.parallel import tp_splits, unshard
 
 pytestmark = pytest.mark.distributed
+
+
+def model_of(tp_group=None) -> fsdp_check.Stack:
+    """fsdp_check's model with a grouped-query second layer: its unequal qkv pieces take DCP's
+    whole-tensor path under FSDP2 x TP, the first layer's equal [q; k; v] pieces the view path."""
+    return fsdp_check.Stack(tp_group, gqa_second_layer=True)
+
 
 SAVE_AT, END = 2, 4
 
 
-def _fsdp_tp(tp_group, dp_mesh) -> Stack:
+def _fsdp_tp(tp_group, dp_mesh) -> fsdp_check.Stack:
     """TP shards cut from one full model: every TP rank's shard differs (a Stack built on each
     TP rank from the same seed would hold equal shards, which stay equal, and hide a collision)."""
-    model = Stack(tp_group)
-    load_full_state_dict_into_shards(model, Stack().state_dict(), tp_group)
+    model = model_of(tp_group)
+    load_full_state_dict_into_shards(model, model_of().state_dict(), tp_group)
     return shard(model, dp_mesh)
 
 
@@ -79,7 +89,7 @@ def _save_2x2_and_resume(rank: int, world: int, recipe: str, path: str) -> list:
 
 
 def _resume_1x2(rank: int, world: int, path: str) -> list:
-    model = Stack(dist.group.WORLD)
+    model = model_of(dist.group.WORLD)
     dq.checkpoint.dcp_load(model, path, tp_group=dist.group.WORLD)
     return train_one_process(model, None, 2, range(SAVE_AT, END), group=dist.group.WORLD)
 
@@ -114,14 +124,12 @@ def _whole_state(tp_states: list[dict], splits: dict) -> dict:
             assert all(torch.equal(s[k], v) for s in tp_states), f"{k} differs between TP ranks"
             out[k] = v
             continue
-        dim, parts = splits[k]
-        pieces = [s[k].chunk(parts, dim) for s in tp_states]  # per rank: its rows of each part
-        out[k] = torch.cat([torch.cat([p[i] for p in pieces], dim) for i in range(parts)], dim)
+        out[k] = unshard([s[k] for s in tp_states], *splits[k])
     return out
 
 
 def _resume_2x1(rank: int, world: int, path: str) -> tuple[dict, list]:
-    model = shard(Stack())
+    model = shard(model_of())
     dq.checkpoint.dcp_load(model, path)
     loaded = flat_state(model.state_dict())
     params = list(model.named_parameters())
@@ -129,8 +137,8 @@ def _resume_2x1(rank: int, world: int, path: str) -> tuple[dict, list]:
 
 
 def _save_tp_unreduced(rank: int, world: int, path: str) -> None:
-    model = Stack(dist.group.WORLD)
-    load_full_state_dict_into_shards(model, Stack().state_dict(), dist.group.WORLD)
+    model = model_of(dist.group.WORLD)
+    load_full_state_dict_into_shards(model, model_of().state_dict(), dist.group.WORLD)
     dq.apply_recipe(model, RECIPES["delayed"]())
     x, dy = batch(0, 1)
     with pytest.warns(UserWarning, match="amax_reduction_group"), dq.autocast():
@@ -139,7 +147,7 @@ def _save_tp_unreduced(rank: int, world: int, path: str) -> None:
 
 
 def _load_refuses(rank: int, world: int, path: str) -> str:
-    model = Stack()
+    model = model_of()
     message = expect_error(lambda: dq.checkpoint.dcp_load(model, path), ValueError)
     assert dq.current_recipe(model) is None  # untouched
     return message
@@ -156,14 +164,14 @@ def test_tp_checkpoint_with_per_rank_scaling_rows_is_refused_on_another_tp_size(
 
 
 def _save_dp4(rank: int, world: int, path: str) -> dict:
-    model = shard(Stack())
+    model = shard(model_of())
     train_dp(model, list(model.named_parameters()), "delayed", rank, world, range(SAVE_AT))
     dq.checkpoint.dcp_save(model, path)
     return flat_state(model.state_dict())
 
 
 def _resume_dp2(rank: int, world: int, path: str) -> tuple[dict, list]:
-    model = shard(Stack())
+    model = shard(model_of())
     dq.checkpoint.dcp_load(model, path)
     loaded = flat_state(model.state_dict())
     return loaded, train_dp(
@@ -172,7 +180,7 @@ def _resume_dp2(rank: int, world: int, path: str) -> tuple[dict, list]:
 
 
 def _resume_one(rank: int, world: int, path: str) -> list:
-    model = Stack()
+    model = model_of()
     dq.checkpoint.dcp_load(model, path)
     return train_one_process(model, None, 2, range(SAVE_AT, END))
 

@@ -51,6 +51,8 @@ RECIPES = {
     "mxfp8": dq.MXFP8BlockScaling(),
     "block": dq.Float8BlockScaling(),
     "custom": dq.CustomRecipe(mixed_factory),
+    "delayed_dpa": dq.DelayedScaling(amax_history_len=4, fp8_dpa=True),
+    "current_dpa": dq.Float8CurrentScaling(fp8_dpa=True),
 }
 # each recipe runs two steps, then the next one two more: every recipe is both switched from and to
 SWITCHES = [
@@ -86,11 +88,16 @@ def _checkpoint_fns():
 
 
 class Stack(nn.Module):
-    def __init__(self, wrap: str = "none", wrapper: bool = False) -> None:
+    def __init__(self, wrap: str = "none", wrapper: bool = False, gqa: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
+        # gqa: 4 query heads sharing 2 KV heads
+        heads = {"num_attention_heads": 4, "num_gqa_groups": 2} if gqa else {}
         self.layers = nn.ModuleList(
-            dq.TransformerLayer(HIDDEN, FFN, HEADS, device=DEVICE) for _ in range(2)
+            dq.TransformerLayer(
+                HIDDEN, FFN, **{"num_attention_heads": HEADS, **heads}, device=DEVICE
+            )
+            for _ in range(2)
         )
         if wrapper:
             # torch's wrapper, told to checkpoint with dist-quant's function
@@ -168,6 +175,16 @@ def _reference(first: str, second: str):
 def test_activation_checkpoint_matches_plain_run_bit_for_bit(first, second, mode):
     model = Stack("none", wrapper=True) if mode == "wrapper" else Stack(mode)
     _assert_identical(_train(model, [first, second]), _reference(first, second))
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
+def test_gqa_layers_with_fp8_attention_recompute_bit_for_bit(mode):
+    """The recompute rounds k and v at KV-head shape with the forward's scales, as the forward
+    did, across a switch from delayed to current scaling with FP8 attention."""
+    recipes = ["delayed_dpa", "current_dpa"]
+    got = _train(Stack(mode, gqa=True), recipes)
+    want = _train(Stack("none", gqa=True), recipes)
+    _assert_identical(got, want)
 
 
 def test_the_reference_run_quantizes_and_moves_delayed_state():
