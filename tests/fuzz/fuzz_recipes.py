@@ -57,7 +57,7 @@ SPEC: dict[str, dict[str, tuple]] = {
     },
 }
 REQUIRED = {"CustomRecipe": {"qfactory"}}
-BUILTIN = {"delayed", "current", "mxfp8", "block", "bf16"}
+BUILTIN = {"delayed", "current", "mxfp8", "block", "nvfp4", "bf16"}
 
 # import paths whose fate is known without importing anything with side effects
 CALLABLE_PATHS = [
