@@ -7,7 +7,6 @@ import math
 from typing import Any
 
 from dist_quant.formats import Format
-from dist_quant.kinds import PassMode
 
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 """Transformer Engine's names: max over the whole history, or the newest entry only."""
@@ -75,8 +74,10 @@ def check_amax_algo(owner: str, field: str, value: object) -> None:
         )
 
 
-FORWARD_OVERRIDES = (PassMode.HIGH_PRECISION.value,)
-BACKWARD_OVERRIDES = (PassMode.HIGH_PRECISION.value, PassMode.DEQUANTIZED.value)
+# The spellings of `kinds.PassMode` a recipe's overrides take (strings here: the recipes layer
+# stays free of the kernels that `kinds` imports)
+FORWARD_OVERRIDES = ("high_precision",)
+BACKWARD_OVERRIDES = ("high_precision", "dequantized")
 
 
 def check_overrides(owner: str, recipe: Any, *, delayed_forward: bool = False) -> None:
@@ -95,12 +96,12 @@ def check_overrides(owner: str, recipe: Any, *, delayed_forward: bool = False) -
             )
     if fwd is None and bwd is None:
         return
-    if fwd is not None and bwd == PassMode.HIGH_PRECISION.value:
+    if fwd is not None and bwd == "high_precision":
         raise ValueError(
             f"{owner}: forward_override and backward_override both 'high_precision' quantize "
             "nothing; use HighPrecision() ('bf16')"
         )
-    if fwd is not None and bwd == PassMode.DEQUANTIZED.value:
+    if fwd is not None and bwd == "dequantized":
         raise ValueError(
             f"{owner}: backward_override='dequantized' reads the forward's quantized operands, "
             "but forward_override='high_precision' quantizes none"

@@ -153,6 +153,15 @@ class PassMode(_Kind):
     def of(override: str | None) -> PassMode:
         return PassMode.QUANTIZED if override is None else PassMode(override)
 
+    @staticmethod
+    def of_recipe(recipe: object) -> tuple[PassMode, PassMode]:
+        """(forward, backward) modes of a recipe's linear GEMMs: its `forward_override` /
+        `backward_override`, QUANTIZED for a recipe without them (HighPrecision)."""
+        return (
+            PassMode.of(getattr(recipe, "forward_override", None)),
+            PassMode.of(getattr(recipe, "backward_override", None)),
+        )
+
 
 _K = TypeVar("_K", bound=_Kind)
 

@@ -38,7 +38,6 @@ from dist_quant.checks import (
 )
 from dist_quant.factory_keys import builder_of, callable_key, quantizer_factory
 from dist_quant.formats import Format
-from dist_quant.kinds import PassMode
 
 __all__ = [
     "AMAX_COMPUTE_ALGOS",
@@ -134,14 +133,6 @@ class Recipe:
         # Only the fields: unpickling sets a slot with setattr, which a frozen dataclass refuses,
         # and another process computes its own key.
         return self.__dict__
-
-    def pass_modes(self) -> tuple[PassMode, PassMode]:
-        """(forward, backward) `PassMode` of the recipe's linear GEMMs: its `forward_override` /
-        `backward_override`, QUANTIZED for a recipe without them."""
-        return (
-            PassMode.of(getattr(self, "forward_override", None)),
-            PassMode.of(getattr(self, "backward_override", None)),
-        )
 
     def digest(self) -> str:
         """The recipe's stable content digest: `key_digest(self.key())` (64 hex digits)."""
