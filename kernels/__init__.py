@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from dist_quant.kernels import ops, ops_block, reference
+from dist_quant.kernels import ops, ops_block, reference, reference_nvfp4
 from dist_quant.kernels._launch import EAGER_TENSOR_TYPES
 from dist_quant.kernels.block_gemm import block_scaled_gemm_triton
 from dist_quant.kernels.cast import (
@@ -45,9 +45,23 @@ FP8_DTYPES = reference.FP8_DTYPES
 FLT_MAX = reference.FLT_MAX
 fp8_max = reference.fp8_max
 
+# NVFP4 (kernels/reference_nvfp4.py is its bit-level definition).
+NVFP4Cast = reference_nvfp4.NVFP4Cast
+NVFP4Operand = reference_nvfp4.NVFP4Operand
+NVFP4_RHT_SIGNS = reference_nvfp4.NVFP4_RHT_SIGNS
+nvfp4_global_scales = reference_nvfp4.nvfp4_global_scales
+quantize_nvfp4 = reference_nvfp4.quantize_nvfp4
+random_hadamard_transform = reference_nvfp4.random_hadamard_transform
+dequantize_nvfp4 = reference_nvfp4.dequantize_nvfp4
+nvfp4_gemm = reference_nvfp4.nvfp4_gemm
+nvfp4_cast = reference_nvfp4.nvfp4_cast
+
 __all__ = [
     "FLT_MAX",
     "FP8_DTYPES",
+    "NVFP4Cast",
+    "NVFP4Operand",
+    "NVFP4_RHT_SIGNS",
     "CurrentScalingCast",
     "DelayedCast",
     "amax",
@@ -68,7 +82,14 @@ __all__ = [
     "fp8_max",
     "mxfp8_cast",
     "mxfp8_dequantize",
+    "dequantize_nvfp4",
+    "nvfp4_cast",
+    "nvfp4_gemm",
+    "nvfp4_global_scales",
+    "quantize_nvfp4",
+    "random_hadamard_transform",
     "reference",
+    "reference_nvfp4",
 ]
 
 
