@@ -63,9 +63,8 @@ def gemm(
         out = torch.matmul(a, b.t())
         return (out if bias is None else out + bias.to(out.dtype)).to(out_dtype)
     if _both_nvfp4(a, b):
-        return nvfp4_gemm(
-            a.data, a.scale_inv, a.amax, b.data, b.scale_inv, b.amax, out_dtype=out_dtype, bias=bias
-        )
+        out = nvfp4_gemm((a.data, a.scale_inv, a.amax), (b.data, b.scale_inv, b.amax))  # fp32
+        return (out if bias is None else out + bias.float()).to(out_dtype)
     if _can_use_block_gemm(a, b, out_dtype):
         return block_scaled_gemm(
             a.data, a.scale_inv, a.scaling.block_dim,

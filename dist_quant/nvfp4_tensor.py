@@ -17,14 +17,12 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from dist_quant import kernels as fp8_kernels
 from dist_quant.kinds import OperandLayout
 from dist_quant.tensor import (
     SAVED_REBUILDERS,
     GemmOperand,
     QuantizedTensor,
     SavedLayout,
-    undo_rht,
 )
 
 SCALE_DTYPE = torch.float8_e4m3fn
@@ -47,10 +45,7 @@ class NVFP4Copy(NamedTuple):
 
 def dequantize_copy(copy: NVFP4Copy, dtype: torch.dtype = torch.float32) -> Tensor:
     """A copy's 2D matrix in fp32 (the transform undone where it was applied), cast to `dtype`."""
-    out = fp8_kernels.dequantize_nvfp4(copy.data, copy.scales, copy.amax)
-    if copy.rht:
-        out = undo_rht(out)
-    return out.to(dtype)
+    return copy.operand().dequantize(dtype)
 
 
 class NVFP4Tensor(QuantizedTensor):

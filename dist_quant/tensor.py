@@ -83,7 +83,10 @@ class GemmOperand:
         if self.scaling is OperandLayout.TENSOR:
             return fp8_kernels.dequantize(self.data, self.scale_inv, dtype)
         if self.scaling is OperandLayout.NVFP4:
-            out = fp8_kernels.dequantize_nvfp4(self.data, self.scale_inv, self.amax)
+            _, s_dec = fp8_kernels.nvfp4_global_scales(self.amax)
+            out = fp8_kernels.dequantize_nvfp4(
+                self.data, self.scale_inv, s_dec, dtype=torch.float32
+            )
             return (undo_rht(out) if self.rht else out).to(dtype)
         if self.scaling is OperandLayout.MXFP8:
             return fp8_kernels.mxfp8_dequantize(self.data, self.scale_inv, dtype=dtype)
