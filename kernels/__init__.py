@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from dist_quant.kernels import ops, ops_block, reference, reference_nvfp4
+from dist_quant.kernels import nvfp4, ops, ops_block, reference, reference_nvfp4
 from dist_quant.kernels._launch import EAGER_TENSOR_TYPES
 from dist_quant.kernels.block_gemm import block_scaled_gemm_triton
 from dist_quant.kernels.cast import (
@@ -38,6 +38,7 @@ from dist_quant.kernels.cast import (
 from dist_quant.kernels.current import CurrentScalingCast, current_scaling_cast_triton
 from dist_quant.kernels.delayed_update import delayed_scaling_update_groups_triton
 from dist_quant.kernels.dequantize import dequantize_triton
+from dist_quant.kernels.nvfp4 import nvfp4_cast_triton
 from torch import Tensor
 
 # Constants and helpers of the reference, so this module is a drop-in for it.
@@ -54,7 +55,6 @@ quantize_nvfp4 = reference_nvfp4.quantize_nvfp4
 random_hadamard_transform = reference_nvfp4.random_hadamard_transform
 dequantize_nvfp4 = reference_nvfp4.dequantize_nvfp4
 nvfp4_gemm = reference_nvfp4.nvfp4_gemm
-nvfp4_cast = reference_nvfp4.nvfp4_cast
 
 __all__ = [
     "FLT_MAX",
@@ -84,6 +84,7 @@ __all__ = [
     "mxfp8_dequantize",
     "dequantize_nvfp4",
     "nvfp4_cast",
+    "nvfp4_cast_triton",
     "nvfp4_gemm",
     "nvfp4_global_scales",
     "quantize_nvfp4",
@@ -285,4 +286,27 @@ def block_scaled_gemm(
     return ops_block.block_scaled_gemm(
         a_data, a_scale_inv, a_block_dim, b_data, b_scale_inv, b_block_dim, out_dtype,
         None if bias is None else bias.detach(),
+    )  # fmt: skip
+
+
+def nvfp4_cast(
+    x: Tensor,
+    amax: Tensor | float,
+    *,
+    columnwise: bool = False,
+    block_2d: bool = False,
+    rht: bool = False,
+    stochastic: bool = False,
+    seed: int = 0,
+    offset: int = 0,
+) -> reference_nvfp4.NVFP4Cast:
+    """``reference_nvfp4.nvfp4_cast`` as the ``dist_quant::nvfp4_cast`` op: one Triton pass on CUDA
+    (the columnwise cast reads ``x`` in place), the reference elsewhere. ``amax`` may stay on the
+    device: nothing is synchronised with the host."""
+    amax_t = torch.as_tensor(amax, dtype=torch.float32, device=x.device).reshape(1)
+    return reference_nvfp4.NVFP4Cast(
+        *nvfp4.nvfp4_cast_op(
+            x.detach(), amax_t.detach(), bool(columnwise), bool(block_2d), bool(rht),
+            bool(stochastic), int(seed), int(offset),
+        )
     )  # fmt: skip

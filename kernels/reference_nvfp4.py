@@ -130,7 +130,7 @@ def quantize_nvfp4(
         codes = e2m1_stochastic_codes(v, philox_uniform24(m * k, seed, offset).reshape(m, k))
     else:
         codes = e2m1_codes(v)
-    return NVFP4Cast(pack_e2m1(codes), scales, s_dec)
+    return NVFP4Cast(pack_e2m1(codes), scales.contiguous(), s_dec)
 
 
 def random_hadamard_transform(
@@ -248,7 +248,7 @@ def _with_sign(code: Tensor, v: Tensor) -> Tensor:
 
 def pack_e2m1(codes: Tensor) -> Tensor:
     """``(M, K)`` codes -> ``(M, K // 2)`` bytes, the even element in the low nibble."""
-    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
 
 
 def unpack_e2m1(q_packed: Tensor) -> Tensor:
