@@ -118,30 +118,33 @@ class NVFP4Quantizer(Quantizer):
         rows, cols = x.numel() // x.shape[-1], x.shape[-1]
         self._check_shape(rows, cols)
         x2d = x.reshape(rows, cols)
-        sources: list[tuple[Tensor, bool]] = []  # (values to quantize, transformed)
+        # (values to cast, cast them columnwise, transformed): the transform needs its output for
+        # the amax anyway, so a transformed copy is cast rowwise from it; an untransformed
+        # columnwise copy is read in place by the cast and shares the tensor's amax
+        sources: list[tuple[Tensor, bool, bool]] = []
         if self.rowwise_usage:
-            sources.append((x2d, False))
-        if self.columnwise_usage:
-            x_t = x2d.t().contiguous()  # (cols, rows): blocks along the rows of x
-            if self.rht:
-                x_t = fp8_kernels.random_hadamard_transform(x_t)
-            sources.append((x_t, self.rht))
-        # one amax per copy (after the transform), reduced together: one collective
-        amaxes = torch.stack([fp8_kernels.amax(src).reshape(()) for src, _ in sources])
-        allreduce_current_amax(amaxes, self.amax_reduction_group)
-        copies = [self._cast(src, amaxes[i : i + 1], t) for i, (src, t) in enumerate(sources)]
+            sources.append((x2d, False, False))
+        if self.columnwise_usage and self.rht:
+            x_t = fp8_kernels.random_hadamard_transform(x2d.t())  # (cols, rows) fp32
+            sources.append((x_t, False, True))
+        elif self.columnwise_usage:
+            sources.append((x2d, True, False))
+        amaxes = torch.stack([fp8_kernels.amax(src).reshape(()) for src, _, _ in sources])
+        allreduce_current_amax(amaxes, self.amax_reduction_group)  # one collective for both
+        copies = [self._cast(*source, amaxes[i : i + 1]) for i, source in enumerate(sources)]
         rowwise = copies.pop(0) if self.rowwise_usage else None
         columnwise = copies.pop(0) if self.columnwise_usage else None
         return NVFP4Tensor(shape=x.shape, dtype=x.dtype, rowwise=rowwise, columnwise=columnwise)
 
-    def _cast(self, src: Tensor, amax: Tensor, transformed: bool) -> NVFP4Copy:
+    def _cast(self, src: Tensor, columnwise: bool, transformed: bool, amax: Tensor) -> NVFP4Copy:
         offset = 0
         if self.stochastic_rounding:
             offset = int(self.sr_offset.item())
             self.sr_offset.add_(1)
-        data, scales, _ = fp8_kernels.quantize_nvfp4(
+        data, scales, _ = fp8_kernels.nvfp4_cast(
             src,
             amax,
+            columnwise=columnwise,
             block_2d=self.block_2d,
             stochastic=self.stochastic_rounding,
             seed=self.seed,
