@@ -11,7 +11,9 @@ high-precision tensor with its own global amax. Options, set per slot by the rec
   per copy cast, so a run and its resume draw the same bits;
 - `amax_reduction_group`: both global amaxes max-reduced over the group (one all-reduce) before
   the casts, so shards of one tensor on tensor-parallel ranks quantize with the whole tensor's
-  global scale.
+  global scale; with `reduce_amax` (the default) tensor-parallel planning gives a sharded slot
+  its TP group (`parallel.tp_amax_quantizer`). A sequence-parallel input is all-gathered in high
+  precision and quantized whole, so its amax is the group's by construction.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class NVFP4Quantizer(Quantizer):
         seed: int = 0,
         sr_offset: Tensor | None = None,
         amax_reduction_group: Any = None,
+        reduce_amax: bool = True,
     ) -> None:
         super().__init__(SCALE_DTYPE)
         for name, flag in (
@@ -67,6 +70,8 @@ class NVFP4Quantizer(Quantizer):
         self.seed = seed
         self.sr_offset = sr_offset
         self.amax_reduction_group = amax_reduction_group
+        self.reduce_amax = bool(reduce_amax)
+        """Tensor-parallel planning may give it the TP group where its tensor is sharded."""
 
     def describe(self) -> tuple:
         return (
@@ -75,6 +80,7 @@ class NVFP4Quantizer(Quantizer):
             ("rht", self.rht),
             ("stochastic_rounding", self.stochastic_rounding),
             ("seed", self.seed),
+            ("reduce_amax", self.reduce_amax),
             ("amax_reduction_group", group_ranks(self.amax_reduction_group)),
         )
 

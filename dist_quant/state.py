@@ -370,6 +370,7 @@ class NVFP4BlockScalingRecipeState(RecipeState):
                     stochastic_rounding=r.stochastic_rounding and grad,
                     seed=self._slot_seed(slot),
                     sr_offset=self.sr_offset[slot : slot + 1],
+                    reduce_amax=r.reduce_amax,
                 )
             )
         return out
