@@ -104,15 +104,18 @@ class NVFP4Quantizer(Quantizer):
                 )
 
     def _check_traceable(self) -> None:
-        if not self.stochastic_rounding:
-            return
-        if torch.compiler.is_compiling() or (
-            torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        ):
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise NotImplementedError(
+                f"{self._where()}: NVFP4 cannot be captured in a CUDA graph yet: its reference "
+                "transform and emulated GEMM copy host constants to the device (refused by the "
+                "capture, seen on the H200), and stochastic rounding advances a host-side offset "
+                "per cast that a replay would freeze; run NVFP4 steps eagerly or compiled"
+            )
+        if self.stochastic_rounding and torch.compiler.is_compiling():
             raise NotImplementedError(
                 f"{self._where()}: stochastic rounding advances a host-side offset per cast, "
-                "which a compiled or CUDA-graphed step would freeze (every replay drawing the "
-                "same bits); run NVFP4 with stochastic_rounding=False there"
+                "which a traced graph would freeze; compile around the quantized GEMMs (the "
+                "default: the offset read is a graph break) or set stochastic_rounding=False"
             )
 
     def quantize(self, x: Tensor) -> NVFP4Tensor:
