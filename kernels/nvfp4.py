@@ -2,12 +2,21 @@
 
 Matches ``reference_nvfp4.nvfp4_cast`` bit for bit: one pass over ``x`` writes the packed E2M1
 codes ``(R, K // 2)``, the E4M3 block scales ``(R, K // 16)`` and ``S_dec``, where ``(R, K)`` is
-``x``'s shape, or ``x.t()``'s for ``columnwise``. The columnwise cast reads ``x`` in place with its
-strides swapped (no transposed copy): each program's tile is ``[BM, NB, 16]`` in output
-coordinates (rows, 16-blocks, elements) whichever input axis those run along, and the compiler
-coalesces the load along whichever axis is contiguous in memory. The 16-element axis is explicit,
-so block amaxes are one reduction, 16x16 tiles (``BLOCK_2D``, ``BM`` a multiple of 16 with tiles
-aligned to it) one more, and the RHT a fixed sequence of butterflies on it.
+``x``'s shape, or ``x.t()``'s for ``columnwise``; the columnwise casts read ``x`` in place (no
+transposed copy). Two kernels:
+
+- ``_nvfp4_cast_kernel``: rowwise, and every RHT cast. Each program's tile is ``[BM, NB, 16]`` in
+  output coordinates (rows, 16-blocks, elements); a columnwise RHT cast passes ``x``'s strides
+  swapped. The 16-element axis is explicit, so block amaxes are one reduction, 16x16 tiles
+  (``BLOCK_2D``, ``BM`` a multiple of 16 with tiles aligned to it) one more, and the RHT a fixed
+  sequence of butterflies on it.
+- ``_nvfp4_columnwise_kernel``: the columnwise cast without RHT, on ``[NB, 16, BN]`` tiles in
+  ``x``'s orientation (the MXFP8 columnwise kernel's shape). The first kernel with swapped strides
+  computed it too, but compiled by Triton 3.6 for the H200 it wrote wrong block scales (every one
+  the same byte, data independent) under three of four launch configurations tried, and a variant
+  with the nibble-pair axis explicit (``[BM, NB, 8, 2]``) under one of four, while the interpreter
+  ran both exactly; this layout gave the reference's bytes under every configuration swept
+  (BENCHMARKS.md, "NVFP4 cast and emulated GEMM").
 
 Exactness on GPU and in the interpreter alike: every operation is an IEEE fp32 add, multiply or
 ``div_rn`` of the reference's, in its order, or integer arithmetic on bits. The E4M3 block scale
@@ -45,13 +54,14 @@ from dist_quant.kernels.ops import register_op
 from torch import Tensor
 
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_FLT_MAX = ref.FLT_MAX
 _SIGN_MASK = sum(1 << i for i, s in enumerate(ref.NVFP4_RHT_SIGNS) if s < 0)
 
-# GPU launch configurations: BM output rows x NB 16-blocks per program. Columnwise reads run along
-# BM in memory, so it is the long side there.
+# GPU launch configurations (bench/bench_nvfp4.py --sweep; H200, 8192x8192 bf16, BENCHMARKS.md):
+# rowwise 122.5 us (32x4: 127.0, 8x16: 123.7); columnwise 207.3 us (NB 4 x BN 32: 202.5, within
+# noise; 1x128: 221.2); columnwise RHT + SR 420.2 us (128x1: 414.8, 32x4: 417.2).
 GPU_ROWWISE = {"BM": 16, "NB": 8, "num_warps": 4}
-GPU_COLUMNWISE = {"BM": 64, "NB": 2, "num_warps": 4}
+GPU_COLUMNWISE = {"NB": 2, "BN": 64, "num_warps": 4}  # _nvfp4_columnwise_kernel
+GPU_COLUMNWISE_RHT = {"BM": 64, "NB": 2, "num_warps": 4}
 
 
 @triton.jit
@@ -121,6 +131,41 @@ def _e2m1_codes(v, u24, STOCHASTIC: tl.constexpr):
     return tl.where(is_nan, 7, code)
 
 
+@triton.jit
+def _global_scales(amax_ptr, s_dec_ptr, pid):
+    """``(S_enc, S_dec)`` from the global amax (``reference_nvfp4.nvfp4_global_scales``); program 0
+    also stores ``S_dec``."""
+    a = tl.load(amax_ptr)
+    s_enc = tl.math.div_rn(tl.zeros_like(a) + 2688.0, a)
+    s_enc = tl.where(s_enc <= 3.4028234663852886e38, s_enc, 3.4028234663852886e38)  # fminf
+    s_enc = tl.where((a == 0.0) | (s_enc == 0.0), 1.0, s_enc)
+    s_dec = reciprocal(s_enc)
+    if pid == 0:
+        tl.store(s_dec_ptr, s_dec)
+    return s_enc, s_dec
+
+
+@triton.jit
+def _block_scale(m, s_enc, s_dec, HW_ROUND: tl.constexpr):
+    """Block amax bits -> (the E4M3 byte of ``s_b``, the encode factor ``enc``)."""
+    sb = amax_from_bits(m) * (s_enc * 0.16666666666666666)
+    sb_code = fp8_encode(sb, 0x43E00000, 3, -6, HW_ROUND)  # 448 = 0x43E00000
+    enc = reciprocal(fp8_decode(sb_code, 3, -6, False) * s_dec)
+    enc = tl.where(enc <= 3.4028234663852886e38, enc, 3.4028234663852886e38)  # fminf
+    return sb_code, enc
+
+
+@triton.jit
+def _random_bits(i, seed_lo, seed_hi, offset_lo, offset_hi):
+    """The 24 random bits (int32) of the elements of row-major index ``i`` (int64)."""
+    k0 = seed_lo.to(tl.uint32, bitcast=True)
+    k1 = seed_hi.to(tl.uint32, bitcast=True)
+    c2 = tl.zeros_like(i).to(tl.uint32) + offset_lo.to(tl.uint32, bitcast=True)
+    c3 = tl.zeros_like(i).to(tl.uint32) + offset_hi.to(tl.uint32, bitcast=True)
+    word = _philox_word0(i.to(tl.uint32), (i >> 32).to(tl.uint32), c2, c3, k0, k1)
+    return (word >> 8).to(tl.int32)
+
+
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "offset_lo", "offset_hi"])
 def _nvfp4_cast_kernel(
     x_ptr,
@@ -157,32 +202,16 @@ def _nvfp4_cast_kernel(
     if RHT:
         x = _rht16(x, BM, NB, SIGN_MASK)
 
-    a = tl.load(amax_ptr)
-    s_enc = tl.math.div_rn(tl.zeros_like(a) + 2688.0, a)
-    s_enc = tl.where(s_enc <= 3.4028234663852886e38, s_enc, 3.4028234663852886e38)  # fminf
-    s_enc = tl.where((a == 0.0) | (s_enc == 0.0), 1.0, s_enc)
-    s_dec = reciprocal(s_enc)
-    if pid == 0:
-        tl.store(s_dec_ptr, s_dec)
-
+    s_enc, s_dec = _global_scales(amax_ptr, s_dec_ptr, pid)
     m = tl.max(abs_bits(x), axis=2)  # [BM, NB]
     if BLOCK_2D:
         m = tl.max(tl.reshape(m, [BM // 16, 16, NB]), axis=1)
         m = tl.reshape(tl.broadcast_to(m[:, None, :], [BM // 16, 16, NB]), [BM, NB])
-    sb = amax_from_bits(m) * (s_enc * 0.16666666666666666)
-    sb_code = fp8_encode(sb, 0x43E00000, 3, -6, HW_ROUND)  # 448 = 0x43E00000
-    enc = reciprocal(fp8_decode(sb_code, 3, -6, False) * s_dec)
-    enc = tl.where(enc <= 3.4028234663852886e38, enc, 3.4028234663852886e38)  # fminf
+    sb_code, enc = _block_scale(m, s_enc, s_dec, HW_ROUND)
     v = x * enc[:, :, None]
-
     if STOCHASTIC:
-        i = r3 * cols + c3
-        k0 = seed_lo.to(tl.uint32, bitcast=True)
-        k1 = seed_hi.to(tl.uint32, bitcast=True)
-        c2 = tl.zeros_like(i).to(tl.uint32) + offset_lo.to(tl.uint32, bitcast=True)
-        c3w = tl.zeros_like(i).to(tl.uint32) + offset_hi.to(tl.uint32, bitcast=True)
-        word = _philox_word0(i.to(tl.uint32), (i >> 32).to(tl.uint32), c2, c3w, k0, k1)
-        code = _e2m1_codes(v, (word >> 8).to(tl.int32), True)
+        u24 = _random_bits(r3 * cols + c3, seed_lo, seed_hi, offset_lo, offset_hi)
+        code = _e2m1_codes(v, u24, True)
     else:
         code = _e2m1_codes(v, 0, False)
 
@@ -195,7 +224,63 @@ def _nvfp4_cast_kernel(
     tl.store(s_ptr + r[:, None] * n_blocks + b[None, :], sb_code.to(tl.uint8), mask=s_mask)
 
 
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "offset_lo", "offset_hi"])
+def _nvfp4_columnwise_kernel(
+    x_ptr,
+    q_ptr,  # uint8 (R, K // 2) with (R, K) = x.t()'s shape
+    s_ptr,  # uint8 (R, K // 16)
+    amax_ptr,
+    s_dec_ptr,
+    rows,  # R = x.shape[1]
+    cols,  # K = x.shape[0]
+    stride_xr,
+    stride_xc,
+    seed_lo,
+    seed_hi,
+    offset_lo,
+    offset_hi,
+    NB: tl.constexpr,
+    BN: tl.constexpr,
+    BLOCK_2D: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    HW_ROUND: tl.constexpr,
+):
+    """The columnwise cast without RHT, on ``[NB, 16, BN]`` tiles in ``x``'s own orientation (16-blocks
+    down x's rows, BN of x's columns), the tile shape of the MXFP8 columnwise kernel."""
+    pid = tl.program_id(0)
+    n_blocks = cols // 16
+    n_o_tiles = tl.cdiv(rows, BN)
+    b = (pid // n_o_tiles) * NB + tl.arange(0, NB)
+    k = (b[:, None] * 16 + tl.arange(0, 16)[None, :]).to(tl.int64)  # [NB, 16]: x's rows
+    o = ((pid % n_o_tiles) * BN + tl.arange(0, BN)).to(tl.int64)  # x's columns: output rows
+    k3 = k[:, :, None]
+    o3 = o[None, None, :]
+    mask = (k3 < cols) & (o3 < rows)
+    x = tl.load(x_ptr + k3 * stride_xr + o3 * stride_xc, mask=mask, other=0.0).to(tl.float32)
+    s_enc, s_dec = _global_scales(amax_ptr, s_dec_ptr, pid)
+    m = tl.max(abs_bits(x), axis=1)  # [NB, BN]
+    if BLOCK_2D:
+        m = tl.max(tl.reshape(m, [NB, BN // 16, 16]), axis=2)
+        m = tl.reshape(tl.broadcast_to(m[:, :, None], [NB, BN // 16, 16]), [NB, BN])
+    sb_code, enc = _block_scale(m, s_enc, s_dec, HW_ROUND)
+    v = x * enc[:, None, :]
+    if STOCHASTIC:
+        u24 = _random_bits(o3 * cols + k3, seed_lo, seed_hi, offset_lo, offset_hi)
+        code = _e2m1_codes(v, u24, True)
+    else:
+        code = _e2m1_codes(v, 0, False)
+    # pairs along the block axis: even element in the low nibble (the sum adds disjoint bits)
+    shift = tl.arange(0, 2) * 4
+    byte = tl.sum(tl.reshape(code, [NB, 8, 2, BN]) << shift[None, None, :, None], axis=2)
+    p = (b[:, None] * 8 + tl.arange(0, 8)[None, :]).to(tl.int64)  # [NB, 8]
+    p_mask = (p[:, :, None] < cols // 2) & (o3 < rows)
+    tl.store(q_ptr + o3 * (cols // 2) + p[:, :, None], byte.to(tl.uint8), mask=p_mask)
+    s_mask = (b < n_blocks)[:, None] & (o < rows)[None, :]
+    tl.store(s_ptr + o[None, :] * n_blocks + b[:, None], sb_code.to(tl.uint8), mask=s_mask)
+
+
 _launch_cast = FastLaunch(_nvfp4_cast_kernel)
+_launch_columnwise = FastLaunch(_nvfp4_columnwise_kernel)
 
 
 def _i32_words(value: int) -> tuple[int, int]:
@@ -237,26 +322,37 @@ def nvfp4_cast_triton(
     if data.numel() == 0:
         return ref.NVFP4Cast(data, scales, ref.nvfp4_global_scales(amax)[1])
     s_dec = torch.empty((1,), dtype=torch.float32, device=dev)
-    stride_r, stride_k = x.stride() if not columnwise else (x.stride(1), x.stride(0))
-    n_blocks = cols // 16
     gpu = is_gpu(x)
+    args = (x, data, scales.view(torch.uint8), amax.reshape(1), s_dec, rows, cols)
+    rng = (*_i32_words(seed), *_i32_words(offset))
+    consts = {
+        "BLOCK_2D": bool(block_2d),
+        "STOCHASTIC": bool(stochastic),
+        "HW_ROUND": hw_rounding(x),
+    }
+    n_blocks = cols // 16
+    if columnwise and not rht:
+        if gpu:
+            cfg = GPU_COLUMNWISE
+        else:  # interpreter: ~4K-element tiles
+            nb = min(next_pow2(n_blocks), 4)
+            cfg = {"NB": nb, "BN": max(16, min(next_pow2(rows), 256 // nb)), "num_warps": 1}
+        grid = (cdiv(n_blocks, cfg["NB"]) * cdiv(rows, cfg["BN"]),)
+        _launch_columnwise.launch(
+            grid, (*args, *x.stride(), *rng), {**consts, **cfg}, interpreted=not gpu
+        )
+        return ref.NVFP4Cast(data, scales, s_dec.reshape(()))
+    # rowwise, and the RHT (either way): tiles in output coordinates, x's strides swapped
+    # for the columnwise one
+    strides = (x.stride(1), x.stride(0)) if columnwise else x.stride()
     if gpu:
-        cfg = GPU_COLUMNWISE if columnwise else GPU_ROWWISE
-    else:  # interpreter: ~4K-element tiles
+        cfg = GPU_COLUMNWISE_RHT if columnwise else GPU_ROWWISE
+    else:
         nb = min(next_pow2(n_blocks), 16)
         cfg = {"BM": max(16, min(next_pow2(rows), 256 // nb)), "NB": nb, "num_warps": 1}
     grid = (cdiv(rows, cfg["BM"]) * cdiv(n_blocks, cfg["NB"]),)
-    consts = {
-        "BLOCK_2D": bool(block_2d), "RHT": bool(rht), "STOCHASTIC": bool(stochastic),
-        "SIGN_MASK": _SIGN_MASK, "HW_ROUND": hw_rounding(x),
-    }  # fmt: skip
-    _launch_cast.launch(
-        grid,
-        (x, data, scales.view(torch.uint8), amax.reshape(1), s_dec, rows, cols, stride_r,
-         stride_k, *_i32_words(seed), *_i32_words(offset)),
-        {**consts, **cfg},
-        interpreted=not gpu,
-    )  # fmt: skip
+    consts = {**consts, "RHT": bool(rht), "SIGN_MASK": _SIGN_MASK}
+    _launch_cast.launch(grid, (*args, *strides, *rng), {**consts, **cfg}, interpreted=not gpu)
     return ref.NVFP4Cast(data, scales, s_dec.reshape(()))
 
 

@@ -116,18 +116,20 @@ def quantize_nvfp4(
     """
     m, k = _check_matrix(x_hp, "quantize_nvfp4")
     _check_rng(seed, offset, "quantize_nvfp4")
-    s_enc, s_dec = nvfp4_global_scales(amax)
+    s_enc, s_dec = nvfp4_global_scales(_scalar_fp32(amax, "quantize_nvfp4: amax", x_hp.device))
     blocks = x_hp.detach().float().reshape(m, k // NVFP4_BLOCK, NVFP4_BLOCK)
     block_amax = blocks.abs().amax(-1)  # (M, K/16); NaN propagates
     if block_2d:
         block_amax = _tile_rows_max(block_amax)
-    sb = block_amax * (s_enc * _fp32(1.0 / 6.0))
+    sb = block_amax * (s_enc * torch.full_like(s_enc, 1.0 / 6.0))
     scales = sb.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     enc = torch.ones_like(sb) / (scales.float() * s_dec)
     enc = torch.fmin(enc, torch.full_like(enc, FLT_MAX))  # fminf: NaN and inf -> FLT_MAX
     v = (blocks * enc.unsqueeze(-1)).reshape(m, k)
     if stochastic:
-        codes = e2m1_stochastic_codes(v, philox_uniform24(m * k, seed, offset).reshape(m, k))
+        codes = e2m1_stochastic_codes(
+            v, philox_uniform24(m * k, seed, offset, x_hp.device).reshape(m, k)
+        )
     else:
         codes = e2m1_codes(v)
     return NVFP4Cast(pack_e2m1(codes), scales.contiguous(), s_dec)
@@ -185,27 +187,38 @@ def dequantize_nvfp4(
 ) -> Tensor:
     """``(e2m1 * float(s_b)) * S_dec`` in fp32, cast to ``dtype``: a ``(M, K)`` tensor."""
     m, k = _check_packed(q_packed, block_scales, "dequantize_nvfp4")
-    s = _scalar_fp32(s_dec, "dequantize_nvfp4: s_dec")
+    s = _scalar_fp32(s_dec, "dequantize_nvfp4: s_dec", q_packed.device)
     values = e2m1_decode(q_packed).reshape(m, k // NVFP4_BLOCK, NVFP4_BLOCK)
     out = (values * block_scales.float().unsqueeze(-1)) * s
     return out.reshape(m, k).to(dtype)
 
 
-def nvfp4_gemm(a: NVFP4Operand | tuple, b: NVFP4Operand | tuple) -> Tensor:
+def nvfp4_gemm(a: NVFP4Operand | tuple, b: NVFP4Operand | tuple, *, ordered: bool = True) -> Tensor:
     """``a @ b.T`` of two NVFP4 operands sharing K, fp32 ``(M, N)``, per the module docstring:
-    exact 16-block terms, accumulated in fp32 in ascending block order, times alpha."""
+    exact 16-block terms accumulated in fp32, times alpha.
+
+    ``ordered`` (the definition): the terms are added in ascending block order, one small matmul
+    per block. ``ordered=False``: one fp32 matmul of the block-scaled values ``e2m1 * float(s_b)``
+    (exact in fp32 and in TF32: at most 6 significant bits), the same exact products accumulated in
+    the matmul's own order: the stated tolerance, at the cost of one GEMM (what an emulation on a
+    GPU without FP4 tensor cores runs)."""
     a, b = NVFP4Operand(*a), NVFP4Operand(*b)
     m, k = _check_packed(a.data, a.scales, "nvfp4_gemm: a")
     n, kb = _check_packed(b.data, b.scales, "nvfp4_gemm: b")
     if k != kb:
         raise ValueError(f"nvfp4_gemm: a has K = {k} and b has K = {kb}")
-    alpha = (_scalar_fp32(a.amax, "nvfp4_gemm: a.amax") * _scalar_fp32(b.amax, "b.amax")) / _fp32(
-        ALPHA_DIVISOR
-    )
+    dev = a.data.device
+    amax_a = _scalar_fp32(a.amax, "nvfp4_gemm: a.amax").to(dev)
+    product = amax_a * _scalar_fp32(b.amax, "nvfp4_gemm: b.amax").to(dev)
+    alpha = product / torch.full_like(product, ALPHA_DIVISOR)  # a tensor: IEEE division on CUDA
     a_val = e2m1_decode(a.data).reshape(m, k // NVFP4_BLOCK, NVFP4_BLOCK)
     b_val = e2m1_decode(b.data).reshape(n, k // NVFP4_BLOCK, NVFP4_BLOCK)
     sa, sb = a.scales.float(), b.scales.float()
-    acc = torch.zeros((m, n), dtype=torch.float32, device=a.data.device)
+    if not ordered:
+        a_scaled = (a_val * sa.unsqueeze(-1)).reshape(m, k)
+        b_scaled = (b_val * sb.unsqueeze(-1)).reshape(n, k)
+        return (a_scaled @ b_scaled.t()) * alpha
+    acc = torch.zeros((m, n), dtype=torch.float32, device=dev)
     for blk in range(k // NVFP4_BLOCK):
         dot = a_val[:, blk, :] @ b_val[:, blk, :].t()  # exact in any summation order
         acc = acc + dot * (sa[:, blk, None] * sb[None, :, blk])
@@ -335,12 +348,8 @@ def _tile_rows_max(block_amax: Tensor) -> Tensor:
     return tile_max.repeat_interleave(NVFP4_BLOCK, dim=0)[:m]
 
 
-def _fp32(value: float) -> Tensor:
-    return torch.tensor(value, dtype=torch.float32)
-
-
-def _scalar_fp32(value: Tensor | float, what: str) -> Tensor:
-    t = torch.as_tensor(value, dtype=torch.float32)
+def _scalar_fp32(value: Tensor | float, what: str, device: torch.device | None = None) -> Tensor:
+    t = torch.as_tensor(value, dtype=torch.float32, device=device)
     if t.numel() != 1:
         raise ValueError(f"{what} must hold exactly one value, got shape {tuple(t.shape)}")
     return t.reshape(())

@@ -213,12 +213,15 @@ def test_gemm_is_exact_block_terms_accumulated_in_fp32_times_alpha(k):
     terms, alpha = _gemm_float64(a, b, amax_a, amax_b)
     assert out.dtype == torch.float32 and out.shape == (5, 3)
     exact = terms.sum(-1)
+    accumulation = (k // 16) * 2.0**-24 * np.abs(terms).sum(-1)
+    bound = (accumulation + 2.0**-24 * np.abs(exact)) * alpha
     if k <= 32:  # at most one rounding in the accumulation: bit exact
         np.testing.assert_array_equal(out.double().numpy(), r32(r32(exact) * alpha))
-    else:  # fp32 accumulation over K/16 terms in some order: the stated tolerance
-        accumulation = (k // 16) * 2.0**-24 * np.abs(terms).sum(-1)
-        bound = (accumulation + 2.0**-24 * np.abs(exact)) * alpha
+    else:  # fp32 accumulation over K/16 terms: within the bound of its roundings
         assert (np.abs(out.double().numpy() - exact * alpha) <= bound).all()
+    # one matmul of the block-scaled values: the same terms in another order, the same bound
+    unordered = K.nvfp4_gemm((a.data, a.scales, amax_a), (b.data, b.scales, amax_b), ordered=False)
+    assert (np.abs(unordered.double().numpy() - exact * alpha) <= bound).all()
 
 
 def test_bad_shapes_and_arguments_are_refused_naming_the_cause():

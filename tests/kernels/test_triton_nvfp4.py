@@ -18,6 +18,7 @@ MODES = {
     "2d_columnwise": {"block_2d": True, "columnwise": True},
     "rht_columnwise": {"rht": True, "columnwise": True},
     "sr": {"stochastic": True, "seed": 2**40 + 7, "offset": 2**33 + 1},
+    "sr_2d_columnwise": {"stochastic": True, "block_2d": True, "columnwise": True, "seed": 3},
     "rht_sr_columnwise": {"rht": True, "stochastic": True, "columnwise": True, "seed": 9},
 }
 
