@@ -119,3 +119,18 @@ def test_a_compiled_nvfp4_step_is_the_eager_step_with_stochastic_rounding():
             y.square().mean().backward()
             outs.append((y.detach(), m.weight.grad))
         assert _same(*outs), step
+
+
+def test_an_nvfp4_block_under_activation_checkpointing_recomputes_exactly():
+    """The forward's casts have no stochastic rounding (only the output gradient's, cast once in
+    the backward), so the recompute quantizes as the forward did: the step equals the plain one."""
+    outs = []
+    for checkpointed in (False, True):
+        model = _model()
+        dq.apply_recipe(model, dq.NVFP4BlockScaling())
+        x = torch.randn(S, B, HIDDEN, generator=torch.Generator().manual_seed(5))
+        with dq.autocast():
+            y = dq.activation_checkpoint(model, x) if checkpointed else model(x)
+        y.square().mean().backward()
+        outs.append((y.detach(), *(p.grad for p in model.parameters())))
+    assert _same(*outs)
