@@ -148,12 +148,15 @@ class Recipe:
     def to_dict(self) -> dict[str, Any]:
         """`{"type": ClassName, field: value, ...}`, JSON-serialisable.
 
-        Formats are written by name, callables as `"pkg.module:qualname"`; a callable that cannot
-        be imported back by that path (lambda, closure, bound method, partial) raises ValueError.
+        Formats are written by name, callables as `"pkg.module:qualname"`; a field added later
+        (`keyed_when_set`) only when set; a callable that cannot be imported back by that path
+        (lambda, closure, bound method, partial) raises ValueError.
         """
         out: dict[str, Any] = {"type": self.name}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if f.metadata.get("keyed_when_set") and value == f.default:
+                continue  # as in the key: the dict an older version wrote, byte for byte
             if isinstance(value, enum.Enum):
                 out[f.name] = value.name
             elif callable(value) and builder_of(value) is not None:
