@@ -57,6 +57,7 @@ def test_overrides_enter_a_key_only_when_set_so_existing_digests_stay():
         (0, "HYBRID", 1024, "max", None, True, False, False),
     )
     assert dq.MXFP8BlockScaling().key() == ("MXFP8BlockScaling", ("E4M3",))
+    assert dq.MXFP8BlockScaling().to_dict() == {"type": "MXFP8BlockScaling", "fp8_format": "E4M3"}
     set_key = dq.MXFP8BlockScaling(backward_override="dequantized").key()
     assert set_key == ("MXFP8BlockScaling", ("E4M3", ("backward_override", "dequantized")))
     fwd = dq.Float8CurrentScaling(forward_override="high_precision").key()
