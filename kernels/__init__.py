@@ -19,6 +19,11 @@ Fused operations with no single reference function:
   no host sync on CUDA, returning a ``CurrentScalingCast``;
 - ``delayed_scaling_update_groups``: ``delayed_scaling_update`` for a list of
   ``(amax_history, scale, fp8_max, margin, algo)`` groups, one launch on CUDA.
+
+NVFP4 (``reference_nvfp4.py`` is its definition): ``nvfp4_cast`` is the ``dist_quant::nvfp4_cast``
+op (``kernels/nvfp4.py``), rowwise or columnwise, 16x16 blocks, RHT and stochastic rounding in one
+pass; ``quantize_nvfp4``, ``random_hadamard_transform``, ``dequantize_nvfp4``, ``nvfp4_gemm`` and
+``nvfp4_global_scales`` are the reference functions themselves (torch ops, exact on any device).
 """
 
 from __future__ import annotations
