@@ -17,7 +17,7 @@ in the same variant and over BF16 eager. The eager delayed step also reports the
 amax reduction + scale update (`dist_quant.amax.reduce_and_update`, CUDA events around each call).
 
     python bench/bench_layer.py [--hidden 4096] [--seq 4096] [--batch 2] [--layers 1]
-        [--variants eager,ac,compiled,ac+compiled]
+        [--variants eager,ac,compiled,ac+compiled] [--recipes bf16,mxfp8,nvfp4,...]
 """
 
 from __future__ import annotations
@@ -38,7 +38,12 @@ RECIPES = {
     "bf16": None,
     "fp8 delayed": dq.DelayedScaling(),
     "fp8 current": dq.Float8CurrentScaling(),
+    "mxfp8": dq.MXFP8BlockScaling(),
+    # emulated on Hopper: no FP4 tensor cores before Blackwell (docs/nvfp4.md)
+    "nvfp4": dq.NVFP4BlockScaling(),
+    "nvfp4 hp-fwd": dq.NVFP4BlockScaling(forward_override="high_precision"),
 }
+DEFAULT_RECIPES = "bf16,fp8 delayed,fp8 current"
 
 
 class Blocks(torch.nn.Module):
@@ -145,7 +150,15 @@ def main() -> None:
         default="eager",
         help=f"comma list of {', '.join(VARIANTS)}, each optionally followed by {CALLER}",
     )
+    p.add_argument(
+        "--recipes",
+        default=DEFAULT_RECIPES,
+        help=f"comma list of {', '.join(RECIPES)} (bf16 is always run first, the baseline)",
+    )
     args = p.parse_args()
+    chosen = ["bf16"] + [r for r in args.recipes.split(",") if r != "bf16"]
+    if any(r not in RECIPES for r in chosen):
+        p.error(f"--recipes takes {', '.join(RECIPES)}")
     variants = args.variants.split(",")
     if any(v.removesuffix(CALLER) not in VARIANTS for v in variants):
         p.error(f"--variants takes {', '.join(VARIANTS)}, each optionally followed by {CALLER}")
@@ -159,7 +172,8 @@ def main() -> None:
     for variant in variants:
         torch._dynamo.reset()
         base = None
-        for label, recipe in RECIPES.items():
+        for label in chosen:
+            recipe = RECIPES[label]
             kind = variant.removesuffix(CALLER)
             model = Blocks(args.hidden, args.heads, args.layers, kind, recipe is not None)
             if recipe is not None:

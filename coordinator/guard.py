@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
-FALLBACKS = ("current", "bf16")
+FALLBACKS = ("current", "mxfp8", "bf16")
 
 
 class Trigger(str, Enum):
@@ -57,7 +57,8 @@ class PrecisionGuard:
     saturation_intervals: int = 2
     """Consecutive bad stats steps before the module is switched."""
     fallback: str = "current"
-    """What offending modules switch to: "current" (current scaling) or "bf16"."""
+    """What offending modules switch to: "current" (current scaling), "mxfp8" (the gentler
+    step for an NVFP4 model) or "bf16"."""
     undo_after_steps: int | None = None
     """Trigger-free steps after a committed switch before switching back; None never undoes."""
     switch_timeout_s: float = 30.0

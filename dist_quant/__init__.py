@@ -35,6 +35,7 @@ _EXPORTS: dict[str, str] = {
     "Float8Quantizer": "dist_quant.quantizers",
     "IdentityQuantizer": "dist_quant.quantizers",
     "MXFP8Quantizer": "dist_quant.quantizers",
+    "NVFP4Quantizer": "dist_quant.nvfp4",
     "Quantizer": "dist_quant.quantizers",
     "CustomRecipe": "dist_quant.recipes",
     "DelayedScaling": "dist_quant.recipes",
@@ -42,6 +43,7 @@ _EXPORTS: dict[str, str] = {
     "Float8CurrentScaling": "dist_quant.recipes",
     "HighPrecision": "dist_quant.recipes",
     "MXFP8BlockScaling": "dist_quant.recipes",
+    "NVFP4BlockScaling": "dist_quant.recipes",
     "Recipe": "dist_quant.recipes",
     "recipe_from_dict": "dist_quant.recipes",
     "recipe_from_json": "dist_quant.recipes",
@@ -58,6 +60,7 @@ _EXPORTS: dict[str, str] = {
     "Float8BlockwiseTensor": "dist_quant.tensor",
     "Float8Tensor": "dist_quant.tensor",
     "MXFP8Tensor": "dist_quant.tensor",
+    "NVFP4Tensor": "dist_quant.nvfp4_tensor",
     "QuantizedTensor": "dist_quant.tensor",
 }
 
@@ -111,6 +114,9 @@ __all__ = [
     "MXFP8Quantizer",
     "MXFP8Tensor",
     "MultiheadAttention",
+    "NVFP4BlockScaling",
+    "NVFP4Quantizer",
+    "NVFP4Tensor",
     "plan_model",
     "QuantizedTensor",
     "Quantizer",

@@ -4,6 +4,7 @@ the field, what is valid and the value it got."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from dist_quant.formats import Format
 
@@ -70,4 +71,49 @@ def check_amax_algo(owner: str, field: str, value: object) -> None:
         raise ValueError(
             f"{owner}.{field} must be one of {', '.join(map(repr, AMAX_COMPUTE_ALGOS))} "
             f"or a callable(amax_history) -> amax, got {value!r}"
+        )
+
+
+# The spellings of `kinds.PassMode` a recipe's overrides take (strings here: the recipes layer
+# stays free of the kernels that `kinds` imports)
+FORWARD_OVERRIDES = ("high_precision",)
+BACKWARD_OVERRIDES = ("high_precision", "dequantized")
+
+
+def check_overrides(owner: str, recipe: Any, *, delayed_forward: bool = False) -> None:
+    """Transformer Engine's `backward_override` plus its forward twin (the request of TE #2569):
+    each None (the recipe's quantization) or one of the valid spellings, in a combination that
+    still quantizes something and that the recipe's state can honour."""
+    fwd, bwd = recipe.forward_override, recipe.backward_override
+    for field, value, valid in (
+        ("forward_override", fwd, FORWARD_OVERRIDES),
+        ("backward_override", bwd, BACKWARD_OVERRIDES),
+    ):
+        if value is not None and value not in valid:
+            raise ValueError(
+                f"{owner}.{field} must be None or one of {', '.join(map(repr, valid))}, "
+                f"got {value!r}"
+            )
+    if fwd is None and bwd is None:
+        return
+    if fwd is not None and bwd == "high_precision":
+        raise ValueError(
+            f"{owner}: forward_override and backward_override both 'high_precision' quantize "
+            "nothing; use HighPrecision() ('bf16')"
+        )
+    if fwd is not None and bwd == "dequantized":
+        raise ValueError(
+            f"{owner}: backward_override='dequantized' reads the forward's quantized operands, "
+            "but forward_override='high_precision' quantizes none"
+        )
+    if fwd is not None and delayed_forward:
+        raise ValueError(
+            f"{owner}.forward_override='high_precision' would cast the forward's delayed-scaling "
+            "operands in the backward, after the forward amax reduction; use "
+            "Float8CurrentScaling (or another stateless recipe) for a high-precision forward"
+        )
+    if getattr(recipe, "fp8_dpa", False):
+        raise ValueError(
+            f"{owner}: forward_override / backward_override apply to the linear GEMMs; FP8 "
+            "attention (fp8_dpa=True) has no high-precision pass of its own"
         )

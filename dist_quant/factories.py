@@ -1,6 +1,6 @@
 """Reference quantizer factories for `CustomRecipe`, each with an explicit semantic key.
 
-A factory maps a `QuantizerRole` to a quantizer or a `DelayedScalingRequest`. The five basic ones
+A factory maps a `QuantizerRole` to a quantizer or a `DelayedScalingRequest`. The six basic ones
 reproduce the built-in recipes slot by slot; `bf16_first_last` and
 `attention_current_linear_block` show dispatch by module name and by module type. Bump a key's
 version suffix whenever the behaviour behind it changes, so running jobs see a new recipe key.
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,6 +25,7 @@ import torch
 
 from dist_quant.factory_keys import built_by, quantizer_factory
 from dist_quant.formats import Format, bwd_dtype, fwd_dtype
+from dist_quant.nvfp4 import NVFP4Quantizer
 from dist_quant.quantizers import (
     Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,
@@ -38,6 +40,7 @@ from dist_quant.recipes import (
     Float8CurrentScaling,
     HighPrecision,
     MXFP8BlockScaling,
+    NVFP4BlockScaling,
     Recipe,
     recipe_from_dict,
 )
@@ -80,6 +83,25 @@ def mxfp8(role: QuantizerRole | None) -> Quantizer:
     return MXFP8Quantizer(torch.float8_e4m3fn)
 
 
+@quantizer_factory(key="dist_quant.factories.nvfp4.v1")
+def nvfp4(role: QuantizerRole | None) -> Quantizer:
+    """NVFP4 with Transformer Engine's defaults, what `NVFP4BlockScaling()` gives each role:
+    16x16 weight blocks, the Hadamard transform on the input's and the output gradient's
+    columnwise (wgrad) copies, stochastic rounding of the output gradient; other slots 1x16.
+    The stochastic rounding seed is a digest of the role (so slots draw different streams, the
+    same on every rank); its offset starts at 0 for each quantizer the factory builds (a
+    recipe's own state checkpoints its offsets, a factory's quantizers do not)."""
+    tensor_type = _tensor_type(role)
+    grad = tensor_type == "grad_output"
+    salt = zlib.crc32(repr(role).encode()) % 2**31
+    return NVFP4Quantizer(
+        block_2d=tensor_type == "weight",
+        rht=tensor_type == "input" or grad,
+        stochastic_rounding=grad,
+        seed=salt,
+    )
+
+
 @quantizer_factory(key="dist_quant.factories.float8_block_scaling.v1")
 def float8_block_scaling(role: QuantizerRole | None) -> Quantizer:
     """Float8 block scaling: 128x128 blocks for weights, 1x128 tiles for everything else."""
@@ -93,17 +115,39 @@ def layer_index(role: QuantizerRole | None) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def bf16_first_last(num_layers: int) -> Callable[[QuantizerRole | None], Quantizer]:
-    """First and last transformer layer in high precision, the layers between on current scaling.
+INNER_FACTORIES: dict[str, Callable[[QuantizerRole | None], Quantizer]] = {
+    "current": current_scaling,
+    "mxfp8": mxfp8,
+    "block": float8_block_scaling,
+    "nvfp4": nvfp4,
+}
+"""What `bf16_first_last` runs the layers between the first and the last with."""
+
+
+def bf16_first_last(
+    num_layers: int, inner: str = "current"
+) -> Callable[[QuantizerRole | None], Quantizer]:
+    """First and last transformer layer in high precision, the layers between on `inner` (a key
+    of `INNER_FACTORIES`: current scaling by default, or mxfp8, block, nvfp4).
 
     The layer comes from `layers.N` in the role's name. Slots outside the layer stack (embedding,
     head, roles without a name) stay in high precision too; a layer index >= `num_layers` means
-    the factory was built for another model and raises ValueError.
+    the factory was built for another model and raises ValueError. It serialises through its
+    parameters (`CustomRecipe(bf16_first_last(...)).to_dict()` round-trips), so a schedule file
+    or a `dist-quant switch` can name it.
     """
     if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
         raise ValueError(f"bf16_first_last: num_layers must be an int >= 1, got {num_layers!r}")
+    if inner not in INNER_FACTORIES:
+        raise ValueError(
+            f"bf16_first_last: inner must be one of {', '.join(INNER_FACTORIES)}, got {inner!r}"
+        )
+    inner_factory = INNER_FACTORIES[inner]
+    # the key current scaling has had since v1; another inner recipe names itself
+    params = f"num_layers={num_layers}" + ("" if inner == "current" else f", inner={inner}")
 
-    @quantizer_factory(key=f"dist_quant.factories.bf16_first_last.v1(num_layers={num_layers})")
+    @built_by("dist_quant.factories:bf16_first_last", {"num_layers": num_layers, "inner": inner})
+    @quantizer_factory(key=f"dist_quant.factories.bf16_first_last.v1({params})")
     def factory(role: QuantizerRole | None) -> Quantizer:
         index = layer_index(role)
         if index is not None and index >= num_layers:
@@ -113,7 +157,7 @@ def bf16_first_last(num_layers: int) -> Callable[[QuantizerRole | None], Quantiz
             )
         if index is None or index in (0, num_layers - 1):
             return high_precision(role)
-        return current_scaling(role)
+        return inner_factory(role)
 
     return factory
 
@@ -130,8 +174,9 @@ def attention_current_linear_block(role: QuantizerRole | None) -> Quantizer:
     return high_precision(role)
 
 
-FALLBACK_TARGETS = ("current", "bf16")
-"""What `fp8_fallback` runs the named modules with: current scaling, or high precision."""
+FALLBACK_TARGETS = ("current", "mxfp8", "bf16")
+"""What `fp8_fallback` runs the named modules with: current scaling, MXFP8 (a gentler step for
+layers of a 4-bit recipe), or high precision."""
 
 
 def fp8_fallback(
@@ -156,7 +201,7 @@ def fp8_fallback(
     base_recipe = recipe_from_dict(base)
     base_factory = _slot_factory(base_recipe)
     chosen = tuple(sorted(set(names)))
-    target = current_scaling if to == "current" else high_precision
+    target = {"current": current_scaling, "mxfp8": mxfp8, "bf16": high_precision}[to]
     params = {"layers": list(chosen), "to": to, "base": base_recipe.to_dict()}
     key = f"dist_quant.factories.fp8_fallback.v1({json.dumps(params, sort_keys=True)})"
 
@@ -205,9 +250,31 @@ def _slot_factory(recipe: Recipe) -> Callable[[QuantizerRole | None], Any]:
         )  # fmt: skip
     if isinstance(recipe, MXFP8BlockScaling):
         return lambda role: MXFP8Quantizer(dtype_of(role))
+    if isinstance(recipe, NVFP4BlockScaling):
+        return _nvfp4_slot_factory(recipe)
     if isinstance(recipe, Float8BlockScaling):
         return lambda role: Float8BlockQuantizer(
             dtype_of(role), block_scaling_dim=2 if _tensor_type(role) == "weight" else 1,
             use_power_2_scales=recipe.use_power_2_scales,
         )  # fmt: skip
     raise ValueError(f"fp8_fallback: no per-slot form of base recipe {type(recipe).__name__}")
+
+
+def _nvfp4_slot_factory(recipe: NVFP4BlockScaling) -> Callable[[QuantizerRole | None], Quantizer]:
+    """The quantizer `recipe` gives a slot, for a fallback's untouched slots (seeded per role, as
+    `nvfp4` does). The base's overrides are not carried: a fallback recipe is a `CustomRecipe`,
+    which takes its own."""
+
+    def factory(role: QuantizerRole | None) -> Quantizer:
+        tensor_type = _tensor_type(role)
+        grad = tensor_type == "grad_output"
+        rht = (recipe.input_rht and tensor_type == "input") or (recipe.grad_output_rht and grad)
+        salt = zlib.crc32(repr(role).encode())
+        return NVFP4Quantizer(
+            block_2d=recipe.weight_2d and tensor_type == "weight",
+            rht=rht,
+            stochastic_rounding=recipe.stochastic_rounding and grad,
+            seed=(recipe.seed * 0x9E3779B1 + salt) % 2**31,
+        )
+
+    return factory

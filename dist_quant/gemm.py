@@ -10,8 +10,14 @@ result ``(M, N)``. Paths, in order:
    the Triton block-scaled GEMM (``kernels/block_gemm.py``, as the ``dist_quant::block_scaled_gemm``
    op), which scales each 128-deep partial
    product of the FP8 tensor cores and accumulates in fp32;
-4. otherwise the exact emulation: dequantize both to fp32, ``torch.matmul`` in fp32, cast to
-   ``out_dtype``. This is what CPUs use, and MXFP8 or mixed operands everywhere.
+4. both operands NVFP4 with the same Hadamard transform (both or neither): ``nvfp4_gemm``, the
+   contract's GEMM emulated exactly (fp32 products per 16-element block scaled by both block
+   scales, fp32 accumulation, times ``alpha = amax_a * amax_b / (6^2 * 448^2)``), on CPUs and
+   on Hopper alike (no FP4 tensor cores before Blackwell); a transform applied to both wgrad
+   operands cancels in the product;
+5. otherwise the exact emulation: dequantize both to fp32 (an NVFP4 operand's transform undone),
+   ``torch.matmul`` in fp32, cast to ``out_dtype``. This is what CPUs use, and MXFP8 or mixed
+   operands everywhere.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dist_quant.kernels import block_scaled_gemm
+from dist_quant.kernels import block_scaled_gemm, nvfp4_gemm
 from dist_quant.kinds import SCALED_MM_ALIGNMENT, OperandLayout
 from dist_quant.tensor import GemmOperand
 
@@ -56,6 +62,9 @@ def gemm(
     if isinstance(a, Tensor) and isinstance(b, Tensor) and a.dtype == b.dtype:
         out = torch.matmul(a, b.t())
         return (out if bias is None else out + bias.to(out.dtype)).to(out_dtype)
+    if _both_nvfp4(a, b):
+        out = nvfp4_gemm((a.data, a.scale_inv, a.amax), (b.data, b.scale_inv, b.amax))  # fp32
+        return (out if bias is None else out + bias.float()).to(out_dtype)
     if _can_use_block_gemm(a, b, out_dtype):
         return block_scaled_gemm(
             a.data, a.scale_inv, a.scaling.block_dim,
@@ -162,6 +171,16 @@ def _scaled_mm_fits(a: Tensor, b: Tensor) -> bool:
     if min(m, k, n) == 0:  # nothing to multiply; the emulation handles empty shapes
         return False
     return k % SCALED_MM_ALIGNMENT == 0 and n % SCALED_MM_ALIGNMENT == 0
+
+
+def _both_nvfp4(a: Tensor | GemmOperand, b: Tensor | GemmOperand) -> bool:
+    return (
+        isinstance(a, GemmOperand)
+        and isinstance(b, GemmOperand)
+        and a.scaling is OperandLayout.NVFP4
+        and b.scaling is OperandLayout.NVFP4
+        and a.rht == b.rht
+    )
 
 
 def _can_use_block_gemm(

@@ -18,6 +18,9 @@ import torch
 from dist_quant.formats import Format, bwd_dtype, fwd_dtype
 from dist_quant.kernels.reference import FLOAT8_BLOCK, MXFP8_BLOCK
 
+NVFP4_BLOCK = 16
+"""Elements per NVFP4 scale block (1x16 along the contracted dim; 16x16 for 2D weights)."""
+
 SCALED_MM_ALIGNMENT = 16
 """`torch._scaled_mm` (cuBLASLt FP8) wants K and N divisible by 16, and grouped splits padded so."""
 
@@ -42,6 +45,9 @@ class ScalingKind(_Kind):
     """One E8M0 power-of-two scale per 32 consecutive elements."""
     BLOCK = "block"
     """One fp32 scale per 1x128 tile or 128x128 block."""
+    NVFP4 = "nvfp4"
+    """4-bit E2M1 values, one E4M3 scale per 16 elements (or 16x16 weight block) and one fp32
+    global scale per tensor and direction."""
     IDENTITY = "identity"
     """High precision: nothing is quantized."""
 
@@ -58,8 +64,8 @@ class ScalingKind(_Kind):
     @property
     def fp8_attention(self) -> bool:
         """FP8 attention can consume and produce it: per-tensor FP8, MXFP8 or identity, not
-        Float8 block tiles."""
-        return self is not ScalingKind.BLOCK
+        Float8 block tiles or NVFP4."""
+        return self not in (ScalingKind.BLOCK, ScalingKind.NVFP4)
 
     def row_alignment(self, device: torch.device) -> int:
         """The row multiple a tensor of this kind needs on `device`'s kernels: a block's length
@@ -69,6 +75,8 @@ class ScalingKind(_Kind):
             return MXFP8_BLOCK
         if self is ScalingKind.BLOCK:
             return FLOAT8_BLOCK
+        if self is ScalingKind.NVFP4:
+            return NVFP4_BLOCK
         if self.per_tensor and device.type == "cuda":
             return SCALED_MM_ALIGNMENT
         return 1
@@ -85,6 +93,9 @@ class OperandLayout(_Kind):
     """fp32 scale inverses of 1x128 tiles."""
     BLOCK2D = "block2d"
     """fp32 scale inverses of 128x128 blocks."""
+    NVFP4 = "nvfp4"
+    """E4M3 decode scales of 16-element blocks (the bytes pack two E2M1 values each), with the
+    operand's fp32 global decode scale beside them."""
 
     @property
     def per_tensor(self) -> bool:
@@ -123,6 +134,33 @@ class Direction(_Kind):
         """The float8 dtype of this direction's tensors under `fmt` (HYBRID: E4M3 forward, E5M2
         backward)."""
         return fwd_dtype(fmt) if self is Direction.FORWARD else bwd_dtype(fmt)
+
+
+class PassMode(_Kind):
+    """How one pass of a quantized GEMM triple runs: a recipe's `forward_override` /
+    `backward_override` (Transformer Engine's spellings), None meaning QUANTIZED."""
+
+    QUANTIZED = "quantized"
+    """The recipe's quantizers, on the operands the pass has (the default)."""
+    HIGH_PRECISION = "high_precision"
+    """No quantization in this pass: the GEMMs take the original high-precision operands (the
+    forward keeps them for the backward)."""
+    DEQUANTIZED = "dequantized"
+    """Backward only: the GEMMs run in high precision on the forward's quantized operands,
+    dequantized, and the unquantized output gradient."""
+
+    @staticmethod
+    def of(override: str | None) -> PassMode:
+        return PassMode.QUANTIZED if override is None else PassMode(override)
+
+    @staticmethod
+    def of_recipe(recipe: object) -> tuple[PassMode, PassMode]:
+        """(forward, backward) modes of a recipe's linear GEMMs: its `forward_override` /
+        `backward_override`, QUANTIZED for a recipe without them (HighPrecision)."""
+        return (
+            PassMode.of(getattr(recipe, "forward_override", None)),
+            PassMode.of(getattr(recipe, "backward_override", None)),
+        )
 
 
 _K = TypeVar("_K", bound=_Kind)

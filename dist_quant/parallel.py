@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from dist_quant.nvfp4 import NVFP4Quantizer
 from dist_quant.quantizers import Float8CurrentScalingQuantizer, Quantizer
 from dist_quant.tensor import Float8Tensor, QuantizedTensor
 
@@ -342,14 +343,14 @@ def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: Any) -> t
 
 # ---- quantized all-gather ------------------------------------------------------------------------
 def tp_amax_quantizer(q: Quantizer, group: Any) -> Quantizer:
-    """`q` itself, or for a current-scaling quantizer without a group a copy that all-reduces its
-    amax over `group`, so every rank casts its shard with the scale of the whole tensor. A copy,
+    """`q` itself, or for a current-scaling quantizer without a group (or an NVFP4 one whose
+    recipe reduces amaxes, `NVFP4BlockScaling.reduce_amax`) a copy that all-reduces its amax over
+    `group`, so every rank casts its shard with the (global) scale of the whole tensor. A copy,
     because a factory may hand one quantizer object to several slots."""
-    if (
-        isinstance(q, Float8CurrentScalingQuantizer)
-        and q.amax_reduction_group is None
-        and group_size(group) > 1
-    ):
+    reduces = isinstance(q, Float8CurrentScalingQuantizer) or (
+        isinstance(q, NVFP4Quantizer) and q.reduce_amax
+    )
+    if reduces and q.amax_reduction_group is None and group_size(group) > 1:
         q = copy.copy(q)
         q.amax_reduction_group = group
     return q

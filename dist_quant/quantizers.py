@@ -55,7 +55,7 @@ def remove_cast_observer(observer: CastObserver) -> None:
     _cast_observers = tuple(o for o in _cast_observers if o is not observer)
 
 
-def _observe(q: Quantizer, x: Tensor, scale: Tensor | None) -> None:
+def observe_cast(q: Quantizer, x: Tensor, scale: Tensor | None) -> None:
     for observer in _cast_observers:
         observer(q, x, scale)
 
@@ -188,7 +188,7 @@ class Float8Quantizer(Quantizer):
             x, self.scale, self.fp8_dtype, self.amax, transpose=transpose
         )
         if _cast_observers:
-            _observe(self, x, self.scale)
+            observe_cast(self, x, self.scale)
         return PerTensorCast(out.data, out.data_t, out.scale_inv)
 
 
@@ -226,7 +226,7 @@ class Float8CurrentScalingQuantizer(Quantizer):
             *super().describe(),
             ("use_power_2_scales", self.use_power_2_scales),
             ("amax_epsilon", self.amax_epsilon),
-            ("amax_reduction_group", _group_ranks(self.amax_reduction_group)),
+            ("amax_reduction_group", group_ranks(self.amax_reduction_group)),
         )
 
     def quantize(self, x: Tensor) -> Float8Tensor:
@@ -245,7 +245,7 @@ class Float8CurrentScalingQuantizer(Quantizer):
                 transpose=transpose,
             )
             if _cast_observers:
-                _observe(self, x, out.scale)
+                observe_cast(self, x, out.scale)
             return PerTensorCast(out.data, out.data_t, out.scale_inv)
         x_amax = fp8_kernels.amax(x).reshape(1)  # (1,): a plain 1-element buffer to all-reduce
         allreduce_current_amax(x_amax, self.amax_reduction_group)
@@ -256,7 +256,7 @@ class Float8CurrentScalingQuantizer(Quantizer):
             use_power_2_scales=self.use_power_2_scales,
         )
         if _cast_observers:
-            _observe(self, x, scale)
+            observe_cast(self, x, scale)
         if transpose:
             data, data_t = fp8_kernels.cast_transpose(x, scale, self.fp8_dtype)
         else:
@@ -280,7 +280,7 @@ class MXFP8Quantizer(Quantizer):
     def quantize(self, x: Tensor) -> MXFP8Tensor:
         x = self._check_input(x)
         if _cast_observers:
-            _observe(self, x, None)
+            observe_cast(self, x, None)
         rowwise = fp8_kernels.mxfp8_cast(x, self.fp8_dtype) if self.rowwise_usage else None
         columnwise = (
             fp8_kernels.mxfp8_cast(x, self.fp8_dtype, columnwise=True)
@@ -330,7 +330,7 @@ class Float8BlockQuantizer(Quantizer):
         x = self._check_input(x)
         dim, pow2 = self.block_scaling_dim, self.use_power_2_scales
         if _cast_observers:
-            _observe(self, x, None)
+            observe_cast(self, x, None)
         rowwise = columnwise = None
         if self.rowwise_usage or dim == 2:  # a 128x128 columnwise copy derives from the rowwise
             rowwise = fp8_kernels.block_cast(
@@ -378,7 +378,7 @@ class IdentityQuantizer(Quantizer):
         return "IdentityQuantizer()"
 
 
-def _group_ranks(group: Any) -> tuple[int, ...] | str | None:
+def group_ranks(group: Any) -> tuple[int, ...] | str | None:
     """A reduction group as the global ranks it spans (the same on each of them); "unresolved"
     where torch.distributed cannot name them (not initialised, or not a process group)."""
     if group is None:

@@ -34,6 +34,7 @@ from dist_quant.checks import (
     check_format,
     check_int,
     check_margin,
+    check_overrides,
 )
 from dist_quant.factory_keys import builder_of, callable_key, quantizer_factory
 from dist_quant.formats import Format
@@ -47,6 +48,7 @@ __all__ = [
     "Float8CurrentScaling",
     "HighPrecision",
     "MXFP8BlockScaling",
+    "NVFP4BlockScaling",
     "Recipe",
     "builtin_recipe",
     "key_digest",
@@ -55,12 +57,13 @@ __all__ = [
     "recipe_from_json",
 ]
 
-BUILTIN_RECIPE_NAMES = ("delayed", "current", "mxfp8", "block", "bf16")
+BUILTIN_RECIPE_NAMES = ("delayed", "current", "mxfp8", "block", "nvfp4", "bf16")
 
 # Field kinds for (de)serialisation, kept in each field's metadata next to its default.
 _FORMAT = {"kind": "format"}
 _CALLABLE = {"kind": "callable"}  # a callable, written as "pkg.module:qualname"
 _ALGO = {"kind": "algo"}  # one of AMAX_COMPUTE_ALGOS or a callable
+_OVERRIDE = {"keyed_when_set": True}  # a per-pass override, added after the first recipes
 
 
 def _check_fp8_attention(owner: str, fp8_dpa: object, fp8_mha: object) -> None:
@@ -103,7 +106,10 @@ class Recipe:
     def key(self) -> tuple:
         """`(type name, normalised field values)`: equal keys <=> identical quantization.
 
-        Enums become their value, callables their factory key (`callable_key`).
+        Enums become their value, callables their factory key (`callable_key`). A field added
+        to a recipe type after its keys were first recorded (in checkpoints, decision logs) is
+        marked `keyed_when_set`: it enters the key as a `(name, value)` pair only when it differs
+        from its default, so recipes that do not use it keep the keys (and digests) they had.
         """
         fields_now = tuple(self.__dict__.values())
         try:
@@ -112,10 +118,14 @@ class Recipe:
                 return key
         except AttributeError:  # the first call
             pass
-        values = tuple(
-            self._key_value(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
-        )
-        key = (self.name, values)
+        values = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not f.metadata.get("keyed_when_set"):
+                values.append(self._key_value(f.name, value))
+            elif value != f.default:
+                values.append((f.name, self._key_value(f.name, value)))
+        key = (self.name, tuple(values))
         object.__setattr__(self, "_key_memo", (fields_now, key))  # frozen: bypass the freeze
         return key
 
@@ -138,12 +148,15 @@ class Recipe:
     def to_dict(self) -> dict[str, Any]:
         """`{"type": ClassName, field: value, ...}`, JSON-serialisable.
 
-        Formats are written by name, callables as `"pkg.module:qualname"`; a callable that cannot
-        be imported back by that path (lambda, closure, bound method, partial) raises ValueError.
+        Formats are written by name, callables as `"pkg.module:qualname"`; a field added later
+        (`keyed_when_set`) only when set; a callable that cannot be imported back by that path
+        (lambda, closure, bound method, partial) raises ValueError.
         """
         out: dict[str, Any] = {"type": self.name}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if f.metadata.get("keyed_when_set") and value == f.default:
+                continue  # as in the key: the dict an older version wrote, byte for byte
             if isinstance(value, enum.Enum):
                 out[f.name] = value.name
             elif callable(value) and builder_of(value) is not None:
@@ -178,6 +191,13 @@ class DelayedScaling(Recipe):
     """Run dot-product attention in FP8."""
     fp8_mha: bool = False
     """Keep FP8 across the attention block's projections (needs fp8_dpa)."""
+    forward_override: str | None = dataclasses.field(default=None, metadata=_OVERRIDE)
+    """None: the forward quantizes; "high_precision": the forward's GEMMs run on the original
+    operands (which the backward then quantizes as the recipe says)."""
+    backward_override: str | None = dataclasses.field(default=None, metadata=_OVERRIDE)
+    """None: the backward quantizes; "high_precision": its GEMMs run on the original operands and
+    gradient (exactly an unconverted model's backward); "dequantized": on the forward's quantized
+    operands, dequantized, and the unquantized gradient."""
 
     def __post_init__(self) -> None:
         owner = "DelayedScaling"
@@ -194,6 +214,7 @@ class DelayedScaling(Recipe):
             )
         check_bool(owner, "reduce_amax", self.reduce_amax)
         _check_fp8_attention(owner, self.fp8_dpa, self.fp8_mha)
+        check_overrides(owner, self, delayed_forward=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,6 +231,13 @@ class Float8CurrentScaling(Recipe):
     """Run dot-product attention in FP8."""
     fp8_mha: bool = False
     """Keep FP8 across the attention block's projections (needs fp8_dpa)."""
+    forward_override: str | None = dataclasses.field(default=None, metadata=_OVERRIDE)
+    """None: the forward quantizes; "high_precision": the forward's GEMMs run on the original
+    operands (which the backward then quantizes as the recipe says)."""
+    backward_override: str | None = dataclasses.field(default=None, metadata=_OVERRIDE)
+    """None: the backward quantizes; "high_precision": its GEMMs run on the original operands and
+    gradient (exactly an unconverted model's backward); "dequantized": on the forward's quantized
+    operands, dequantized, and the unquantized gradient."""
 
     def __post_init__(self) -> None:
         owner = "Float8CurrentScaling"
@@ -219,6 +247,7 @@ class Float8CurrentScaling(Recipe):
         # 0 and 0.0 must give the same key *and* the same JSON
         object.__setattr__(self, "amax_epsilon", eps)
         _check_fp8_attention(owner, self.fp8_dpa, self.fp8_mha)
+        check_overrides(owner, self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,9 +256,17 @@ class MXFP8BlockScaling(Recipe):
 
     fp8_format: Format = dataclasses.field(default=Format.E4M3, metadata=_FORMAT)
     """E4M3 only (as in Transformer Engine), forward and backward."""
+    forward_override: str | None = dataclasses.field(default=None, metadata=_OVERRIDE)
+    """None: the forward quantizes; "high_precision": the forward's GEMMs run on the original
+    operands (which the backward then quantizes as the recipe says)."""
+    backward_override: str | None = dataclasses.field(default=None, metadata=_OVERRIDE)
+    """None: the backward quantizes; "high_precision": its GEMMs run on the original operands and
+    gradient (exactly an unconverted model's backward); "dequantized": on the forward's quantized
+    operands, dequantized, and the unquantized gradient."""
 
     def __post_init__(self) -> None:
         check_format("MXFP8BlockScaling", "fp8_format", self.fp8_format, (Format.E4M3,), _E4M3_ONLY)
+        check_overrides("MXFP8BlockScaling", self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,11 +277,64 @@ class Float8BlockScaling(Recipe):
     """E4M3 only (as in Transformer Engine), forward and backward."""
     use_power_2_scales: bool = True
     """Round each tile scale down to a power of two."""
+    forward_override: str | None = dataclasses.field(default=None, metadata=_OVERRIDE)
+    """None: the forward quantizes; "high_precision": the forward's GEMMs run on the original
+    operands (which the backward then quantizes as the recipe says)."""
+    backward_override: str | None = dataclasses.field(default=None, metadata=_OVERRIDE)
+    """None: the backward quantizes; "high_precision": its GEMMs run on the original operands and
+    gradient (exactly an unconverted model's backward); "dequantized": on the forward's quantized
+    operands, dequantized, and the unquantized gradient."""
 
     def __post_init__(self) -> None:
         owner = "Float8BlockScaling"
         check_format(owner, "fp8_format", self.fp8_format, (Format.E4M3,), _E4M3_ONLY)
         check_bool(owner, "use_power_2_scales", self.use_power_2_scales)
+        check_overrides(owner, self)
+
+
+@dataclasses.dataclass(frozen=True)
+class NVFP4BlockScaling(Recipe):
+    """NVFP4, Transformer Engine's contract: E2M1 values (two per byte), an E4M3 decode scale per
+    16 consecutive elements (16x16 blocks for weights with `weight_2d`) and an fp32 global scale
+    per tensor and direction, from that copy's own amax. Defaults follow Transformer Engine: a
+    16x16 random Hadamard transform on the wgrad operands (the input's and the output gradient's
+    columnwise copies), 2D weight blocks, stochastic rounding of the output gradient.
+
+    The built-in name is "nvfp4". GEMMs are emulated exactly (per 16-block products in fp32) on
+    CPUs and on Hopper, which has no FP4 tensor cores (see docs/nvfp4.md)."""
+
+    input_rht: bool = True
+    """Random Hadamard transform of the input's columnwise (wgrad) copy before it is quantized
+    (its amax taken after the transform)."""
+    grad_output_rht: bool = True
+    """Random Hadamard transform of the output gradient's columnwise (wgrad) copy."""
+    weight_2d: bool = True
+    """16x16 weight blocks (rowwise and columnwise copies then hold the same values); False:
+    1x16 blocks along each copy's contracted dim."""
+    stochastic_rounding: bool = True
+    """Round the output gradient's elements stochastically (unbiased) instead of to nearest."""
+    seed: int = 0
+    """Seed of the stochastic rounding; each cast draws from (seed, a per-quantizer offset that
+    advances by one per cast), so a run is reproducible."""
+    reduce_amax: bool = True
+    """Max-reduce each global amax over the tensor-parallel group wherever a rank holds a shard
+    of the tensor (sequence-parallel and feature-sharded operands), so the ranks quantize with
+    the global scale a single rank would use; False: every shard with its own."""
+    forward_override: str | None = dataclasses.field(default=None, metadata=_OVERRIDE)
+    """None: the forward quantizes; "high_precision": the forward's GEMMs run on the original
+    operands (which the backward then quantizes as the recipe says)."""
+    backward_override: str | None = dataclasses.field(default=None, metadata=_OVERRIDE)
+    """None: the backward quantizes; "high_precision": its GEMMs run on the original operands and
+    gradient (exactly an unconverted model's backward); "dequantized": on the forward's quantized
+    operands, dequantized, and the unquantized gradient."""
+
+    def __post_init__(self) -> None:
+        owner = "NVFP4BlockScaling"
+        for field in ("input_rht", "grad_output_rht", "weight_2d", "stochastic_rounding"):
+            check_bool(owner, field, getattr(self, field))
+        check_int(owner, "seed", self.seed, 0, 2**63 - 1)
+        check_bool(owner, "reduce_amax", self.reduce_amax)
+        check_overrides(owner, self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,6 +355,13 @@ class CustomRecipe(Recipe):
     """Run dot-product attention in FP8."""
     fp8_mha: bool = False
     """Keep FP8 across the attention block's projections (needs fp8_dpa)."""
+    forward_override: str | None = dataclasses.field(default=None, metadata=_OVERRIDE)
+    """None: the forward quantizes; "high_precision": the forward's GEMMs run on the original
+    operands (which the backward then quantizes as the recipe says)."""
+    backward_override: str | None = dataclasses.field(default=None, metadata=_OVERRIDE)
+    """None: the backward quantizes; "high_precision": its GEMMs run on the original operands and
+    gradient (exactly an unconverted model's backward); "dequantized": on the forward's quantized
+    operands, dequantized, and the unquantized gradient."""
 
     def __post_init__(self) -> None:
         owner = "CustomRecipe"
@@ -278,6 +375,7 @@ class CustomRecipe(Recipe):
             )
         check_format(owner, "fp8_format", self.fp8_format, tuple(Format))
         _check_fp8_attention(owner, self.fp8_dpa, self.fp8_mha)
+        check_overrides(owner, self)
 
     def _key_value(self, name: str, value: Any) -> Any:
         if name == "qfactory" and self.qfactory_key is not None:
@@ -301,6 +399,7 @@ _RECIPE_TYPES: dict[str, type[Recipe]] = {
         Float8CurrentScaling,
         MXFP8BlockScaling,
         Float8BlockScaling,
+        NVFP4BlockScaling,
         CustomRecipe,
         HighPrecision,
     )
@@ -308,7 +407,7 @@ _RECIPE_TYPES: dict[str, type[Recipe]] = {
 
 
 def builtin_recipe(name: str) -> Recipe:
-    """ "delayed", "current", "mxfp8", "block" (each with API defaults) or "bf16" (all identity)."""
+    """ "delayed", "current", "mxfp8", "block", "nvfp4" (each with API defaults) or "bf16" (all identity)."""
     choice = name.strip().lower()
     if choice == "delayed":
         return DelayedScaling()
@@ -318,6 +417,8 @@ def builtin_recipe(name: str) -> Recipe:
         return MXFP8BlockScaling()
     if choice == "block":
         return Float8BlockScaling()
+    if choice == "nvfp4":
+        return NVFP4BlockScaling()
     if choice == "bf16":
         return HighPrecision()
     raise ValueError(

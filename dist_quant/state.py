@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import zlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -18,7 +19,8 @@ from torch import Tensor
 
 from dist_quant.formats import Format
 from dist_quant.kernels import reference
-from dist_quant.kinds import Direction, parse_kind
+from dist_quant.kinds import Direction, PassMode, parse_kind
+from dist_quant.nvfp4 import NVFP4Quantizer
 from dist_quant.quantizers import (
     Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,
@@ -34,6 +36,7 @@ from dist_quant.recipes import (
     Float8CurrentScaling,
     HighPrecision,
     MXFP8BlockScaling,
+    NVFP4BlockScaling,
     Recipe,
 )
 from dist_quant.roles import DelayedScalingRequest, QuantizerRequest, QuantizerRole
@@ -145,6 +148,12 @@ class RecipeState(abc.ABC):
         if cls is None:
             raise NotImplementedError(f"RecipeState.create: no state for {type(recipe).__name__}")
         direction = parse_kind(Direction, mode, "RecipeState.create: mode")
+        if (
+            direction is Direction.BACKWARD
+            and PassMode.of_recipe(recipe)[1] is not PassMode.QUANTIZED
+        ):
+            # a high-precision or dequantized backward quantizes nothing: no backward state
+            cls = HighPrecisionRecipeState
         n = num_quantizers
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"RecipeState.create: num_quantizers must be an int >= 0, got {n!r}")
@@ -322,8 +331,57 @@ class Float8BlockScalingRecipeState(RecipeState):
         ]
 
 
+class NVFP4BlockScalingRecipeState(RecipeState):
+    """NVFP4 per slot, by role: weights in 16x16 blocks (`weight_2d`), the input's and the output
+    gradient's columnwise copies through the Hadamard transform (`input_rht`,
+    `grad_output_rht`), the output gradient rounded stochastically (`stochastic_rounding`); other
+    slots (FP8 boundaries, attention) plain 1x16. Without roles, Transformer Engine's slot order
+    applies: forward (input, weight, output) per GEMM, backward (grad_output, grad_input).
+
+    Stochastic rounding draws from `(seed, offset)`: the seed is the recipe's mixed with a digest of
+    the module's name, direction and slot (the same on every rank, different per slot), the offset
+    a per-slot int64 counter this state owns (`sr_offset`, checkpointed), so a resumed run
+    continues the same stream."""
+
+    recipe: NVFP4BlockScaling
+
+    def __init__(self, recipe: NVFP4BlockScaling, **kwargs) -> None:
+        super().__init__(recipe, **kwargs)
+        if all(role is None for role in self.roles):
+            names = ("input", "weight", "output") if self.mode.fwd else ("grad_output", "")
+            self.tensor_types = tuple(names[i % len(names)] for i in range(self.num_quantizers))
+        else:
+            self.tensor_types = tuple("" if r is None else r.tensor_type for r in self.roles)
+        self.sr_offset = torch.zeros(self.num_quantizers, dtype=torch.int64)
+
+    def _slot_seed(self, slot: int) -> int:
+        salt = zlib.crc32(f"{self.module_name}/{self.mode.value}/{slot}".encode())
+        return (self.recipe.seed * 0x9E3779B1 + salt) % 2**31
+
+    def make_quantizers(self) -> list[Quantizer]:
+        r = self.recipe
+        out: list[Quantizer] = []
+        for slot, tensor_type in enumerate(self.tensor_types):
+            grad = tensor_type == "grad_output"
+            out.append(
+                NVFP4Quantizer(
+                    block_2d=r.weight_2d and tensor_type == "weight",
+                    rht=(r.input_rht and tensor_type == "input") or (r.grad_output_rht and grad),
+                    stochastic_rounding=r.stochastic_rounding and grad,
+                    seed=self._slot_seed(slot),
+                    sr_offset=self.sr_offset[slot : slot + 1],
+                    reduce_amax=r.reduce_amax,
+                )
+            )
+        return out
+
+    def persistent_buffers(self) -> dict[str, Tensor]:
+        return {"sr_offset": self.sr_offset} if self.num_quantizers else {}
+
+
 class HighPrecisionRecipeState(RecipeState):
-    """All identity: every slot stays in high precision, in both directions."""
+    """All identity: every slot stays in high precision, in both directions (and the backward of
+    a recipe whose `backward_override` keeps it out of quantization)."""
 
     recipe: HighPrecision
 
@@ -356,6 +414,12 @@ class CustomRecipeState(RecipeState):
         if not self._requests:
             return
         first_slot, first = next(iter(self._requests.items()))
+        if self.mode.fwd and PassMode.of_recipe(recipe)[0] is PassMode.HIGH_PRECISION:
+            raise ValueError(
+                f"{self._module_of(self.roles[first_slot])}, role {self._role(first_slot)}: "
+                "forward_override='high_precision' would cast this delayed-scaling slot in the "
+                "backward, after the forward amax reduction; answer a stateless quantizer here"
+            )
         self.fp8_dtype = self._fp8_dtype(first.fp8_format)
         for slot, req in self._requests.items():
             self._check_agrees(first_slot, first, slot, req)
@@ -460,6 +524,7 @@ _STATE_CLASSES: dict[type[Recipe], type[RecipeState]] = {
     Float8CurrentScaling: Float8CurrentScalingRecipeState,
     MXFP8BlockScaling: MXFP8BlockScalingRecipeState,
     Float8BlockScaling: Float8BlockScalingRecipeState,
+    NVFP4BlockScaling: NVFP4BlockScalingRecipeState,
     CustomRecipe: CustomRecipeState,
     HighPrecision: HighPrecisionRecipeState,
 }

@@ -200,7 +200,7 @@ class Telemetry:
             self._warned.update(new)
             names = ", ".join("/".join(s) for s in new)
             warnings.warn(
-                f"Telemetry: slots with per-block scales (MXFP8, float8 block scaling) are not "
+                f"Telemetry: slots with per-block scales (MXFP8, float8 block scaling, NVFP4) are not "
                 f"counted, only per-tensor (delayed, current) ones: {names}",
                 stacklevel=3,
             )

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import abc
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -32,46 +33,82 @@ from torch import Tensor
 # The dispatchers (kernels/__init__.py): Triton on CUDA, the reference elsewhere, called directly
 # when eager and as their torch.library ops while torch.compile traces.
 from dist_quant import kernels as fp8_kernels
-from dist_quant.kinds import OperandLayout, parse_kind
+from dist_quant.kinds import NVFP4_BLOCK, OperandLayout, parse_kind
 
 
 @dataclass(frozen=True)
 class GemmOperand:
-    """A 2D FP8 matrix ``(rows, K)`` quantized along its last dim, ready for ``gemm``.
+    """A 2D FP8 (or NVFP4) matrix ``(rows, K)`` quantized along its last dim, ready for ``gemm``.
 
     ``scaling`` is its ``OperandLayout`` (a string spelling is turned into one): ``scale_inv`` is
     the fp32 per-tensor scale inverse (``TENSOR``), the uint8 E8M0 block exponents (``MXFP8``),
-    or the fp32 tile scale inverses (``BLOCK1D``: 1x128, ``BLOCK2D``: 128x128).
+    the fp32 tile scale inverses (``BLOCK1D``: 1x128, ``BLOCK2D``: 128x128) or the E4M3 decode
+    scales of 16-element blocks (``NVFP4``: ``data`` is then uint8 ``(rows, K // 2)``, two E2M1
+    codes a byte, ``amax`` the operand's fp32 global amax and ``rht`` whether its values went
+    through the random Hadamard transform along K).
     """
 
     data: Tensor
     scale_inv: Tensor
     scaling: OperandLayout
     fp8_dtype: torch.dtype
+    amax: Tensor | None = None
+    rht: bool = False
 
     def __post_init__(self) -> None:
         if type(self.scaling) is not OperandLayout:
             layout = parse_kind(OperandLayout, self.scaling, "GemmOperand.scaling")
             object.__setattr__(self, "scaling", layout)
-        if self.data.dim() != 2 or self.data.dtype != self.fp8_dtype:
+        nvfp4 = self.scaling is OperandLayout.NVFP4
+        data_dtype = torch.uint8 if nvfp4 else self.fp8_dtype
+        if self.data.dim() != 2 or self.data.dtype != data_dtype:
             raise ValueError(
-                f"GemmOperand.data must be a 2D {self.fp8_dtype} tensor, "
+                f"GemmOperand.data must be a 2D {data_dtype} tensor, "
                 f"got {self.data.dtype} of shape {tuple(self.data.shape)}"
             )
+        if nvfp4 != (self.amax is not None):
+            raise ValueError("GemmOperand: an NVFP4 operand, and only one, carries its amax")
 
     @property
     def shape(self) -> torch.Size:
+        """``(rows, K)``: the matrix it stands for (NVFP4 bytes hold two elements each)."""
+        if self.scaling is OperandLayout.NVFP4:
+            rows, half = self.data.shape
+            return torch.Size((rows, 2 * half))
         return self.data.shape
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        """The 2D matrix this operand stands for, computed in fp32 and cast to ``dtype``."""
+        """The 2D matrix this operand stands for, computed in fp32 and cast to ``dtype`` (an
+        NVFP4 operand's Hadamard transform undone)."""
         if self.scaling is OperandLayout.TENSOR:
             return fp8_kernels.dequantize(self.data, self.scale_inv, dtype)
+        if self.scaling is OperandLayout.NVFP4:
+            _, s_dec = fp8_kernels.nvfp4_global_scales(self.amax)
+            out = fp8_kernels.dequantize_nvfp4(
+                self.data, self.scale_inv, s_dec, dtype=torch.float32
+            )
+            return (undo_rht(out) if self.rht else out).to(dtype)
         if self.scaling is OperandLayout.MXFP8:
             return fp8_kernels.mxfp8_dequantize(self.data, self.scale_inv, dtype=dtype)
         return fp8_kernels.block_dequantize(
             self.data, self.scale_inv, block_dim=self.scaling.block_dim, dtype=dtype
         )
+
+
+def hadamard_matrix(device: torch.device) -> Tensor:
+    """The 16x16 fp32 matrix ``M`` of NVFP4's random Hadamard transform as the kernels apply it to
+    each 16-element block ``b`` of a row (``b -> b @ M``), read off by transforming the identity.
+    ``M`` is orthogonal, so ``M.T`` undoes it."""
+    eye = torch.eye(NVFP4_BLOCK, dtype=torch.float32, device=device)
+    return fp8_kernels.random_hadamard_transform(eye)
+
+
+def undo_rht(x: Tensor) -> Tensor:
+    """The inverse random Hadamard transform of fp32 ``x`` ``(rows, cols)`` along cols, per
+    16-element block (exact up to fp32 rounding of the product)."""
+    rows, cols = x.shape
+    blocks = x.reshape(rows, cols // NVFP4_BLOCK, NVFP4_BLOCK)
+    return (blocks @ hadamard_matrix(x.device).t()).reshape(rows, cols)
 
 
 class QuantizedTensor(abc.ABC):
@@ -313,7 +350,8 @@ class SavedLayout:
     """The tensor-free half of a value flattened by ``to_saved``: which container to rebuild and
     the metadata its tensors do not carry. ``kind`` is ``"plain"`` (a tensor or None, saved as
     is), ``"operand"`` (``GemmOperand``), ``"tensor"`` (``Float8Tensor``), ``"mxfp8"`` or
-    ``"block"`` (``Float8BlockwiseTensor``).
+    ``"block"`` (``Float8BlockwiseTensor``), ``"nvfp4"`` (``NVFP4Tensor``, rebuilt by the function
+    ``nvfp4_tensor`` registers in ``SAVED_REBUILDERS``: it sits above this file).
     """
 
     kind: str
@@ -322,11 +360,19 @@ class SavedLayout:
     fp8_dtype: torch.dtype | None = None
     block_dim: int = 0
     scaling: OperandLayout | None = None
+    rht: bool = False
+    """NVFP4: the columnwise copy (or the operand) went through the Hadamard transform."""
 
     @property
     def num_tensors(self) -> int:
         """How many entries (tensors or None) ``to_saved`` gave for this layout."""
-        return {"plain": 1, "operand": 2, "tensor": 3}.get(self.kind, 4)
+        if self.kind == "operand":
+            return 3 if self.scaling is OperandLayout.NVFP4 else 2
+        return {"plain": 1, "tensor": 3, "nvfp4": 6}.get(self.kind, 4)
+
+
+SAVED_REBUILDERS: dict[str, Callable[[tuple, SavedLayout], QuantizedTensor]] = {}
+"""``from_saved`` of container kinds defined above this file, by ``SavedLayout.kind``."""
 
 
 def to_saved(
@@ -339,7 +385,11 @@ def to_saved(
     if value is None or isinstance(value, Tensor):
         return (value,), SavedLayout("plain")
     if isinstance(value, GemmOperand):
-        layout = SavedLayout("operand", fp8_dtype=value.fp8_dtype, scaling=value.scaling)
+        layout = SavedLayout(
+            "operand", fp8_dtype=value.fp8_dtype, scaling=value.scaling, rht=value.rht
+        )
+        if value.scaling is OperandLayout.NVFP4:
+            return (value.data, value.scale_inv, value.amax), layout
         return (value.data, value.scale_inv), layout
     if isinstance(value, Float8Tensor):
         layout = SavedLayout("tensor", dtype=value.dtype)
@@ -351,6 +401,9 @@ def to_saved(
         columnwise = (value._columnwise if block_dim != 2 else None) or (None, None)
         layout = SavedLayout(kind, value.shape, value.dtype, value.fp8_dtype, block_dim)
         return (*rowwise, *columnwise), layout
+    if value._layout is OperandLayout.NVFP4:
+        rht = value.columnwise is not None and value.columnwise.rht
+        return value.saved(), SavedLayout("nvfp4", value.shape, value.dtype, rht=rht)
     raise TypeError(f"to_saved: cannot flatten a {type(value).__name__} for save_for_backward")
 
 
@@ -366,8 +419,17 @@ def from_saved(
     if layout.kind == "plain":
         return tensors[0]
     if layout.kind == "operand":
-        data, scale_inv = tensors
-        return GemmOperand(data, scale_inv, layout.scaling, layout.fp8_dtype)
+        data, scale_inv, *amax = tensors
+        return GemmOperand(
+            data,
+            scale_inv,
+            layout.scaling,
+            layout.fp8_dtype,
+            amax=amax[0] if amax else None,
+            rht=layout.rht,
+        )
+    if layout.kind in SAVED_REBUILDERS:
+        return SAVED_REBUILDERS[layout.kind](tensors, layout)
     if layout.kind == "tensor":
         data, scale_inv, data_t = tensors
         return Float8Tensor(data, scale_inv, dtype=layout.dtype, data_t=data_t)

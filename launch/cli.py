@@ -227,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
         "switch",
         help="switch a running job to RECIPE on every rank at once",
         description="Ask a running job's coordinator to switch every rank to RECIPE at the same "
-        "step. RECIPE: a built-in name (delayed, current, mxfp8, block, bf16), a JSON object, or "
+        "step. RECIPE: a built-in name (delayed, current, mxfp8, block, nvfp4, bf16), a JSON object, or "
         "a JSON/YAML file. Exit 0: committed; 1: aborted (each rank's reason is printed) or "
         "refused (another switch is open); 2: usage or connection error, unparseable RECIPE.",
     )

@@ -45,7 +45,16 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     ("recipes", ("dist_quant.recipes",)),
-    ("tensor/quantizers/gemm", ("dist_quant.tensor", "dist_quant.quantizers", "dist_quant.gemm")),
+    (
+        "tensor/quantizers/gemm",
+        (
+            "dist_quant.tensor",
+            "dist_quant.quantizers",
+            "dist_quant.nvfp4_tensor",
+            "dist_quant.nvfp4",
+            "dist_quant.gemm",
+        ),
+    ),
     ("factories", ("dist_quant.factories",)),
     ("state", ("dist_quant.state",)),
     ("amax/parallel", ("dist_quant.amax", "dist_quant.parallel", "dist_quant.fsdp_tensor")),

@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 import dist_quant as dq
-from dist_quant.kinds import Direction, OperandLayout, ScalingKind
+from dist_quant.kinds import Direction, OperandLayout, PassMode, ScalingKind
 from dist_quant.quantizers import Quantizer
+from dist_quant.recipes import Float8CurrentScaling, NVFP4BlockScaling
 from dist_quant.state import RecipeState
 from dist_quant.tensor import GemmOperand
 
@@ -26,7 +27,14 @@ def test_kinds_are_their_strings_at_every_edge():
     assert json.dumps({"d": Direction.BACKWARD, "l": OperandLayout.BLOCK1D}) == (
         '{"d": "backward", "l": "block1d"}'
     )
-    assert [k.value for k in ScalingKind] == ["delayed", "current", "mxfp8", "block", "identity"]
+    assert [k.value for k in ScalingKind] == [
+        "delayed",
+        "current",
+        "mxfp8",
+        "block",
+        "nvfp4",
+        "identity",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -36,6 +44,7 @@ def test_kinds_are_their_strings_at_every_edge():
         (ScalingKind.CURRENT, True, True, True, 1, 16),
         (ScalingKind.MXFP8, False, True, True, 32, 32),
         (ScalingKind.BLOCK, False, True, False, 128, 128),
+        (ScalingKind.NVFP4, False, True, False, 16, 16),
         (ScalingKind.IDENTITY, False, False, True, 1, 1),
     ],
 )
@@ -56,6 +65,7 @@ def test_operand_layouts_know_their_block_dim():
         ("mxfp8", False, None),
         ("block1d", False, 1),
         ("block2d", False, 2),
+        ("nvfp4", False, None),
     ]
     assert [OperandLayout.of_block_dim(d) for d in (1, 2)] == ["block1d", "block2d"]
 
@@ -145,3 +155,11 @@ def test_plan_digest_sees_a_reduction_group_that_reflection_skipped():
     assert a.recipe_key == b.recipe_key  # the keys agree: only the digest can tell them apart
     assert a.digest != b.digest
     assert a.digest == dq.plan_model(_model(), dq.CustomRecipe(plain)).digest
+
+
+def test_pass_modes_read_a_recipes_overrides_and_default_to_quantized():
+    assert PassMode.of_recipe(object()) == (PassMode.QUANTIZED, PassMode.QUANTIZED)
+    recipe = NVFP4BlockScaling(backward_override="dequantized")
+    assert PassMode.of_recipe(recipe) == (PassMode.QUANTIZED, PassMode.DEQUANTIZED)
+    recipe = Float8CurrentScaling(forward_override="high_precision")
+    assert PassMode.of_recipe(recipe) == (PassMode.HIGH_PRECISION, PassMode.QUANTIZED)

@@ -24,6 +24,7 @@ from dist_quant.recipes import (
     Float8BlockScaling,
     Float8CurrentScaling,
     MXFP8BlockScaling,
+    NVFP4BlockScaling,
     recipe_from_dict,
     recipe_from_json,
 )
@@ -33,6 +34,7 @@ RECIPE_CLASSES = [
     Float8CurrentScaling,
     MXFP8BlockScaling,
     Float8BlockScaling,
+    NVFP4BlockScaling,
     CustomRecipe,
 ]
 
@@ -76,9 +78,22 @@ FIELD_CHANGES = {
     "amax_epsilon": (1e-6, {}),
     "qfactory": (factory_b, {}),
     "qfactory_key": ("explicit.v1", {}),
+    "forward_override": ("high_precision", {}),
+    "backward_override": ("dequantized", {}),
+    "input_rht": (None, {}),
+    "grad_output_rht": (None, {}),
+    "weight_2d": (None, {}),
+    "stochastic_rounding": (None, {}),
+    "seed": (7, {}),
 }
 # fields with a single valid value (Transformer Engine supports E4M3 only there)
-SINGLE_VALUED = {(MXFP8BlockScaling, "fp8_format"), (Float8BlockScaling, "fp8_format")}
+# (and delayed scaling refuses a high-precision forward: it would cast forward operands in the
+# backward, after the forward amax reduction)
+SINGLE_VALUED = {
+    (MXFP8BlockScaling, "fp8_format"),
+    (Float8BlockScaling, "fp8_format"),
+    (DelayedScaling, "forward_override"),
+}
 
 
 @pytest.mark.parametrize("cls", RECIPE_CLASSES, ids=lambda c: c.__name__)
@@ -311,6 +326,18 @@ def _variants():
         MXFP8BlockScaling(),
         Float8BlockScaling(),
         Float8BlockScaling(use_power_2_scales=False),
+        NVFP4BlockScaling(),
+        NVFP4BlockScaling(
+            input_rht=False,
+            grad_output_rht=False,
+            weight_2d=False,
+            stochastic_rounding=False,
+            seed=11,
+            reduce_amax=False,
+            backward_override="dequantized",
+        ),
+        Float8CurrentScaling(forward_override="high_precision"),
+        DelayedScaling(backward_override="high_precision"),
         CustomRecipe(factory_a),
         CustomRecipe(factory_b, qfactory_key="b.v2", fp8_format=Format.E4M3, fp8_dpa=True),
     ]
@@ -379,7 +406,10 @@ def test_recipe_from_json_takes_names_and_objects(text, cls):
             {"type": "DelayedScaling", "amax_compute_algo": "mean"},
             "DelayedScaling.amax_compute_algo",
         ),
-        ("fp4", "unknown built-in recipe 'fp4'; valid: delayed, current, mxfp8, block, bf16"),
+        (
+            "fp4",
+            "unknown built-in recipe 'fp4'; valid: delayed, current, mxfp8, block, nvfp4, bf16",
+        ),
         (["delayed"], "must be a dict or a built-in name"),
     ],
 )

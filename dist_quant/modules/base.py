@@ -28,6 +28,7 @@ from dist_quant.binding import (  # noqa: F401 - provisional_role_names: the mod
 )
 from dist_quant.checkpoint.module_state import load_module_extra_state, module_extra_state
 from dist_quant.fsdp_tensor import gatherable_in_fp8
+from dist_quant.kinds import PassMode
 from dist_quant.modules.enrol import enrol_forward, enrol_forward_now, module_key
 from dist_quant.quantizers import IdentityQuantizer, Quantizer
 from dist_quant.recipes import Recipe
@@ -153,7 +154,16 @@ class QuantizedModule(nn.Module):
                 raise TypeError(f"slot {role} got {type(q).__name__}, not a Quantizer")
         if not fwd:
             return
-        for slot, weight in self.quant_binding.fp8_gathered_weights.items():
+        gathered = self.quant_binding.fp8_gathered_weights
+        if gathered and PassMode.of_recipe(recipe) != (PassMode.QUANTIZED, PassMode.QUANTIZED):
+            raise ValueError(
+                f"{type(recipe).__name__} overrides a pass (forward_override / backward_override),"
+                f" but FSDP2 all-gathers {', '.join(map(repr, gathered.values()))} in FP8 "
+                "(dist_quant.fsdp.enable_fp8_all_gather), whose bytes only a quantized forward "
+                "and backward can use; drop the override or build the model without "
+                "enable_fp8_all_gather"
+            )
+        for slot, weight in gathered.items():
             if not gatherable_in_fp8(quantizers[slot]):
                 raise ValueError(
                     f"role {roles[slot]} got {quantizers[slot]!r} from {type(recipe).__name__}, "

@@ -7,10 +7,19 @@
 Each operand is quantized once by its slot's quantizer; the saved activations are the quantized
 ones, flattened into tensors for `ctx.save_for_backward` (so saved-tensor hooks, hence non-reentrant
 checkpointing and CPU offload, see them). Identity quantizers leave an operand in high precision.
+
+A recipe's per-pass overrides (`LinearSlots.forward_mode` / `backward_mode`, `kinds.PassMode`):
+- forward HIGH_PRECISION: fprop is `F.linear` on the original operands (as under "bf16"), which
+  are saved; the backward quantizes x^T and W^T from them with the input and weight quantizers;
+- backward HIGH_PRECISION: the forward saves x and W unquantized and the backward is exactly an
+  unconverted `F.linear`'s (`dx = dy.mm(W)`, `dW = (x^T.mm(dy))^T`, in the activations' dtype);
+- backward DEQUANTIZED: the same GEMMs on the forward's quantized x and W, dequantized to the
+  activations' dtype; the output gradient is never quantized.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,10 +27,12 @@ import torch
 import torch.nn.functional as F
 
 from dist_quant.gemm import gemm, per_tensor_gemm
+from dist_quant.kinds import PassMode
 from dist_quant.modules.enrol import enrol_backward_from
 from dist_quant.parallel import (
     TPLayout,
     all_gather_quantized,
+    all_gather_seq,
     all_reduce_sum,
     copy_to_tp_region,
     gather_from_sequence_parallel_region,
@@ -56,16 +67,21 @@ class LinearSlots:
     enrol_key: int | torch.Tensor = -1
     """The owning module's `enrol.module_key` (its tag tensor in a traced plan): its backward
     enrols `bwd_groups` through it."""
+    forward_mode: PassMode = PassMode.QUANTIZED
+    """The recipe's `forward_override` (see the module docstring)."""
+    backward_mode: PassMode = PassMode.QUANTIZED
+    """The recipe's `backward_override` (see the module docstring)."""
     high_precision: bool = field(init=False)
     """Every GEMM operand stays in high precision (decided once, when the plan is built)."""
     per_tensor: bool = field(init=False)
-    """Every GEMM operand is per-tensor FP8 (delayed or current scaling): `quantized_linear`
-    may take the per-tensor path."""
+    """Every GEMM operand is per-tensor FP8 (delayed or current scaling) and no pass is
+    overridden: `quantized_linear` may take the per-tensor path."""
 
     def __post_init__(self) -> None:
         operands = (self.input, self.weight, self.grad_output)
         hp = all(isinstance(q, IdentityQuantizer) for q in operands)
-        per_tensor = all(type(q) in _PER_TENSOR for q in operands)
+        default_modes = self.forward_mode is self.backward_mode is PassMode.QUANTIZED
+        per_tensor = default_modes and all(type(q) in _PER_TENSOR for q in operands)
         object.__setattr__(self, "high_precision", hp)  # frozen: set once, here
         object.__setattr__(self, "per_tensor", per_tensor)
 
@@ -106,17 +122,25 @@ class _QuantizedLinear(torch.autograd.Function):
     ) -> torch.Tensor:
         in_features = weight.shape[1]
         x2d = x.reshape(-1, in_features)  # (tokens, in_features)
-        if tp is not None and tp.gathers_input():
+        fwd_quantized = slots.forward_mode is PassMode.QUANTIZED
+        gathers = tp is not None and tp.gathers_input()
+        # a high-precision pass reads the original operands (gathered in high precision)
+        keep_hp = PassMode.HIGH_PRECISION in (slots.forward_mode, slots.backward_mode)
+        x_hp = all_gather_seq(x2d, tp.group) if keep_hp and gathers else x2d
+        w_hp = weight.to(x.dtype) if keep_hp else None  # (out, in)
+        if not fwd_quantized:
+            x_q, weight_q = x_hp, w_hp
+        elif gathers and not keep_hp:
             # (tokens/tp, in) shard -> (tokens, in) quantized, FP8 bytes gathered as uint8
             x_q = all_gather_quantized(
                 x2d,
                 slots.input,
                 tp.group,
-                columnwise=weight.requires_grad,
+                columnwise=weight.requires_grad and slots.backward_mode is PassMode.QUANTIZED,
                 what=lambda: f"module {tp.name!r} input",
             )
         else:
-            x_q = slots.input.quantize(x2d)  # usage set by quantized_linear
+            x_q = slots.input.quantize(x_hp)  # usage set by quantized_linear
         if tp is not None and tp.mode == "row":
             y = gemm(rowwise(x_q), rowwise(weight_q), out_dtype=torch.float32)  # (tokens, out)
             # fp32 partial sums over this rank's input features -> full sums (SP: own rows only);
@@ -129,6 +153,8 @@ class _QuantizedLinear(torch.autograd.Function):
             if bias is not None:
                 y = y + bias.float()  # once, after the reduction
             y = y.to(x.dtype)
+        elif not fwd_quantized:
+            y = F.linear(x_hp, w_hp, None if bias is None else bias.to(x.dtype))  # as "bf16"
         else:
             # bias added in fp32 before the one rounding to x.dtype (the GEMM epilogue on CUDA):
             # the same bits as an fp32 output + bias + cast, without writing the fp32 output
@@ -136,10 +162,13 @@ class _QuantizedLinear(torch.autograd.Function):
         if fp8_output:
             y = fake_quantize(slots.output, y)
         ctx.slots, ctx.tp = slots, tp
-        # the backward reads x only as the wgrad operand x^T and W only for dgrad: x keeps its
-        # columnwise copy alone (its rowwise bytes are freed with the forward), W only if needed
-        x_saved, x_layout = to_saved(columnwise(x_q) if weight.requires_grad else None)
-        w_saved, w_layout = to_saved(weight_q if x.requires_grad else None)
+        # the backward reads x only as the wgrad operand and W only for dgrad: each is saved only
+        # where it is needed, in the form the backward's mode reads (see the module docstring)
+        x_orig = x_hp if keep_hp else None
+        x_kept = _kept(slots, x_q, x_orig, columnwise) if weight.requires_grad else None
+        w_kept = _kept(slots, weight_q, w_hp, lambda w: w) if x.requires_grad else None
+        x_saved, x_layout = to_saved(x_kept)
+        w_saved, w_layout = to_saved(w_kept)
         ctx.save_for_backward(*x_saved, *w_saved)
         ctx.layouts = (x_layout, w_layout)
         ctx.shapes = (x.shape, x.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -154,11 +183,18 @@ class _QuantizedLinear(torch.autograd.Function):
         tp: TPLayout | None = ctx.tp
         x_layout, w_layout = ctx.layouts
         saved = ctx.saved_tensors
-        x_t = from_saved(saved[: x_layout.num_tensors], x_layout)  # (in, tokens) operand
-        weight_q = from_saved(saved[x_layout.num_tensors :], w_layout)
+        x_t = from_saved(saved[: x_layout.num_tensors], x_layout)  # see _saved_input
+        weight_q = from_saved(saved[x_layout.num_tensors :], w_layout)  # see _saved_weight
         x_shape, x_dtype, w_dtype, b_dtype = ctx.shapes
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         dy2d = dy.reshape(-1, dy.shape[-1]).contiguous()  # (tokens, out_features)
+        if slots.backward_mode is not PassMode.QUANTIZED:
+            return _unquantized_backward(ctx, dy2d, x_t, weight_q)
+        if slots.forward_mode is not PassMode.QUANTIZED:
+            # the forward kept the original x and W: quantize the wgrad / dgrad operands now
+            # (usage: columnwise only, set before the Function ran: a backward must not mutate)
+            x_t = None if x_t is None else columnwise(slots.input.quantize(x_t))
+            weight_q = None if weight_q is None else slots.weight.quantize(weight_q)
         if tp is not None and tp.gathers_grad_output():
             # (tokens/tp, out) shard -> (tokens, out) quantized, FP8 bytes gathered as uint8
             dy_q = all_gather_quantized(
@@ -197,6 +233,56 @@ class _QuantizedLinear(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None
 
 
+def _kept(slots: LinearSlots, quantized: Any, original: Any, usage: Callable) -> Any:
+    """What the backward keeps of an operand (the input for wgrad, the weight for dgrad): its
+    rowwise operand for a dequantized backward, the original (gathered) tensor where either pass
+    runs in high precision (the backward quantizes it, or uses it as it is), else the quantized
+    form the backward reads (`usage`: the input's columnwise operand, the weight container)."""
+    if slots.backward_mode is PassMode.DEQUANTIZED:
+        return rowwise(quantized)
+    if original is not None:
+        return original
+    return usage(quantized)
+
+
+def _unquantized_backward(ctx: Any, dy2d: torch.Tensor, x_saved: Any, w_saved: Any) -> tuple:
+    """The backward of a HIGH_PRECISION or DEQUANTIZED backward mode: `F.linear`'s own GEMMs on the
+    saved operands (original, or dequantized to the activations' dtype) and the unquantized
+    output gradient, with the TP collectives of the layout in the activations' dtype."""
+    slots: LinearSlots = ctx.slots
+    tp: TPLayout | None = ctx.tp
+    x_shape, x_dtype, w_dtype, b_dtype = ctx.shapes
+    need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+    x_hp = _as_dense(x_saved, x_dtype)  # (tokens, in)
+    w_hp = _as_dense(w_saved, x_dtype)  # (out, in)
+    dy_full = dy2d
+    if tp is not None and tp.gathers_grad_output():
+        dy_full = all_gather_seq(dy2d, tp.group)  # (tokens/tp, out) shards -> (tokens, out)
+    dx = dw = db = None
+    if need_dx:
+        dx = dy_full.mm(w_hp)  # (tokens, in)
+        if tp is not None and tp.mode == "column":
+            # partial input grads (one per output-feature shard) -> full sums (SP: own rows)
+            if tp.sequence_parallel:
+                dx = reduce_scatter_seq(dx, tp.group)
+            else:
+                dx = all_reduce_sum(dx, tp.group)
+        if ctx.fp8_grad_input:
+            dx = fake_quantize(slots.grad_input, dx)
+        dx = dx.reshape(x_shape)
+    if need_dw:
+        dw = x_hp.t().mm(dy_full).t().to(w_dtype)  # as addmm's backward: (in, out) transposed
+    if need_db and b_dtype is not None:
+        db = dy2d.sum(0).to(b_dtype)
+    return dx, dw, db, None, None, None, None, None
+
+
+def _as_dense(saved: Any, dtype: torch.dtype) -> Any:
+    if saved is None or isinstance(saved, torch.Tensor):
+        return saved
+    return saved.dequantize(dtype)
+
+
 def quantized_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -225,9 +311,21 @@ def quantized_linear(
     # The usage flags are set here, not in the autograd.Function, where torch.compile refuses a
     # mutation (it traces the backward with the forward); the backward's own set_usage then
     # stores nothing, its needs being the inputs' requires_grad.
-    if tp is None or not tp.gathers_input():
-        slots.input.set_usage(rowwise=True, columnwise=weight.requires_grad)
-    if (x.requires_grad or weight.requires_grad) and (tp is None or not tp.gathers_grad_output()):
+    fwd_quantized = slots.forward_mode is PassMode.QUANTIZED
+    bwd_quantized = slots.backward_mode is PassMode.QUANTIZED
+    if not fwd_quantized:
+        # the input is quantized only in the backward, as the wgrad operand
+        if weight.requires_grad:
+            slots.input.set_usage(rowwise=False, columnwise=True)
+    elif tp is None or not tp.gathers_input() or not bwd_quantized:
+        # (an overridden backward needs no columnwise copy; under HIGH_PRECISION the forward
+        # gathers the input in high precision and quantizes the whole of it here)
+        slots.input.set_usage(rowwise=True, columnwise=weight.requires_grad and bwd_quantized)
+    if (
+        bwd_quantized
+        and (x.requires_grad or weight.requires_grad)
+        and (tp is None or not tp.gathers_grad_output())
+    ):
         slots.grad_output.set_usage(rowwise=x.requires_grad, columnwise=weight.requires_grad)
     return _QuantizedLinear.apply(x, weight, bias, slots, weight_q, fp8_output, fp8_grad_input, tp)
 

@@ -110,6 +110,9 @@ class GroupedLinear(LinearBase):
         n = self.num_gemms  # expert i: slots i, n + i, 2n + i forward; i, n + i backward
         return [((i, n + i, 2 * n + i), (i, n + i), None) for i in range(n)]
 
+    def gemm_weights(self) -> list[torch.Tensor]:
+        return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+
     def _check_splits(self, m_splits: object, tokens: int) -> list[int]:
         owner = f"GroupedLinear {self.role_name!r}"
         if not isinstance(m_splits, (list, tuple)) or len(m_splits) != self.num_gemms:

@@ -146,6 +146,9 @@ class LayerNormMLP(LinearBase):
     def gemm_layout(self) -> tuple[GemmLayout, ...]:
         return GEMM_SLOTS
 
+    def gemm_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return (self.fc1_weight, self.fc2_weight)
+
     def forward(self, x: torch.Tensor, *, is_first_microbatch: bool | None = None) -> torch.Tensor:
         plan = self.forward_plan()
         runtime = fc1_slots = fc2_slots = None

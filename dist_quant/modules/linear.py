@@ -19,6 +19,7 @@ from torch import nn
 
 from dist_quant.binding import ForwardPlan
 from dist_quant.fsdp_tensor import GatheredFloat8Weight, gathered_weight_operand
+from dist_quant.kinds import NVFP4_BLOCK, PassMode, ScalingKind
 from dist_quant.modules.base import QuantizedModule, check_sizes, delayed_anchor
 from dist_quant.modules.functional import LinearSlots, parallel_linear_hp, quantized_linear
 from dist_quant.parallel import (
@@ -121,12 +122,45 @@ class LinearBase(QuantizedModule):
         """The module's GEMMs, in forward order (Transformer Engine's slot order)."""
         return (((0, 1, 2), (0, 1), self.parallel_mode),)
 
+    def gemm_weights(self) -> Sequence[torch.Tensor]:
+        """Each GEMM's weight `(out, in)` on this rank, in `gemm_layout()` order."""
+        return (self.weight,)
+
+    def validate_quantizers(
+        self, quantizers: list, roles: tuple, *, fwd: bool, recipe: Any
+    ) -> None:
+        """The base checks, then each block-scaled operand's blocked dims (the features, known
+        at plan time; token counts are checked when quantized): NVFP4 blocks every copy by 16
+        along its contracted dim, so a GEMM whose in/out features are not multiples of 16 is
+        refused here, naming the role, before anything is published."""
+        super().validate_quantizers(quantizers, roles, fwd=fwd, recipe=recipe)
+        for (fwd_slots, bwd_slots, _), weight in zip(self.gemm_layout(), self.gemm_weights()):
+            out_features, in_features = weight.shape
+            if fwd:
+                i, w, _ = fwd_slots
+                checks = [(i, in_features, "in_features (the input's inner dimension)")]
+                checks.append((w, in_features, "in_features (the weight's inner dimension)"))
+                checks.append((w, out_features, "out_features (the weight's columnwise copy)"))
+            else:
+                checks = [(bwd_slots[0], out_features, "out_features (the output gradient's)")]
+            for slot, size, what in checks:
+                q = quantizers[slot]
+                align = NVFP4_BLOCK if q.scaling is ScalingKind.NVFP4 else 1
+                if size % align:
+                    raise ValueError(
+                        f"role {roles[slot]} gets {type(q).__name__} under "
+                        f"{type(recipe).__name__}, which needs {what} to be a multiple of "
+                        f"{align}, but the weight is {tuple(weight.shape)}; keep this module "
+                        "in another recipe (e.g. a CustomRecipe answering MXFP8 or bf16 for it)"
+                    )
+
     def plan_forward(self, runtime: ModuleRuntime, reduction_group: Any) -> ForwardPlan:
         """One `LinearSlots` per GEMM of `gemm_layout()`; the quantizers of tensor-parallel
         operands replaced by copies reducing their amax over the TP group
         (`TPLayout.shard_quantizers`)."""
         fq, bq = runtime.fwd_quantizers, runtime.bwd_quantizers
         bwd_groups = tuple(runtime.delayed_groups(fwd=False))
+        forward_mode, backward_mode = PassMode.of_recipe(runtime.recipe)
         key = self.quant_binding.plan_key()
         gemms, split = [], False
         for (i, w, o), (g, gi), mode in self.gemm_layout():
@@ -139,6 +173,8 @@ class LinearBase(QuantizedModule):
                 bwd_groups=bwd_groups,
                 reduction_group=reduction_group,
                 enrol_key=key,
+                forward_mode=forward_mode,
+                backward_mode=backward_mode,
             )
             tp = self._tp_layout(mode)
             if tp is not None:
@@ -177,7 +213,16 @@ class LinearBase(QuantizedModule):
             if tp is not None:
                 return parallel_linear_hp(x, weight, bias, tp)
             return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
-        slots.weight.set_usage(rowwise=True, columnwise=x.requires_grad)
+        if slots.forward_mode is not PassMode.QUANTIZED:
+            # a high-precision forward: the backward quantizes W^T from the weight it keeps
+            if x.requires_grad:
+                slots.weight.set_usage(rowwise=False, columnwise=True)
+            return quantized_linear(
+                x, weight, bias, slots, None, fp8_output=fp8_output,
+                fp8_grad_input=fp8_grad_input, tp=tp,
+            )  # fmt: skip
+        dgrad_quantized = x.requires_grad and slots.backward_mode is PassMode.QUANTIZED
+        slots.weight.set_usage(rowwise=True, columnwise=dgrad_quantized)
         if gathered_fp8:  # FSDP2 gathered the bytes `slots.weight` would cast: no re-cast
             weight_q = gathered_weight_operand(
                 weight, slots.weight, slots.reduction_group, lambda: f"module {self.role_name!r}"

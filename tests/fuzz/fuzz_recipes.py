@@ -21,6 +21,9 @@ import dist_quant as dq
 # ---- the oracle ----------------------------------------------------------------------------------
 
 PER_TENSOR = {"HYBRID", "E4M3"}
+# per-pass overrides (None: the recipe's quantization), Transformer Engine's spellings
+FORWARD_OVERRIDES = (None, "high_precision")
+BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
 # the largest m whose 2**m is finite in fp32 (scales are divided by 2**margin there):
 # FLT_MAX = 0.99.. * 2**128, so 2**127 is the largest finite power of two
 MAX_MARGIN = math.frexp(torch.finfo(torch.float32).max)[1] - 1
@@ -35,6 +38,8 @@ SPEC: dict[str, dict[str, tuple]] = {
         "reduce_amax": ("bool", None),
         "fp8_dpa": ("bool", None),
         "fp8_mha": ("bool", None),
+        "forward_override": ("override", FORWARD_OVERRIDES),
+        "backward_override": ("override", BACKWARD_OVERRIDES),
     },
     "Float8CurrentScaling": {
         "fp8_format": ("format", PER_TENSOR),
@@ -42,11 +47,29 @@ SPEC: dict[str, dict[str, tuple]] = {
         "amax_epsilon": ("epsilon", None),
         "fp8_dpa": ("bool", None),
         "fp8_mha": ("bool", None),
+        "forward_override": ("override", FORWARD_OVERRIDES),
+        "backward_override": ("override", BACKWARD_OVERRIDES),
     },
-    "MXFP8BlockScaling": {"fp8_format": ("format", {"E4M3"})},
+    "MXFP8BlockScaling": {
+        "fp8_format": ("format", {"E4M3"}),
+        "forward_override": ("override", FORWARD_OVERRIDES),
+        "backward_override": ("override", BACKWARD_OVERRIDES),
+    },
     "Float8BlockScaling": {
         "fp8_format": ("format", {"E4M3"}),
         "use_power_2_scales": ("bool", None),
+        "forward_override": ("override", FORWARD_OVERRIDES),
+        "backward_override": ("override", BACKWARD_OVERRIDES),
+    },
+    "NVFP4BlockScaling": {
+        "input_rht": ("bool", None),
+        "grad_output_rht": ("bool", None),
+        "weight_2d": ("bool", None),
+        "stochastic_rounding": ("bool", None),
+        "seed": ("int", (0, 2**63 - 1)),
+        "reduce_amax": ("bool", None),
+        "forward_override": ("override", FORWARD_OVERRIDES),
+        "backward_override": ("override", BACKWARD_OVERRIDES),
     },
     "CustomRecipe": {
         "qfactory": ("callable", None),
@@ -54,10 +77,12 @@ SPEC: dict[str, dict[str, tuple]] = {
         "fp8_format": ("format", {"HYBRID", "E4M3", "E5M2"}),
         "fp8_dpa": ("bool", None),
         "fp8_mha": ("bool", None),
+        "forward_override": ("override", FORWARD_OVERRIDES),
+        "backward_override": ("override", BACKWARD_OVERRIDES),
     },
 }
 REQUIRED = {"CustomRecipe": {"qfactory"}}
-BUILTIN = {"delayed", "current", "mxfp8", "block", "bf16"}
+BUILTIN = {"delayed", "current", "mxfp8", "block", "nvfp4", "bf16"}
 
 # import paths whose fate is known without importing anything with side effects
 CALLABLE_PATHS = [
@@ -120,6 +145,8 @@ def problem(kind: str, arg: object, value: object) -> bool:
         return not _is_callable_path(value)
     if kind == "optional_key":
         return not (value is None or (isinstance(value, str) and value != ""))
+    if kind == "override":
+        return not any(value is v or (isinstance(value, str) and value == v) for v in arg)
     raise AssertionError(f"unknown kind {kind}")
 
 
@@ -138,6 +165,14 @@ def problems(d: dict) -> set[str]:
             found.add(name)
     if d.get("fp8_mha") is True and d.get("fp8_dpa") is not True and "fp8_mha" in spec:
         found.add("fp8_mha")  # FP8 MHA needs FP8 attention
+    fwd, bwd = d.get("forward_override"), d.get("backward_override")
+    if not found & {"forward_override", "backward_override"} and (fwd or bwd):
+        if fwd and (bwd or kind == "DelayedScaling"):
+            # both passes unquantized, a dequantized backward of an unquantized forward, or
+            # delayed-scaling operands cast after the forward's amax reduction
+            found.add("forward_override")
+        if d.get("fp8_dpa") is True:
+            found |= {"forward_override", "backward_override"} & set(d)  # linear GEMMs only
     return found
 
 
@@ -192,6 +227,8 @@ def valid(kind: str, arg: object) -> st.SearchStrategy:
         return st.sampled_from(CALLABLE_PATHS)
     if kind == "optional_key":
         return st.one_of(st.none(), st.text(min_size=1, max_size=8))
+    if kind == "override":
+        return st.sampled_from(arg)
     raise AssertionError(kind)
 
 
@@ -220,6 +257,8 @@ def edge(kind: str, arg: object) -> st.SearchStrategy:
         return st.one_of(st.sampled_from(CALLABLE_PATHS + BAD_PATHS), NONEXISTENT_MODULE)
     if kind == "optional_key":
         return st.sampled_from([None, "", "k", "attn.v2", 0, ["k"]])
+    if kind == "override":
+        return st.sampled_from([None, "high_precision", "dequantized", "HIGH_PRECISION", "", 0])
     raise AssertionError(kind)
 
 

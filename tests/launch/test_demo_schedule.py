@@ -1,9 +1,16 @@
 """Recipe schedules: where each phase starts, and every way a schedule file can be wrong."""
 
 import json
+from pathlib import Path
 
 import pytest
+from dist_quant.launch.demo_model import TinyGPT, parse_gpt_spec
 from dist_quant.launch.demo_schedule import load_schedule_file, resolve_schedule
+
+import dist_quant as dq
+from dist_quant.kinds import PassMode
+from dist_quant.nvfp4 import NVFP4Quantizer
+from dist_quant.quantizers import IdentityQuantizer
 
 
 def test_default_schedule_is_bf16_delayed_current_bf16_at_quarter_points() -> None:
@@ -70,3 +77,24 @@ def test_unreadable_and_unparseable_files_are_refused(tmp_path) -> None:
     (tmp_path / "bad.yaml").write_text("phases: [ {step: 0\n")
     with pytest.raises(ValueError, match="not valid YAML/JSON"):
         load_schedule_file(tmp_path / "bad.yaml")
+
+
+def test_the_nvfp4_schedule_file_runs_nvfp4_between_bf16_ends_then_a_bf16_forward():
+    path = Path(__file__).resolve().parents[2] / "examples" / "schedules" / "nvfp4_bf16_tail.yaml"
+    s = resolve_schedule(load_schedule_file(path), 200)
+    assert [p.start for p in s.phases] == [0, 180]  # the last 10%
+    first, tail = (dq.recipe_from_dict(p.recipe) for p in s.phases)
+    assert PassMode.of_recipe(first) == (PassMode.QUANTIZED, PassMode.QUANTIZED)
+    assert PassMode.of_recipe(tail) == (PassMode.HIGH_PRECISION, PassMode.QUANTIZED)
+    model = TinyGPT(parse_gpt_spec("gpt:layers=4"))
+    dq.apply_recipe(model, first)
+    for i, layer in enumerate(model.layers):
+        want = IdentityQuantizer if i in (0, 3) else NVFP4Quantizer
+        kinds = {
+            type(q)
+            for m in layer.modules()
+            if getattr(m, "module_type", "") == "linear" and m.owns_quantizers
+            for q in m.quant_binding.runtime.fwd_quantizers[:2]
+        }
+        assert kinds == {want}, (i, kinds)
+    dq.apply_recipe(model, tail)  # the switch at 90% plans on the same model
