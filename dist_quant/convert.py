@@ -86,7 +86,9 @@ class ConversionReport:
 
     def summary(self) -> str:
         lines = [f"convert_model: {len(self.converted)} of {self.linears_seen} Linears converted"]
-        lines += [f"  converted {fqn or '<root>'}: {old} -> {new}" for fqn, old, new in self.converted]
+        lines += [
+            f"  converted {fqn or '<root>'}: {old} -> {new}" for fqn, old, new in self.converted
+        ]
         lines += [
             f"  left alone {s.fqn or '<root>'} ({s.type_name}): {s.reason}" for s in self.skipped
         ]
@@ -239,8 +241,10 @@ class _Walk:
             if not self.decide(child, fqn):
                 continue
             before = getattr(module, names[i - 1]) if i > 0 else None
-            if isinstance(module, nn.Sequential) and before is not None and _fusable_norm(
-                before, child
+            if (
+                isinstance(module, nn.Sequential)
+                and before is not None
+                and _fusable_norm(before, child)
             ):
                 setattr(module, names[i - 1], nn.Identity())
                 new = _to_layernorm_linear(before, child, fqn)
@@ -291,9 +295,11 @@ def convert_model(model: nn.Module, *, module_filter_fn: ModuleFilter | None = N
     if report.linears_seen and not report.converted:
         warnings.warn(
             f"convert_model converted none of the model's {report.linears_seen} Linears, so it "
-            "trains in high precision: " + "; ".join(
+            "trains in high precision: "
+            + "; ".join(
                 f"{s.fqn or '<root>'} ({s.type_name}): {s.reason}" for s in report.skipped[:5]
-            ) + ("; ..." if len(report.skipped) > 5 else ""),
+            )
+            + ("; ..." if len(report.skipped) > 5 else ""),
             UserWarning,
             stacklevel=2,
         )

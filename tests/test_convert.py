@@ -209,5 +209,7 @@ def test_parametrized_linear_is_left_alone_with_its_reason():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     parametrize.register_parametrization(model[0], "weight", Double())
     report = dq.convert_model_with_report(model)
-    assert [s.fqn for s in report.skipped] == ["0"] and "parametrizations" in report.skipped[0].reason
+    assert [s.fqn for s in report.skipped] == ["0"] and "parametrizations" in report.skipped[
+        0
+    ].reason
     assert [c[0] for c in report.converted] == ["1"]

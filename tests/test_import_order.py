@@ -46,7 +46,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     ("recipes", ("dist_quant.recipes",)),
     ("tensor/quantizers/gemm", ("dist_quant.tensor", "dist_quant.quantizers", "dist_quant.gemm")),
-    ("factories", ("dist_quant.factories",)),
+    ("factories", ("dist_quant.factories", "dist_quant.policy")),
     ("state", ("dist_quant.state",)),
     ("amax/parallel", ("dist_quant.amax", "dist_quant.parallel", "dist_quant.fsdp_tensor")),
     ("binding", ("dist_quant.binding",)),

@@ -56,6 +56,10 @@ def test_yaml_and_json_files_load_to_the_same_schedule(tmp_path) -> None:
             "phase 0: invalid recipe: unknown recipe type",
         ),
         ([{"step": 0, "recipe": "fp4"}], "phase 0: invalid recipe"),
+        (
+            [{"step": 0, "recipe": {"type": "policy", "rules": [{"name": "r", "recipe": "x"}]}}],
+            "phase 0: invalid recipe: policy rule 'r'",
+        ),
         ({"stages": []}, 'exactly one key, "phases"'),
     ],
 )
@@ -70,3 +74,16 @@ def test_unreadable_and_unparseable_files_are_refused(tmp_path) -> None:
     (tmp_path / "bad.yaml").write_text("phases: [ {step: 0\n")
     with pytest.raises(ValueError, match="not valid YAML/JSON"):
         load_schedule_file(tmp_path / "bad.yaml")
+
+
+def test_a_phase_may_run_a_policy_recipe(tmp_path) -> None:
+    (tmp_path / "s.yaml").write_text(
+        "- {step: 0, recipe: bf16}\n"
+        "- step: 4\n"
+        "  recipe:\n"
+        "    type: policy\n"
+        "    default: delayed\n"
+        "    rules: [{modules: 'layers.0.*', recipe: bf16}]\n"
+    )
+    s = resolve_schedule(load_schedule_file(tmp_path / "s.yaml"), 10)
+    assert s.phases[1].start == 4 and s.phases[1].recipe["type"] == "policy"
