@@ -76,6 +76,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("convert", ("dist_quant.convert",)),
     ("exports", ("dist_quant",)),  # dist_quant/__init__.py: the public names, imported lazily
     ("coordinator", ("dist_quant.coordinator", "dist_quant.coordinator.*")),
+    ("integrations", ("dist_quant.integrations", "dist_quant.integrations.*")),
     ("launch", ("dist_quant.launch", "dist_quant.launch.*")),
 )
 
