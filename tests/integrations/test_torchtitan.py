@@ -204,3 +204,50 @@ def test_enable_dist_quant_adapts_a_trainer_config_and_refuses_an_unconverted_on
     assert type(config.activation_checkpoint) is DistQuantSelectiveAC.Config
     assert issubclass(config.model_spec.state_dict_adapter, Llama3StateDictAdapter)
     assert config.model_spec.state_dict_adapter is extra_state_adapter(Llama3StateDictAdapter)
+
+
+def test_attached_coordinator_switches_the_model_at_an_optimizer_step_boundary(tmp_path):
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from dist_quant.coordinator import request_switch
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    from dist_quant.integrations.torchtitan import enable_dist_quant
+
+    run_dir = tmp_path / "run"
+    config = llama3_debugmodel()
+    converter = DistQuantConverter.Config(
+        recipe="delayed", attach_coordinator=True, run_dir=str(run_dir)
+    )
+    config.model_spec = model_registry("debugmodel", converters=[converter])
+    spec = config.model_spec
+    spec.model.layers = spec.model.layers[:LAYERS]
+    for layer in spec.model.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    enable_dist_quant(config)
+    model = build(spec.model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        # the trainer calls this with its optimizers container (an Optimizer) once they exist
+        spec.post_optimizer_build_fn(opt, [model], SimpleNamespace(tp_enabled=False))
+        participant = model._dist_quant_participant
+
+        def step(i: int) -> None:
+            x, y = tokens(i)
+            loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss.backward()
+            opt.step()  # the boundary of step i + 1 follows it
+            opt.zero_grad()
+
+        step(0)
+        assert isinstance(dq.current_recipe(model), dq.DelayedScaling)
+        result = request_switch("current", at_step=2, run_dir=run_dir, timeout_s=20)
+        assert result.committed and result.step == 2
+        step(1)
+        assert isinstance(dq.current_recipe(model), dq.Float8CurrentScaling)
+    finally:
+        if getattr(model, "_dist_quant_participant", None) is not None:
+            model._dist_quant_participant.close()
+        dist.destroy_process_group()
