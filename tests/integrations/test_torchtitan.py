@@ -232,7 +232,7 @@ def test_attached_coordinator_switches_the_model_at_an_optimizer_step_boundary(t
     try:
         # the trainer calls this with its optimizers container (an Optimizer) once they exist
         spec.post_optimizer_build_fn(opt, [model], SimpleNamespace(tp_enabled=False))
-        participant = model._dist_quant_participant
+        assert model._dist_quant_participant.state is not None
 
         def step(i: int) -> None:
             x, y = tokens(i)
