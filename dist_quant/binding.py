@@ -91,8 +91,10 @@ state-dict keys keep `_orig_mod`), so a module is named by its place in the mode
 
 
 def _key_tag(key: int) -> torch.Tensor:
-    """A 0-dim int64 CPU tensor holding `key` (see `dist_quant.modules.enrol`)."""
-    return torch.tensor(key, dtype=torch.int64)
+    """A 0-dim int64 CPU tensor holding `key` (see `dist_quant.modules.enrol`); on the CPU even
+    when the module is built under `with torch.device("meta")` (torchtitan's trainer), where a
+    default-device tag would hold no key."""
+    return torch.tensor(key, dtype=torch.int64, device="cpu")
 
 
 class QuantBinding:

@@ -199,7 +199,7 @@ def fp8_fallback(
     if to not in FALLBACK_TARGETS:
         raise ValueError(f"fp8_fallback: to must be one of {FALLBACK_TARGETS}, got {to!r}")
     base_recipe = recipe_from_dict(base)
-    base_factory = _slot_factory(base_recipe)
+    base_factory = slot_factory(base_recipe)
     chosen = tuple(sorted(set(names)))
     target = {"current": current_scaling, "mxfp8": mxfp8, "bf16": high_precision}[to]
     params = {"layers": list(chosen), "to": to, "base": base_recipe.to_dict()}
@@ -219,7 +219,7 @@ def fp8_fallback(
     return factory
 
 
-def _slot_factory(recipe: Recipe) -> Callable[[QuantizerRole | None], Any]:
+def slot_factory(recipe: Recipe) -> Callable[[QuantizerRole | None], Any]:
     """What `recipe` gives each slot, as a factory (for the slots a fallback leaves alone)."""
     if isinstance(recipe, CustomRecipe):
         return recipe.qfactory

@@ -406,6 +406,12 @@ _RECIPE_TYPES: dict[str, type[Recipe]] = {
 }
 
 
+# Recipe types written by hand as `{"type": T, ...params}` and built by a factory builder of a
+# higher layer (imported by path when used, as any builder): a `CustomRecipe` of that factory,
+# whose `to_dict()` is the general `{"builder": ..., "params": ...}` form.
+_BUILT_TYPES: dict[str, str] = {"policy": "dist_quant.policy:policy"}
+
+
 def builtin_recipe(name: str) -> Recipe:
     """ "delayed", "current", "mxfp8", "block", "nvfp4" (each with API defaults) or "bf16" (all identity)."""
     choice = name.strip().lower()
@@ -440,9 +446,12 @@ def recipe_from_dict(d: Mapping[str, Any] | str) -> Recipe:
         raise ValueError(
             f"a recipe must be a dict or a built-in name, got {type(d).__name__}: {d!r}"
         )
-    valid_types = ", ".join(_RECIPE_TYPES)
+    valid_types = ", ".join([*_RECIPE_TYPES, *_BUILT_TYPES])
     if "type" not in d:
         raise ValueError(f'recipe dict has no "type" field; valid types: {valid_types}')
+    if isinstance(d["type"], str) and d["type"] in _BUILT_TYPES:
+        builder = _import_callable(d["type"], _BUILT_TYPES[d["type"]])
+        return CustomRecipe(builder(**{k: v for k, v in d.items() if k != "type"}))
     cls = _RECIPE_TYPES.get(d["type"]) if isinstance(d["type"], str) else None
     if cls is None:
         raise ValueError(f"unknown recipe type {d['type']!r}; valid types: {valid_types}")

@@ -2,7 +2,9 @@
 
 One row per quantizer slot of every dist-quant module: the module's role name, the slot
 (`fwd[i]` / `bwd[i]`), the role the module emits for it (`module_type/tensor_type`, or `-` for a
-slot without a role) and the quantizer the recipe builds for it. The recipe is planned and
+slot without a role) and the quantizer the recipe builds for it; under a policy recipe
+(`dist_quant.policy`) also the rule that decided the slot, and a warning for each rule that
+matches no slot. The recipe is planned and
 validated exactly as `apply_recipe` would (nothing is published), so a recipe that cannot run on
 the model fails here with the same error the job would report.
 """
@@ -20,7 +22,9 @@ from rich.table import Table
 from torch import nn
 
 from dist_quant.context import default_recipe
+from dist_quant.policy import policy_of
 from dist_quant.recipes import recipe_from_dict
+from dist_quant.roles import QuantizerRole
 from dist_quant.runtime import RecipeUpdateError, plan_model
 
 
@@ -79,6 +83,14 @@ def role_rows(model: nn.Module, recipe: Any) -> list[tuple[str, str, str, str, s
     return rows
 
 
+def slot_roles(model: nn.Module, recipe: Any) -> list[QuantizerRole | None]:
+    """Every slot's role, in `role_rows` order; raises RecipeUpdateError."""
+    out: list[QuantizerRole | None] = []
+    for cand in plan_model(model, recipe).candidates:
+        out += [*cand.runtime.fwd_roles, *cand.runtime.bwd_roles]
+    return out
+
+
 def print_role_table(spec: str, recipe_payload: str | dict | None) -> int:
     """Print the table; exit code 0, or raise CliError (2: bad spec/recipe, 1: recipe refused)."""
     model = build_model(spec)
@@ -91,8 +103,14 @@ def print_role_table(spec: str, recipe_payload: str | dict | None) -> int:
     except RecipeUpdateError as e:
         raise CliError(f"the recipe does not fit the model: {e}", 1) from e
     table = Table(title=f"roles of {spec} under {short_key(recipe)}", title_justify="left")
+    policy = policy_of(recipe)
+    columns = ["module", "slot", "role", "role name", "quantizer"]
+    roles = [] if policy is None else slot_roles(model, recipe)
+    if policy is not None:
+        columns.append("rule")
+        rows = [(*r, policy.rule_name(role)) for r, role in zip(rows, roles, strict=True)]
     # long names fold to fit the terminal (never cut); slot and role stay on one line
-    for col in ("module", "slot", "role", "role name", "quantizer"):
+    for col in columns:
         table.add_column(col, no_wrap=col in ("slot", "role"), overflow="fold")
     last = None
     for module, *rest in rows:
@@ -105,5 +123,8 @@ def print_role_table(spec: str, recipe_payload: str | dict | None) -> int:
             "no role names it (a CustomRecipe factory gets role None there)"
         )
     # the terminal's width on a terminal, else $COLUMNS or 80 (rich's rules)
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    for name in [] if policy is None else policy.unmatched(roles):
+        console.print(f"warning: policy rule {name!r} matches no slot of {spec}", style="yellow")
     return 0

@@ -98,3 +98,25 @@ def test_binding_context_and_runtime_import_no_module_code():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_a_module_built_under_a_meta_default_device_enrols_its_checkpointed_forward():
+    # torchtitan builds models inside `with torch.device("meta")`; the enrolment tag must still
+    # name the module, or the checkpointed forward's delayed amaxes go to no module
+    def make():
+        torch.manual_seed(0)
+        return dq.Linear(16, 16)
+
+    with torch.device("meta"):
+        meta_built = dq.Linear(16, 16)
+    meta_built.to_empty(device="cpu")
+    meta_built.load_state_dict(make().state_dict())
+    grads = []
+    for model in (make(), meta_built):
+        dq.apply_recipe(model, dq.DelayedScaling())
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        with dq.autocast():
+            y = dq.activation_checkpoint(model, x, use_reentrant=False)
+        y.square().sum().backward()
+        grads.append((x.grad, model.weight.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])

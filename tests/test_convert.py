@@ -104,3 +104,112 @@ def test_root_linear_and_dist_quant_modules():
     assert dq.convert_model(mlp) is mlp  # already dist-quant: left as it is
     with pytest.raises(ValueError, match="module_filter_fn must be callable"):
         dq.convert_model(lin, module_filter_fn="fc")
+
+
+# ---- Linear subclasses a framework builds (torchtitan's `Linear(nn.Linear, Module)` pattern) ----
+class FrameworkModule(nn.Module):
+    """A framework base: initialises its modules' own parameters from `_param_init`, the way
+    torchtitan's `Module.init_states` does, and only visits modules of its own type."""
+
+    _param_init = None
+
+    def init_states(self) -> None:
+        for child in self.children():
+            if isinstance(child, FrameworkModule):
+                child.init_states()
+        if self._param_init is not None:
+            for name, param in self.named_parameters(recurse=False):
+                self._param_init[name](param)
+
+
+class FrameworkLinear(nn.Linear, FrameworkModule):
+    """Keeps nn.Linear.forward: Linear-like, so converted."""
+
+
+class FrameworkModel(FrameworkModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = FrameworkLinear(8, 16)
+        self.down = FrameworkLinear(16, 4, bias=False)
+        self.custom = Custom(4, 4)
+        for lin, value in ((self.up, 0.25), (self.down, -0.5)):
+            lin._param_init = {
+                "weight": lambda p, v=value: nn.init.constant_(p, v),
+                "bias": nn.init.zeros_,
+            }
+        self.up.tag = "kept"
+
+    def forward(self, x):
+        return self.custom(self.down(self.up(x)))
+
+
+def test_linear_subclass_keeping_nn_linear_forward_is_converted_and_asked_about():
+    seen = []
+
+    def keep_all(module, fqn):
+        seen.append((fqn, type(module).__name__))
+        return True
+
+    model = FrameworkModel()
+    report = dq.convert_model_with_report(model, module_filter_fn=keep_all)
+    assert seen == [("up", "FrameworkLinear"), ("down", "FrameworkLinear")]
+    assert isinstance(model.up, dq.Linear) and isinstance(model.up, FrameworkModule)
+    assert not isinstance(model.up, FrameworkLinear)  # nn.Linear.forward is not what runs now
+    assert [c[0] for c in report.converted] == ["up", "down"]
+    assert report.linears_seen == 3 and len(report.skipped) == 1
+    assert report.skipped[0].fqn == "custom" and "overrides nn.Linear.forward" in (
+        report.skipped[0].reason
+    )
+
+
+def test_conversion_on_meta_keeps_framework_init_hooks_and_attributes():
+    with torch.device("meta"):
+        model = FrameworkModel()
+    dq.convert_model(model)
+    assert model.up.weight.device.type == "meta" and model.up.tag == "kept"
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))  # what to_empty may leave: init must overwrite every value
+    model.init_states()
+    assert torch.equal(model.up.weight, torch.full((16, 8), 0.25))
+    assert torch.equal(model.up.bias, torch.zeros(16))
+    assert torch.equal(model.down.weight, torch.full((4, 16), -0.5))
+    assert model.custom.weight.isnan().all()  # left alone: not a framework-initialised module
+
+
+def test_hooks_registered_on_a_linear_survive_the_swap_and_their_handles_still_remove():
+    model = nn.Sequential(nn.Linear(4, 4))
+    calls = []
+    handle = model[0].register_forward_hook(lambda m, i, o: calls.append(type(m).__name__))
+    model[0].register_state_dict_post_hook(lambda m, sd, prefix, local: sd.update(extra=1))
+    dq.convert_model(model)
+    model(torch.randn(2, 4))
+    assert calls == ["Linear"] and type(model[0]) is dq.Linear
+    assert model.state_dict()["extra"] == 1
+    handle.remove()
+    model(torch.randn(2, 4))
+    assert calls == ["Linear"]
+
+
+def test_converting_no_linear_of_a_model_with_linears_warns_with_the_reasons():
+    model = nn.Sequential(Custom(4, 4), nn.Linear(4, 4))
+    with pytest.warns(UserWarning, match=r"converted none of the model's 2 Linears.*0 \(Custom\)"):
+        dq.convert_model(model, module_filter_fn=lambda m, fqn: False)
+    assert type(model[1]) is nn.Linear
+
+
+def test_parametrized_linear_is_left_alone_with_its_reason():
+    from torch.nn.utils import parametrize
+
+    class Double(nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    parametrize.register_parametrization(model[0], "weight", Double())
+    report = dq.convert_model_with_report(model)
+    assert [s.fqn for s in report.skipped] == ["0"] and "parametrizations" in report.skipped[
+        0
+    ].reason
+    assert [c[0] for c in report.converted] == ["1"]

@@ -55,7 +55,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "dist_quant.gemm",
         ),
     ),
-    ("factories", ("dist_quant.factories",)),
+    ("factories", ("dist_quant.factories", "dist_quant.policy")),
     ("state", ("dist_quant.state",)),
     ("amax/parallel", ("dist_quant.amax", "dist_quant.parallel", "dist_quant.fsdp_tensor")),
     ("binding", ("dist_quant.binding",)),
@@ -85,6 +85,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("convert", ("dist_quant.convert",)),
     ("exports", ("dist_quant",)),  # dist_quant/__init__.py: the public names, imported lazily
     ("coordinator", ("dist_quant.coordinator", "dist_quant.coordinator.*")),
+    ("integrations", ("dist_quant.integrations", "dist_quant.integrations.*")),
     ("launch", ("dist_quant.launch", "dist_quant.launch.*")),
 )
 

@@ -204,3 +204,20 @@ def test_demo_refuses_bad_options_before_starting_anything(tmp_path, capsys) -> 
 def test_run_with_a_missing_script_exits_2(tmp_path, capsys) -> None:
     assert main(["run", "--nproc", "2", str(tmp_path / "nope.py")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_switch_sends_a_policy_file_as_the_recipe_the_ranks_build(tmp_path) -> None:
+    from dist_quant.launch.cli import parse_recipe_arg
+
+    from dist_quant.policy import policy_of
+    from dist_quant.recipes import recipe_from_dict
+
+    path = tmp_path / "p.yaml"
+    path.write_text("type: policy\ndefault: current\nrules: [{modules: output, recipe: bf16}]\n")
+    payload = parse_recipe_arg(str(path))
+    assert payload == {
+        "type": "policy",
+        "default": "current",
+        "rules": [{"modules": "output", "recipe": "bf16"}],
+    }
+    assert policy_of(recipe_from_dict(payload)).rules[0].name == "rules[0]"

@@ -103,3 +103,34 @@ def test_the_table_fits_the_terminal_width_and_explains_unnamed_slots(monkeypatc
     assert max(len(line) for line in out.splitlines()) <= 100
     assert "│ bwd[1] │ -  " in out  # a slot without a role ...
     assert "role -: an output or grad-input slot" in " ".join(out.split())  # ... explained
+
+
+def test_roles_under_a_policy_file_shows_each_slots_rule_and_warns_unmatched_rules(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
+    path = tmp_path / "policy.yaml"
+    path.write_text(
+        "type: policy\n"
+        "num_layers: 2\n"
+        "default: delayed\n"
+        "rules:\n"
+        "  - {name: last-bf16, layers: last 1, recipe: bf16}\n"
+        "  - {name: attn-current, modules: '*.core_attention', recipe: current}\n"
+        "  - {name: stale, modules: 'layers.*.attention.wqkv', recipe: bf16}\n"
+    )
+    assert main(["roles", "gpt:layers=2,hidden=32,heads=2", "--recipe", str(path)]) == 0
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if "│" in line]
+    rule_of = {}
+    module = None
+    for line in lines:
+        cells = [c.strip() for c in line.split("│")[1:-1]]
+        if len(cells) != 6 or cells[1] in ("", "slot"):
+            continue
+        module = cells[0] or module
+        rule_of[(module.split(" ")[0], cells[1])] = (cells[4], cells[5])
+    assert rule_of[("layers.1.mlp", "fwd[0]")] == ("IdentityQuantizer", "last-bf16")
+    assert rule_of[("layers.0.mlp", "fwd[0]")] == ("Float8Quantizer(e4m3fn)", "default")
+    assert rule_of[("layers.1.self_attention.core_attention", "fwd[0]")][1] == "attn-current"
+    assert "warning: policy rule 'stale' matches no slot" in out

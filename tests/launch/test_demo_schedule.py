@@ -63,6 +63,10 @@ def test_yaml_and_json_files_load_to_the_same_schedule(tmp_path) -> None:
             "phase 0: invalid recipe: unknown recipe type",
         ),
         ([{"step": 0, "recipe": "fp4"}], "phase 0: invalid recipe"),
+        (
+            [{"step": 0, "recipe": {"type": "policy", "rules": [{"name": "r", "recipe": "x"}]}}],
+            "phase 0: invalid recipe: policy rule 'r'",
+        ),
         ({"stages": []}, 'exactly one key, "phases"'),
     ],
 )
@@ -98,3 +102,16 @@ def test_the_nvfp4_schedule_file_runs_nvfp4_between_bf16_ends_then_a_bf16_forwar
         }
         assert kinds == {want}, (i, kinds)
     dq.apply_recipe(model, tail)  # the switch at 90% plans on the same model
+
+
+def test_a_phase_may_run_a_policy_recipe(tmp_path) -> None:
+    (tmp_path / "s.yaml").write_text(
+        "- {step: 0, recipe: bf16}\n"
+        "- step: 4\n"
+        "  recipe:\n"
+        "    type: policy\n"
+        "    default: delayed\n"
+        "    rules: [{modules: 'layers.0.*', recipe: bf16}]\n"
+    )
+    s = resolve_schedule(load_schedule_file(tmp_path / "s.yaml"), 10)
+    assert s.phases[1].start == 4 and s.phases[1].recipe["type"] == "policy"
