@@ -253,7 +253,7 @@ def _join(
     Returns (transport, problem text or "", cleanups)."""
     on_close: list[Callable[[], None]] = []
     try:
-        transport = _connect(endpoint, connect_timeout_s=CONNECT_TIMEOUT_S)
+        transport = connect_endpoint(endpoint, connect_timeout_s=CONNECT_TIMEOUT_S)
     except TransportError as e:
         cause = str(e.__cause__ or e).strip().splitlines()[0]
         me = localities[rank].reach or localities[rank].where
@@ -282,7 +282,7 @@ def _join(
     return transport, "", on_close
 
 
-def _connect(endpoint: dict[str, Any], connect_timeout_s: float = 30.0) -> Transport:
+def connect_endpoint(endpoint: dict[str, Any], connect_timeout_s: float = 30.0) -> Transport:
     if endpoint["transport"] == "ray":
         return RayTransport.connect(endpoint["address"])
     return StoreTransport(endpoint["address"], connect_timeout_s=connect_timeout_s)
@@ -345,7 +345,7 @@ class _Host:
     def _drain_listeners(self) -> None:
         """Stop every rank's listener and wait (bounded) until each said so, so that closing the
         server leaves no peer blocked on it (c10d would print a stack trace on that peer)."""
-        tx = _connect(self.endpoint)
+        tx = connect_endpoint(self.endpoint)
         try:
             stop = seal(Stop("coordinator closing"), self.endpoint["token"])
             for r in range(self._world):

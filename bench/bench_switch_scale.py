@@ -1,0 +1,543 @@
+"""The cluster switch at scale: the real coordinator and transport against N simulated ranks.
+
+    python bench/bench_switch_scale.py [--ranks 64 1024 4096 16384] [--ranks-per-node 8]
+        [--transport store|ray] [--json] [--timeout 600] [--at-step-ahead K]
+
+Real: `Coordinator`, its decision log (fsynced), the transport (`store`: a `StoreServer` in this
+process, every rank connected to it exactly as `attach` connects; `ray`: the coordinator actor's
+body and its in-memory queues called directly, without Ray's RPC, since starting Ray with
+thousands of concurrent calls is far too heavy for a 2-core machine), `Participant` (listener
+thread, state machine, votes and acks) and the client's `request_switch`. Simulated: the model
+and planner (a stub whose plan and publish take microseconds), the network (every rank on this
+host: loopback or in-process), and training (one thread per worker process calls
+`step_boundary` for each of its ranks every `--step-ms`, i.e. its ranks run in lockstep as the
+collectives of a real job would keep them).
+
+Per N it reports request -> decision, request -> every rank published, the longest
+`step_boundary` call any rank saw while the switch ran (its stall), CPU of the coordinator's
+threads per switch, messages the coordinator sent and received, and connections open at rank 0's
+server (or, for `ray`, calls in flight inside the actor: each holds one of its threads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import secrets
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+# Simulated ranks are many threads; their stacks stay tiny.
+THREAD_STACK = 256 * 1024
+RECIPE_A, RECIPE_B = {"name": "A"}, {"name": "B"}
+COSTS_MS = {"in a node": 0.05, "across nodes": 0.5}
+
+
+# -- the stub model and planner ------------------------------------------------------------------
+
+
+class StubModel:
+    def __init__(self) -> None:
+        self.recipe = RECIPE_A["name"]
+        self.published_at: float | None = None
+
+
+class StubPlan:
+    def __init__(self, model: StubModel, name: str) -> None:
+        self.model, self.name, self.digest = model, name, name
+
+    def publish(self) -> None:
+        self.model.recipe = self.name
+        self.model.published_at = time.monotonic()
+
+
+def stub_loader(payload: Any) -> dict:
+    if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
+        raise ValueError(f"stub recipe {payload!r} must be a dict with a 'name'")
+    return payload
+
+
+def stub_planner(model: StubModel, recipe: dict) -> StubPlan:
+    return StubPlan(model, recipe["name"])
+
+
+# -- the counting seams --------------------------------------------------------------------------
+
+
+class Counted:
+    """A transport that counts the messages it moves and the calls in flight through it.
+    Clones share the counters, so the coordinator's two connections count as one rank 0."""
+
+    def __init__(self, inner: Any, counts: dict[str, int] | None = None) -> None:
+        self.inner = inner
+        self.counts = counts if counts is not None else {"sent": 0, "received": 0}
+        self._lock = threading.Lock()
+
+    def push(self, queue: str, data: bytes) -> None:
+        self.inner.push(queue, data)
+        with self._lock:
+            self.counts["sent"] += 1
+
+    def pop(self, queue: str, timeout: float | None = None) -> bytes | None:
+        data = self.inner.pop(queue, timeout)
+        if data is not None:
+            with self._lock:
+                self.counts["received"] += 1
+        return data
+
+    def clone(self) -> Counted:
+        return Counted(self.inner.clone(), self.counts)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class ActorCalls:
+    """The Ray transport without Ray: each call goes straight to the actor body, and the number
+    of calls inside the actor at once (each one of its `max_concurrency` threads) is tracked."""
+
+    def __init__(self, actor: Any, gauge: dict[str, int], lock: threading.Lock) -> None:
+        self._actor, self._gauge, self._lock = actor, gauge, lock
+
+    def _enter(self) -> None:
+        with self._lock:
+            self._gauge["now"] += 1
+            self._gauge["peak"] = max(self._gauge["peak"], self._gauge["now"])
+
+    def _leave(self, moved: bool) -> None:
+        with self._lock:
+            self._gauge["now"] -= 1
+            self._gauge["messages"] += moved
+
+    def push(self, queue: str, data: bytes) -> None:
+        self._enter()
+        try:
+            self._actor.push(queue, data)
+        finally:
+            self._leave(True)
+
+    def pop(self, queue: str, timeout: float | None = None) -> bytes | None:
+        self._enter()
+        data = None
+        try:
+            data = self._actor.pop(queue, timeout)
+            return data
+        finally:
+            self._leave(data is not None)
+
+    def clone(self) -> ActorCalls:
+        return self
+
+    def close(self) -> None:
+        pass
+
+
+def thread_cpu_s(threads: list[threading.Thread]) -> float:
+    total = 0.0
+    for t in threads:
+        if t.is_alive() and t.ident is not None:
+            try:
+                total += time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+            except OSError:
+                pass  # ended between the check and the read
+    return total
+
+
+def server_connections(port: int) -> int:
+    """Established TCP connections whose local end is `port` (the server's side of each)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            local, state = fields[1], fields[3]
+            if state == "01" and int(local.rsplit(":", 1)[1], 16) == port:
+                count += 1
+    return count
+
+
+# -- simulated ranks -----------------------------------------------------------------------------
+
+
+class Ranks:
+    """Participants for ranks [lo, hi) in this process, and the thread that trains them."""
+
+    def __init__(
+        self, lo: int, hi: int, connect: Any, token: str, step_s: float, barrier: Any = None
+    ) -> None:
+        from dist_quant.coordinator.participant import Participant
+
+        self.models: list[StubModel] = []
+        self.parts: list[Any] = []
+        self.failures: list[str] = []
+        self._step_s = step_s
+        self._barrier = barrier
+        self._stop = threading.Event()
+        self.measuring = threading.Event()
+        self.started = threading.Event()
+        self.step = 0
+        self.max_stall_s = 0.0
+        t0 = time.monotonic()
+        for r in range(lo, hi):
+            try:
+                transport = connect()
+                model = StubModel()
+                part = Participant(
+                    model,
+                    rank=r,
+                    transport=transport,
+                    token=token,
+                    planner=stub_planner,
+                    recipe_loader=stub_loader,
+                    describe=lambda m: m.recipe,
+                )
+            except Exception as e:  # noqa: BLE001 - counted and reported as attach failures
+                self.failures.append(f"rank {r}: {type(e).__name__}: {e}")
+                continue
+            self.models.append(model)
+            self.parts.append(part.start())
+        self.connect_s = time.monotonic() - t0
+        self._trainer = threading.Thread(target=self._train, name="bench.trainer", daemon=True)
+        self._trainer.start()
+
+    def _train(self) -> None:
+        while not self._stop.is_set():
+            worst = 0.0
+            for part in self.parts:
+                t0 = time.perf_counter()
+                part.step_boundary(self.step)
+                worst = max(worst, time.perf_counter() - t0)
+            if self.measuring.is_set():
+                self.max_stall_s = max(self.max_stall_s, worst)
+            self.started.set()
+            self.step += 1
+            self._stop.wait(self._step_s)
+            if self._barrier is not None:
+                # the other processes' ranks: a real job's collectives keep every rank in step
+                try:
+                    self._barrier.wait()
+                except threading.BrokenBarrierError:
+                    return
+
+    def published(self) -> int:
+        return sum(m.recipe == RECIPE_B["name"] for m in self.models)
+
+    def last_publish(self) -> float:
+        return max((m.published_at or 0.0) for m in self.models) if self.models else 0.0
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._barrier is not None:
+            self._barrier.abort()
+        self._trainer.join(10)
+
+
+def _worker(lo: int, hi: int, endpoint: dict, step_s: float, barrier: Any, conn: Any) -> None:
+    """A process of simulated ranks, driven by `conn` (a Pipe): "measure", "report", "exit"."""
+    threading.stack_size(THREAD_STACK)
+    from dist_quant.coordinator.attach import connect_endpoint
+
+    ranks = Ranks(lo, hi, lambda: connect_endpoint(endpoint), endpoint["token"], step_s, barrier)
+    ranks.started.wait(60)
+    conn.send({"failures": ranks.failures, "connect_s": ranks.connect_s, "step": ranks.step})
+    while True:
+        cmd = conn.recv()
+        if cmd == "measure":
+            ranks.measuring.set()
+            conn.send(ranks.step)
+        elif cmd == "report":
+            conn.send(
+                {
+                    "published": ranks.published(),
+                    "last_publish": ranks.last_publish(),
+                    "max_stall_s": ranks.max_stall_s,
+                    "step": ranks.step,
+                }
+            )
+        else:
+            ranks.stop()
+            conn.send("bye")
+            os._exit(0)  # the ranks' sockets close with the process, as a job's would
+
+
+# -- one measurement -----------------------------------------------------------------------------
+
+
+class Bench:
+    """One N: rank 0 (server, coordinator, client) here, the ranks in workers or threads."""
+
+    def __init__(self, args: argparse.Namespace, world: int, tmp: Path) -> None:
+        from dist_quant.coordinator.coordinator import Coordinator
+        from dist_quant.coordinator.log import DecisionLog
+
+        self.args, self.world = args, world
+        self.token = secrets.token_hex(16)
+        self.deadline = time.monotonic() + args.timeout
+        rpn = args.ranks_per_node
+        tp_groups = [tuple(range(g, min(g + rpn, world))) for g in range(0, world, rpn)]
+        self.counts: dict[str, int] = {"sent": 0, "received": 0}
+        # ray: every message crosses the actor once (a push in, or a pop out)
+        self.gauge = {"now": 0, "peak": 0, "messages": 0}
+        self._gauge_lock = threading.Lock()
+        self.workers: list[tuple[Any, Any]] = []
+        self.local: Ranks | None = None
+        self.barrier: Any = None
+        before = set(threading.enumerate())
+        if args.transport == "store":
+            from dist_quant.coordinator.attach import connect_endpoint
+            from dist_quant.coordinator.transport_store import StoreServer
+
+            self.server = StoreServer()
+            self.endpoint = {"transport": "store", "address": self.server.address,
+                             "token": self.token}  # fmt: skip
+            coordinator_transport = Counted(connect_endpoint(self.endpoint), self.counts)
+            self.coordinator = Coordinator(
+                coordinator_transport,
+                token=self.token,
+                world_size=world,
+                tp_groups=tp_groups,
+                log=DecisionLog(tmp / "decisions.jsonl"),
+                commit_window_s=0.5,
+            )
+            self.coordinator.start()
+        else:
+            from dist_quant.coordinator.transport_ray import _CoordinatorActor
+
+            self.server = None
+            self.actor = _CoordinatorActor()
+            self.actor.start(self.token, world, tp_groups, str(tmp / "decisions.jsonl"), (), 0.5)
+        self.coordinator_threads = [t for t in threading.enumerate() if t not in before]
+
+    def _client_transport(self) -> Any:
+        if self.args.transport == "store":
+            from dist_quant.coordinator.attach import connect_endpoint
+
+            return connect_endpoint(self.endpoint)
+        return ActorCalls(self.actor, self.gauge, self._gauge_lock)
+
+    def _left(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"--timeout {self.args.timeout:g} s passed")
+        return left
+
+    def start_ranks(self) -> dict[str, Any]:
+        step_s = self.args.step_ms / 1e3
+        if self.args.transport == "store":
+            ctx = mp.get_context("spawn")
+            per = self.args.ranks_per_process
+            self.barrier = barrier = ctx.Barrier(math.ceil(self.world / per))
+            for lo in range(0, self.world, per):
+                here, there = ctx.Pipe()
+                proc = ctx.Process(
+                    target=_worker,
+                    args=(lo, min(lo + per, self.world), self.endpoint, step_s, barrier, there),
+                    daemon=True,
+                )
+                proc.start()
+                self.workers.append((proc, here))
+            hellos = [self._ask(conn, None) for _, conn in self.workers]
+        else:
+            threading.stack_size(THREAD_STACK)
+            self.local = Ranks(0, self.world, self._client_transport, self.token, step_s)
+            self.local.started.wait(self._left())
+            hellos = [{"failures": self.local.failures, "connect_s": self.local.connect_s}]
+        failures = [f for h in hellos for f in h["failures"]]
+        return {"attach_failures": len(failures), "first_failure": failures[:1],
+                "attach_s": max(h["connect_s"] for h in hellos)}  # fmt: skip
+
+    def _ask(self, conn: Any, cmd: str | None) -> Any:
+        if cmd is not None:
+            conn.send(cmd)
+        if not conn.poll(self._left()):
+            raise TimeoutError(f"a worker did not answer {cmd or 'hello'} within --timeout")
+        return conn.recv()
+
+    def _reports(self) -> list[dict[str, Any]]:
+        if self.local is not None:
+            r = self.local
+            return [{"published": r.published(), "last_publish": r.last_publish(),
+                     "max_stall_s": r.max_stall_s, "step": r.step}]  # fmt: skip
+        return [self._ask(conn, "report") for _, conn in self.workers]
+
+    def _messages(self) -> int:
+        if self.server is None:
+            return self.gauge["messages"]
+        return self.counts["sent"] + self.counts["received"]
+
+    def switch(self) -> dict[str, Any]:
+        from dist_quant.coordinator.client import request_switch, status
+
+        if self.local is not None:
+            self.local.measuring.set()
+            step = self.local.step
+        else:
+            step = max(self._ask(conn, "measure") for _, conn in self.workers)
+        at_step = step + self.args.at_step_ahead if self.args.at_step_ahead else None
+        client = self._client_transport()
+        connections = server_connections(self.server.port) if self.server else self.gauge["now"]
+        moved0 = self._messages()
+        cpu0 = thread_cpu_s(self.coordinator_threads)
+        t0 = time.monotonic()
+        result = request_switch(
+            RECIPE_B, at_step=at_step, timeout_s=self.args.vote_timeout,
+            token=self.token, transport=client,
+        )  # fmt: skip
+        decided = time.monotonic()
+        if not result.committed:
+            raise RuntimeError(f"switch aborted: {result.summary}")
+        while True:
+            reports = self._reports()
+            if sum(r["published"] for r in reports) == self.world:
+                break
+            time.sleep(min(0.02, self._left()))
+        published = max(r["last_publish"] for r in reports)
+        while status(token=self.token, transport=client)["phase"] != "published":
+            time.sleep(min(0.02, self._left()))
+        cpu = thread_cpu_s(self.coordinator_threads) - cpu0
+        return {
+            "decision_ms": 1e3 * (decided - t0),
+            "published_ms": 1e3 * (published - t0),
+            "max_stall_ms": 1e3 * max(r["max_stall_s"] for r in reports),
+            "coordinator_cpu_ms": 1e3 * cpu,
+            "rank0_messages": self._messages() - moved0,
+            "rank0_connections": connections if self.server else self.gauge["peak"],
+            "commit_step": result.step,
+            "at_step": at_step,
+        }
+
+    def close(self) -> None:
+        if self.barrier is not None:
+            self.barrier.abort()  # frees a worker whose peer never came
+        for _, conn in self.workers:
+            try:
+                conn.send("exit")
+            except OSError:
+                pass
+        for proc, _ in self.workers:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+        if self.local is not None:
+            self.local.stop()
+        if self.server is not None:
+            self.coordinator.stop()
+            self.server.close()
+        else:
+            self.actor.stop()
+
+
+def measure(args: argparse.Namespace, world: int) -> dict[str, Any]:
+    row: dict[str, Any] = {"ranks": world, "transport": args.transport}
+    with tempfile.TemporaryDirectory() as tmp:
+        bench = None
+        try:
+            bench = Bench(args, world, Path(tmp))
+            row.update(bench.start_ranks())
+            if row["attach_failures"]:
+                row["error"] = f"{row['attach_failures']} rank(s) failed to attach"
+            else:
+                row.update(bench.switch())
+        except (TimeoutError, RuntimeError, OSError) as e:
+            row["error"] = f"{type(e).__name__}: {e}"
+        finally:
+            if bench is not None:
+                bench.close()
+    return row
+
+
+# -- output --------------------------------------------------------------------------------------
+
+
+def projection(world: int, rpn: int, measured: dict[str, Any] | None) -> list[str]:
+    """The switch's network time for `world` ranks over world / rpn nodes at the stated
+    per-message costs, added to what this host measured for the protocol itself (`measured`,
+    a row of the largest N run). Four message rounds (prepare, vote, decision, ack); two bounds:
+    pipelined (a round costs one hop) and serialised (a round costs its messages one after the
+    other at the busiest endpoint, rank 0). Flat: every rank talks to rank 0. Node leaders: ranks
+    talk to their node's lowest rank, leaders to rank 0."""
+    nodes = math.ceil(world / rpn)
+    local, remote = COSTS_MS["in a node"], COSTS_MS["across nodes"]
+    rounds = 4
+    ran = measured is not None and measured.get("ranks") == world and "published_ms" in measured
+    base = measured["published_ms"] if ran else None
+    where = (
+        f"+ the {base:.0f} ms measured here at {world} ranks"
+        if base is not None
+        else f"only ({world} ranks were not measured in this run)"
+    )
+    base = base or 0.0
+    lines = [
+        f"projection for {world} ranks on {nodes} nodes ({rpn} per node): {local} ms per "
+        f"message in a node, {remote} ms across nodes, {rounds} rounds, network time {where}:"
+    ]
+    for name, pipelined, serial in (
+        ("flat", remote, world * remote),
+        ("node leaders", local + remote, rpn * local + nodes * remote),
+    ):
+        lines.append(
+            f"  {name:<12}: pipelined {base + rounds * pipelined:9.0f} ms, "
+            f"serialised at rank 0 {base + rounds * serial:9.0f} ms"
+        )
+    lines.append(
+        "not simulated: network round trips (every rank shares this host), planning time (the "
+        "stub plans in microseconds; bench/bench_switch.py measures plan_model), GPU work and "
+        "the collectives between steps (a barrier per step stands in for them)."
+    )
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[64, 1024, 4096, 16384])
+    parser.add_argument("--ranks-per-node", type=int, default=8)
+    parser.add_argument("--transport", choices=("store", "ray"), default="store")
+    parser.add_argument("--json", action="store_true", help="one JSON object per line")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per N")
+    parser.add_argument("--vote-timeout", type=float, default=300.0)
+    parser.add_argument("--step-ms", type=float, default=20.0)
+    parser.add_argument("--at-step-ahead", type=int, default=0,
+                        help="request at_step = the ranks' step + this (0: no at_step)")  # fmt: skip
+    parser.add_argument("--ranks-per-process", type=int, default=2048)
+    args = parser.parse_args()
+    if args.ranks_per_node < 1 or args.ranks_per_process < 1 or min(args.ranks) < 1:
+        parser.error("--ranks, --ranks-per-node and --ranks-per-process must be >= 1")
+
+    import torch
+
+    if not args.json:
+        print(f"{os.cpu_count()} CPU cores, torch {torch.__version__}, transport "
+              f"{args.transport}, {args.ranks_per_node} ranks per node (= TP group), "
+              f"{args.step_ms:g} ms steps")  # fmt: skip
+        print(f"{'ranks':>6} | {'decision ms':>11} | {'published ms':>12} | {'max stall ms':>12} |"
+              f" {'coord CPU ms':>12} | {'rank0 msgs':>10} | {'rank0 conns':>11}")  # fmt: skip
+    largest = None
+    for world in args.ranks:
+        row = measure(args, world)
+        if "error" not in row:
+            largest = row
+        if args.json:
+            print(json.dumps(row), flush=True)
+        elif "error" in row:
+            print(f"{world:>6} | {row['error']}", flush=True)
+        else:
+            print(f"{world:>6} | {row['decision_ms']:11.1f} | {row['published_ms']:12.1f} | "
+                  f"{row['max_stall_ms']:12.1f} | {row['coordinator_cpu_ms']:12.1f} | "
+                  f"{row['rank0_messages']:10d} | {row['rank0_connections']:11d}",
+                  flush=True)  # fmt: skip
+    if not args.json:
+        print("\n" + "\n".join(projection(16384, 8, largest)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

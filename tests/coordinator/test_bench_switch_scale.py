@@ -1,0 +1,43 @@
+"""bench/bench_switch_scale.py at a few dozen ranks, so the scale bench cannot rot: it runs the
+real coordinator, transport and participants end to end and reports what it promises."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "bench_switch_scale.py"
+KEYS = {"ranks", "decision_ms", "published_ms", "max_stall_ms", "coordinator_cpu_ms",
+        "rank0_messages", "rank0_connections"}  # fmt: skip
+
+
+def run_bench(*args: str) -> list[dict]:
+    out = subprocess.run(
+        [sys.executable, str(BENCH), "--json", "--timeout", "120", *args],
+        capture_output=True, text=True, timeout=240, check=True,
+    )  # fmt: skip
+    return [json.loads(line) for line in out.stdout.splitlines()]
+
+
+@pytest.mark.parametrize("transport", ["store", "ray"])
+def test_bench_switches_every_simulated_rank_and_counts_four_messages_per_rank(transport):
+    ranks = 24
+    (row,) = run_bench("--ranks", str(ranks), "--ranks-per-node", "4", "--transport", transport,
+                       "--ranks-per-process", "12", "--at-step-ahead", "3")  # fmt: skip
+    assert "error" not in row, row
+    assert KEYS <= row.keys()
+    assert row["ranks"] == ranks and row["attach_failures"] == 0
+    assert row["commit_step"] == row["at_step"]
+    assert 0 < row["decision_ms"] <= row["published_ms"]
+    assert row["coordinator_cpu_ms"] > 0 and row["max_stall_ms"] >= 0
+    # prepare, vote, decision and ack per rank; the request, "accepted" and the result; then
+    # the bench's status polls, a query and its reply each
+    extra = row["rank0_messages"] - 4 * ranks - 3
+    assert extra >= 2 and extra % 2 == 0, row
+
+
+def test_bench_reports_a_timeout_as_an_error_row_not_a_hang():
+    (row,) = run_bench("--ranks", "8", "--transport", "ray", "--timeout", "0.001")
+    assert row["ranks"] == 8 and "TimeoutError" in row["error"]
