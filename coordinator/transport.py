@@ -36,3 +36,31 @@ class Transport(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class PairedTransport:
+    """A connection and the clone made for it in advance: the first `clone()` returns that one.
+
+    `attach` opens both of a rank's connections inside its all-or-none window, so that a failure
+    of the second (the participant's own `clone()`) fails every rank together with attach's one
+    message, instead of one rank alone with a raw `TransportError` after its peers moved on."""
+
+    def __init__(self, first: Transport, second: Transport) -> None:
+        self._first = first
+        self._second: Transport | None = second
+
+    def push(self, queue: str, data: bytes) -> None:
+        self._first.push(queue, data)
+
+    def pop(self, queue: str, timeout: float | None = None) -> bytes | None:
+        return self._first.pop(queue, timeout)
+
+    def clone(self) -> Transport:
+        second, self._second = self._second, None
+        return second if second is not None else self._first.clone()
+
+    def close(self) -> None:
+        if self._second is not None:
+            self._second.close()
+            self._second = None
+        self._first.close()
