@@ -25,7 +25,7 @@ def run_bench(*args: str) -> list[dict]:
 def test_bench_switches_every_simulated_rank_and_counts_four_messages_per_rank(transport):
     ranks = 24
     (row,) = run_bench("--ranks", str(ranks), "--ranks-per-node", "4", "--transport", transport,
-                       "--ranks-per-process", "12", "--at-step-ahead", "3")  # fmt: skip
+                       "--ranks-per-process", "12", "--step-ms", "50", "--at-step-ahead", "60")  # fmt: skip
     assert "error" not in row, row
     assert KEYS <= row.keys()
     assert row["ranks"] == ranks and row["attach_failures"] == 0
@@ -36,6 +36,12 @@ def test_bench_switches_every_simulated_rank_and_counts_four_messages_per_rank(t
     # the bench's status polls, a query and its reply each
     extra = row["rank0_messages"] - 4 * ranks - 3
     assert extra >= 2 and extra % 2 == 0, row
+    if transport == "store":
+        # one per rank (its clone shares it), the coordinator's, the client's, and the one the
+        # TCPStore server opens to itself
+        assert row["rank0_connections"] == ranks + 3
+    else:  # every rank's listener holds one actor thread in a pop
+        assert row["rank0_connections"] >= ranks
 
 
 def test_bench_reports_a_timeout_as_an_error_row_not_a_hang():
