@@ -14,7 +14,8 @@ host: loopback or in-process), and training (one thread per worker process calls
 collectives of a real job would keep them).
 
 Per N it reports request -> decision, request -> every rank published, the longest
-`step_boundary` call any rank saw while the switch ran (its stall), CPU of the coordinator's
+`step_boundary` call any rank saw while the switch ran (its stall; `max_step_ms` is the longest
+step beyond its sleep: every rank's boundary, then the wait for the other processes), CPU of the coordinator's
 threads per switch, messages the coordinator sent and received, and connections open at rank 0's
 server (or, for `ray`, calls in flight inside the actor: each holds one of its threads).
 """
@@ -187,6 +188,7 @@ class Ranks:
         self.started = threading.Event()
         self.step = 0
         self.max_stall_s = 0.0
+        self.max_step_s = 0.0
         t0 = time.monotonic()
         for r in range(lo, hi):
             try:
@@ -212,22 +214,27 @@ class Ranks:
 
     def _train(self) -> None:
         while not self._stop.is_set():
-            worst = 0.0
+            began, worst = time.perf_counter(), 0.0
             for part in self.parts:
                 t0 = time.perf_counter()
                 part.step_boundary(self.step)
                 worst = max(worst, time.perf_counter() - t0)
+            sweep = time.perf_counter() - began
             if self.measuring.is_set():
                 self.max_stall_s = max(self.max_stall_s, worst)
+                self.max_step_s = max(self.max_step_s, sweep)
             self.started.set()
             self.step += 1
             self._stop.wait(self._step_s)
             if self._barrier is not None:
                 # the other processes' ranks: a real job's collectives keep every rank in step
+                t0 = time.perf_counter()
                 try:
                     self._barrier.wait()
                 except threading.BrokenBarrierError:
                     return
+                if self.measuring.is_set():  # a step: every boundary, then the barrier
+                    self.max_step_s = max(self.max_step_s, sweep + time.perf_counter() - t0)
 
     def published(self) -> int:
         return sum(m.recipe == RECIPE_B["name"] for m in self.models)
@@ -261,6 +268,7 @@ def _worker(lo: int, hi: int, endpoint: dict, step_s: float, barrier: Any, conn:
                     "published": ranks.published(),
                     "last_publish": ranks.last_publish(),
                     "max_stall_s": ranks.max_stall_s,
+                    "max_step_s": ranks.max_step_s,
                     "step": ranks.step,
                 }
             )
@@ -367,7 +375,8 @@ class Bench:
         if self.local is not None:
             r = self.local
             return [{"published": r.published(), "last_publish": r.last_publish(),
-                     "max_stall_s": r.max_stall_s, "step": r.step}]  # fmt: skip
+                     "max_stall_s": r.max_stall_s, "max_step_s": r.max_step_s,
+                     "step": r.step}]  # fmt: skip
         return [self._ask(conn, "report") for _, conn in self.workers]
 
     def _messages(self) -> int:
@@ -409,6 +418,7 @@ class Bench:
             "decision_ms": 1e3 * (decided - t0),
             "published_ms": 1e3 * (published - t0),
             "max_stall_ms": 1e3 * max(r["max_stall_s"] for r in reports),
+            "max_step_ms": 1e3 * max(r["max_step_s"] for r in reports),
             "coordinator_cpu_ms": 1e3 * cpu,
             "rank0_messages": self._messages() - moved0,
             "rank0_connections": connections if self.server else self.gauge["peak"],

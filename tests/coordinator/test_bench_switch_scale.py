@@ -10,7 +10,7 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "bench_switch_scale.py"
 KEYS = {"ranks", "decision_ms", "published_ms", "max_stall_ms", "coordinator_cpu_ms",
-        "rank0_messages", "rank0_connections"}  # fmt: skip
+        "rank0_messages", "rank0_connections", "max_step_ms"}  # fmt: skip
 
 
 def run_bench(*args: str) -> list[dict]:
@@ -30,8 +30,9 @@ def test_bench_switches_every_simulated_rank_and_counts_four_messages_per_rank(t
     assert KEYS <= row.keys()
     assert row["ranks"] == ranks and row["attach_failures"] == 0
     assert row["commit_step"] == row["at_step"]
-    assert 0 < row["decision_ms"] <= row["published_ms"]
-    assert row["coordinator_cpu_ms"] > 0 and row["max_stall_ms"] >= 0
+    # (the client may hear the result after the ranks published: no order between the two)
+    assert row["decision_ms"] > 0 and row["published_ms"] > 0
+    assert row["coordinator_cpu_ms"] > 0 and 0 <= row["max_stall_ms"] <= row["max_step_ms"]
     # prepare, vote, decision and ack per rank; the request, "accepted" and the result; then
     # the bench's status polls, a query and its reply each
     extra = row["rank0_messages"] - 4 * ranks - 3
