@@ -14,10 +14,12 @@ host: loopback or in-process), and training (one thread per worker process calls
 collectives of a real job would keep them).
 
 Per N it reports request -> decision, request -> every rank published, the longest
-`step_boundary` call any rank saw while the switch ran (its stall; `max_step_ms` is the longest
-step beyond its sleep: every rank's boundary, then the wait for the other processes), CPU of the coordinator's
-threads per switch, messages the coordinator sent and received, and connections open at rank 0's
-server (or, for `ray`, calls in flight inside the actor: each holds one of its threads).
+`step_boundary` call any rank saw while the switch ran (its stall; `max_step_ms`: the longest
+step beyond its sleep, i.e. every rank's boundary, then the wait for the other processes), CPU
+of the coordinator's threads per switch, CPU of all simulated ranks together (`ranks_cpu_ms`: on
+2 cores the ranks' own work, which a cluster runs in parallel, dominates the latencies above a
+few hundred ranks), messages the coordinator sent and received, and connections open at rank
+0's server (for `ray`: calls in flight inside the actor, each holding one of its threads).
 """
 
 from __future__ import annotations
@@ -261,6 +263,7 @@ def _worker(lo: int, hi: int, endpoint: dict, step_s: float, barrier: Any, conn:
         cmd = conn.recv()
         if cmd == "measure":
             ranks.measuring.set()
+            cpu0 = time.process_time()  # every rank's threads in this process
             conn.send(ranks.step)
         elif cmd == "report":
             conn.send(
@@ -270,6 +273,7 @@ def _worker(lo: int, hi: int, endpoint: dict, step_s: float, barrier: Any, conn:
                     "max_stall_s": ranks.max_stall_s,
                     "max_step_s": ranks.max_step_s,
                     "step": ranks.step,
+                    "cpu_s": time.process_time() - cpu0,
                 }
             )
         else:
@@ -376,7 +380,7 @@ class Bench:
             r = self.local
             return [{"published": r.published(), "last_publish": r.last_publish(),
                      "max_stall_s": r.max_stall_s, "max_step_s": r.max_step_s,
-                     "step": r.step}]  # fmt: skip
+                     "step": r.step, "cpu_s": time.process_time() - self._cpu0}]  # fmt: skip
         return [self._ask(conn, "report") for _, conn in self.workers]
 
     def _messages(self) -> int:
@@ -389,6 +393,7 @@ class Bench:
 
         if self.local is not None:
             self.local.measuring.set()
+            self._cpu0 = time.process_time()
             step = self.local.step
         else:
             step = max(self._ask(conn, "measure") for _, conn in self.workers)
@@ -414,12 +419,16 @@ class Bench:
         while status(token=self.token, transport=client)["phase"] != "published":
             time.sleep(min(0.02, self._left()))
         cpu = thread_cpu_s(self.coordinator_threads) - cpu0
+        ranks_cpu = sum(r["cpu_s"] for r in self._reports())  # acks sent too
+        if self.local is not None:
+            ranks_cpu -= cpu  # one process: all but the coordinator's threads (and the client)
         return {
             "decision_ms": 1e3 * (decided - t0),
             "published_ms": 1e3 * (published - t0),
             "max_stall_ms": 1e3 * max(r["max_stall_s"] for r in reports),
             "max_step_ms": 1e3 * max(r["max_step_s"] for r in reports),
             "coordinator_cpu_ms": 1e3 * cpu,
+            "ranks_cpu_ms": 1e3 * ranks_cpu,
             "rank0_messages": self._messages() - moved0,
             "rank0_connections": connections if self.server else self.gauge["peak"],
             "commit_step": result.step,
@@ -470,23 +479,26 @@ def measure(args: argparse.Namespace, world: int) -> dict[str, Any]:
 
 
 def projection(world: int, rpn: int, measured: dict[str, Any] | None) -> list[str]:
-    """The switch's network time for `world` ranks over world / rpn nodes at the stated
-    per-message costs, added to what this host measured for the protocol itself (`measured`,
-    a row of the largest N run). Four message rounds (prepare, vote, decision, ack); two bounds:
+    """The switch's latency for `world` ranks over world / rpn nodes: network time at the stated
+    per-message costs, plus the protocol's CPU as measured here at `world` ranks (`measured`, if
+    that N ran): rank 0's coordinator CPU (serial) and one rank's share of the ranks' CPU (ranks
+    run in parallel in a cluster). Four message rounds (prepare, vote, decision, ack), two bounds:
     pipelined (a round costs one hop) and serialised (a round costs its messages one after the
-    other at the busiest endpoint, rank 0). Flat: every rank talks to rank 0. Node leaders: ranks
-    talk to their node's lowest rank, leaders to rank 0."""
+    other at rank 0). Flat: every rank talks to rank 0. Node leaders: ranks talk to their node's
+    lowest rank, leaders to rank 0."""
     nodes = math.ceil(world / rpn)
     local, remote = COSTS_MS["in a node"], COSTS_MS["across nodes"]
     rounds = 4
-    ran = measured is not None and measured.get("ranks") == world and "published_ms" in measured
-    base = measured["published_ms"] if ran else None
-    where = (
-        f"+ the {base:.0f} ms measured here at {world} ranks"
-        if base is not None
-        else f"only ({world} ranks were not measured in this run)"
-    )
-    base = base or 0.0
+    ran = measured is not None and measured.get("ranks") == world and "ranks_cpu_ms" in measured
+    if ran:
+        base = measured["coordinator_cpu_ms"] + measured["ranks_cpu_ms"] / world
+        where = (
+            f"+ {base:.0f} ms of CPU measured here at {world} ranks (rank 0's coordinator "
+            f"{measured['coordinator_cpu_ms']:.0f} ms, one rank's share "
+            f"{measured['ranks_cpu_ms'] / world:.2f} ms)"
+        )
+    else:
+        base, where = 0.0, f"only ({world} ranks were not measured in this run)"
     lines = [
         f"projection for {world} ranks on {nodes} nodes ({rpn} per node): {local} ms per "
         f"message in a node, {remote} ms across nodes, {rounds} rounds, network time {where}:"
