@@ -7,7 +7,9 @@ pops `reply/<id>`), so the protocol needs nothing else. Implementations: `transp
 `transport_ray.py` (a named Ray actor).
 
 A transport object is used by one thread at a time; `clone()` gives another thread its own
-connection to the same queues (a store client blocked in `pop` would otherwise block everyone).
+handle on the same queues (a store client blocked in `pop` would otherwise block everyone). The
+store client's clones share one connection, since a push needs no reply: only one handle of a
+connection may pop (transport_store_client.py).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ class Transport(Protocol):
         ...
 
     def clone(self) -> Transport:
-        """A new connection to the same queues, for another thread."""
+        """A handle on the same queues for another thread (a new connection, or a share of this
+        one where the transport says so)."""
         ...
 
     def close(self) -> None: ...
