@@ -22,6 +22,7 @@ refused, loudly.
 from __future__ import annotations
 
 import os
+import select
 import socket
 import struct
 import threading
@@ -115,16 +116,12 @@ class StoreClientTransport:
                 )
         try:
             sock = self._sock()
-            # Only the reader changes the timeout; a push waits at most as long as a pop does.
-            sock.settimeout(self._connect_timeout_s)
             self._send(bytes([_WAIT]) + struct.pack("<Q", 1) + _string(key))
-            sock.settimeout(None if timeout is None else max(timeout, 0.001))
-            try:
+            # The wait is a poll, not a socket timeout: the socket's one timeout (the connect
+            # timeout) never changes, so a push on it from another thread never sees it change.
+            if _answered(sock, timeout):
                 response = _recv(sock, 1, self.address)[0]
-            except TimeoutError:
-                response = None
-            sock.settimeout(self._connect_timeout_s)
-            if response is None:
+            else:
                 self._send(bytes([_CANCEL_WAIT]))
                 # the server may have answered STOP_WAITING just before the cancel: skip it
                 while _recv(sock, 1, self.address)[0] != _WAIT_CANCELED:
@@ -155,6 +152,17 @@ class StoreClientTransport:
         if not self._closed:
             self._closed = True
             self._conn.release()
+
+
+def _answered(sock: socket.socket, timeout: float | None) -> bool:
+    """Whether the server's answer arrives within `timeout` seconds (None: however long). A
+    poll, which unlike select takes descriptors above 1024 (thousands of ranks per process)."""
+    if sock.fileno() < 0:
+        raise ConnectionResetError("the connection was closed")
+    poller = select.poll()
+    poller.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+    wait_ms = -1 if timeout is None else max(int(timeout * 1000), 1)
+    return bool(poller.poll(wait_ms))
 
 
 def _recv(sock: socket.socket, n: int, address: str) -> bytes:

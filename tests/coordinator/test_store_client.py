@@ -141,3 +141,26 @@ def test_connecting_asks_the_resolver_for_no_name(server, monkeypatch):
     t.clone().push("q", b"x")
     assert t.pop("q", 5) == b"x"
     assert asked == []
+
+
+def test_pushes_from_a_clone_survive_the_readers_pops_timing_out_on_the_same_socket(server):
+    reader = StoreClientTransport(server.address)
+    writer = reader.clone()
+    timed_out = []
+
+    def read():
+        for _ in range(40):
+            timed_out.append(reader.pop("rank/1", 0.005))
+
+    t = threading.Thread(target=read)
+    t.start()
+    for i in range(200):
+        writer.push("inbox", f"ack{i}".encode() * 50)
+    t.join(30)
+    torch_side = StoreTransport(server.address)
+    assert [torch_side.pop("inbox", 5) for _ in range(200)] == [
+        f"ack{i}".encode() * 50 for i in range(200)
+    ]
+    assert timed_out == [None] * 40
+    torch_side.push("rank/1", b"then a real one")
+    assert reader.pop("rank/1", 5) == b"then a real one"
