@@ -46,14 +46,15 @@ from dist_quant.coordinator.locality import Locality, choose_host, here, local_l
 from dist_quant.coordinator.log import DecisionLog, resume_schedule
 from dist_quant.coordinator.participant import Participant
 from dist_quant.coordinator.protocol import Stop
-from dist_quant.coordinator.transport import Transport, TransportError
+from dist_quant.coordinator.transport import PairedTransport, Transport, TransportError
 from dist_quant.coordinator.transport_ray import (
     RayTransport,
     create_coordinator_actor,
     start_coordinator_in_actor,
     stop_coordinator_actor,
 )
-from dist_quant.coordinator.transport_store import StoreServer, StoreTransport
+from dist_quant.coordinator.transport_store import StoreServer
+from dist_quant.coordinator.transport_store_client import StoreClientTransport
 from dist_quant.coordinator.wire import CLOSED, rank_queue, seal
 from torch import nn
 
@@ -132,6 +133,8 @@ def attach(
             host_side.close()
         raise RuntimeError(endpoint["error"])
     rank_transport, problem, on_close = _join(endpoint, rank, localities, run_dir)
+    if host_side is not None and not problem:
+        problem = host_side.connect_coordinator(tp_groups, tuple(faults), decision_grace_s / 2)
     # Collective 3: did every rank reach the coordinator? Every rank fails together, or none.
     problems = [p for p in _all_gather(problem, world, group) if p]
     if problems:
@@ -145,7 +148,7 @@ def attach(
         raise TransportError(problems[0] + more)
     try:
         if host_side is not None:
-            host_side.run_coordinator(tp_groups, tuple(faults), decision_grace_s / 2)
+            host_side.run_coordinator()
             on_close.append(host_side.close)
     except BaseException:
         rank_transport.close()
@@ -253,7 +256,12 @@ def _join(
     Returns (transport, problem text or "", cleanups)."""
     on_close: list[Callable[[], None]] = []
     try:
-        transport = _connect(endpoint, connect_timeout_s=CONNECT_TIMEOUT_S)
+        first = connect_endpoint(endpoint, connect_timeout_s=CONNECT_TIMEOUT_S)
+        try:
+            transport = PairedTransport(first, first.clone())  # the participant's second
+        except BaseException:
+            first.close()
+            raise
     except TransportError as e:
         cause = str(e.__cause__ or e).strip().splitlines()[0]
         me = localities[rank].reach or localities[rank].where
@@ -282,10 +290,13 @@ def _join(
     return transport, "", on_close
 
 
-def _connect(endpoint: dict[str, Any], connect_timeout_s: float = 30.0) -> Transport:
+def connect_endpoint(endpoint: dict[str, Any], connect_timeout_s: float = 30.0) -> Transport:
+    """How every rank (and rank 0's coordinator) connects to the job's endpoint. The store's
+    plain-Python client does no reverse-DNS lookup and its clones share one connection
+    (transport_store_client.py)."""
     if endpoint["transport"] == "ray":
         return RayTransport.connect(endpoint["address"])
-    return StoreTransport(endpoint["address"], connect_timeout_s=connect_timeout_s)
+    return StoreClientTransport(endpoint["address"], connect_timeout_s=connect_timeout_s)
 
 
 class _Host:
@@ -345,7 +356,7 @@ class _Host:
     def _drain_listeners(self) -> None:
         """Stop every rank's listener and wait (bounded) until each said so, so that closing the
         server leaves no peer blocked on it (c10d would print a stack trace on that peer)."""
-        tx = _connect(self.endpoint)
+        tx = connect_endpoint(self.endpoint)
         try:
             stop = seal(Stop("coordinator closing"), self.endpoint["token"])
             for r in range(self._world):
@@ -357,29 +368,41 @@ class _Host:
         finally:
             tx.close()
 
-    def run_coordinator(
+    def connect_coordinator(
         self,
         tp_groups: tuple[tuple[int, ...], ...],
         faults: tuple[Fault, ...],
         commit_window_s: float,
-    ) -> None:
+    ) -> str:
+        """Make the coordinator and open its connections (not yet started), inside attach's
+        all-or-none window; returns the problem text, or ""."""
         world = sum(len(g) for g in tp_groups)  # the groups partition the ranks
-        token = self.endpoint["token"]
         log_path = self._run_dir / LOG_FILE
+        self._start_args = (self.endpoint["token"], world, tp_groups, str(log_path), faults,
+                            commit_window_s)  # fmt: skip
         if self.kind == "ray":
-            start_coordinator_in_actor(
-                self._server, token, world, tp_groups, str(log_path), faults, commit_window_s
-            )
-        else:
+            return ""  # the coordinator lives in the actor, beside its queues
+        try:
             self._coordinator = Coordinator(
-                StoreTransport(self.endpoint["address"]),
-                token=token,
+                connect_endpoint(self.endpoint),
+                token=self.endpoint["token"],
                 world_size=world,
                 tp_groups=tp_groups,
                 log=DecisionLog(log_path),
                 faults=faults,
                 commit_window_s=commit_window_s,
             )
+        except TransportError as e:
+            return (
+                f"attach: rank 0 cannot connect its coordinator to the job's store at "
+                f"{self.endpoint['address']}: {e}"
+            )
+        return ""
+
+    def run_coordinator(self) -> None:
+        if self.kind == "ray":
+            start_coordinator_in_actor(self._server, *self._start_args)
+        else:
             self._coordinator.start()
 
     def close(self) -> None:

@@ -7,7 +7,9 @@ pops `reply/<id>`), so the protocol needs nothing else. Implementations: `transp
 `transport_ray.py` (a named Ray actor).
 
 A transport object is used by one thread at a time; `clone()` gives another thread its own
-connection to the same queues (a store client blocked in `pop` would otherwise block everyone).
+handle on the same queues (a store client blocked in `pop` would otherwise block everyone). The
+store client's clones share one connection, since a push needs no reply: only one handle of a
+connection may pop (transport_store_client.py).
 """
 
 from __future__ import annotations
@@ -32,7 +34,36 @@ class Transport(Protocol):
         ...
 
     def clone(self) -> Transport:
-        """A new connection to the same queues, for another thread."""
+        """A handle on the same queues for another thread (a new connection, or a share of this
+        one where the transport says so)."""
         ...
 
     def close(self) -> None: ...
+
+
+class PairedTransport:
+    """A connection and the clone made for it in advance: the first `clone()` returns that one.
+
+    `attach` opens both of a rank's connections inside its all-or-none window, so that a failure
+    of the second (the participant's own `clone()`) fails every rank together with attach's one
+    message, instead of one rank alone with a raw `TransportError` after its peers moved on."""
+
+    def __init__(self, first: Transport, second: Transport) -> None:
+        self._first = first
+        self._second: Transport | None = second
+
+    def push(self, queue: str, data: bytes) -> None:
+        self._first.push(queue, data)
+
+    def pop(self, queue: str, timeout: float | None = None) -> bytes | None:
+        return self._first.pop(queue, timeout)
+
+    def clone(self) -> Transport:
+        second, self._second = self._second, None
+        return second if second is not None else self._first.clone()
+
+    def close(self) -> None:
+        if self._second is not None:
+            self._second.close()
+            self._second = None
+        self._first.close()

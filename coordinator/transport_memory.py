@@ -1,42 +1,69 @@
-"""In-process transport: queues in a shared `MemoryHub`, for tests and inside the Ray actor."""
+"""In-process transport: queues in a shared `MemoryHub`, for tests and inside the Ray actor.
+
+Inside the Ray actor every rank's listener keeps one `pop` blocked, so a push must wake only the
+readers of its own queue: each queue has its own condition (all sharing the hub's one lock), and a
+push notifies one reader of that queue, so N messages cost N wake-ups, not N per message.
+"""
 
 from __future__ import annotations
 
 import threading
-from collections import defaultdict, deque
+from collections import deque
 
 from dist_quant.coordinator.transport import TransportError
+
+
+class _Queue:
+    """One named FIFO and the readers waiting on it."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self.items: deque[bytes] = deque()
+        self.ready = threading.Condition(lock)
 
 
 class MemoryHub:
     """The queues themselves; thread-safe. Every `MemoryTransport` on one hub sees the same ones."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._queues: defaultdict[str, deque[bytes]] = defaultdict(deque)
+        self._lock = threading.Lock()
+        self._queues: dict[str, _Queue] = {}
         self._closed = False
 
+    def _queue(self, name: str) -> _Queue:
+        """Called with the lock held."""
+        q = self._queues.get(name)
+        if q is None:
+            q = self._queues[name] = _Queue(self._lock)
+        return q
+
     def push(self, queue: str, data: bytes) -> None:
-        with self._cond:
+        with self._lock:
             if self._closed:
                 raise TransportError("memory hub is closed")
-            self._queues[queue].append(bytes(data))
-            self._cond.notify_all()
+            q = self._queue(queue)
+            q.items.append(bytes(data))
+            q.ready.notify()  # one item, one reader
 
     def pop(self, queue: str, timeout: float | None = None) -> bytes | None:
-        with self._cond:
-            ready = self._cond.wait_for(lambda: self._queues[queue] or self._closed, timeout)
+        with self._lock:
+            q = self._queue(queue)
+            ready = q.ready.wait_for(lambda: q.items or self._closed, timeout)
             if self._closed:
                 raise TransportError("memory hub is closed")
             if not ready:
                 return None
-            return self._queues[queue].popleft()
+            item = q.items.popleft()
+            if q.items:
+                # a reader notified for an item another thread took without waiting
+                q.ready.notify()
+            return item
 
     def close(self) -> None:
         """Makes every blocked and future call raise `TransportError`, like a dead server."""
-        with self._cond:
+        with self._lock:
             self._closed = True
-            self._cond.notify_all()
+            for q in self._queues.values():
+                q.ready.notify_all()
 
 
 class MemoryTransport:

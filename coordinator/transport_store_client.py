@@ -8,13 +8,24 @@ CANCEL_WAIT when the wait times out). Values are native-endian (little-endian on
 torch ships for); strings and byte strings are a uint64 length and the bytes; every key carries
 the store's "/" prefix. `tests/coordinator/test_store_client.py` runs it against the installed
 torch's server and client in both directions, so a protocol change in torch fails there first.
+
+Every rank connects with it too (`attach.connect_endpoint`), for two reasons that matter at
+thousands of ranks. It never asks the resolver for a name: torch's client looks up the peer's
+name on every connect (a reverse-DNS query, 5 s when the resolver drops one; docs/reliability.md).
+And `clone()` shares the connection instead of opening another: a push has no reply, so a
+training thread can push (under a send lock) while the listener's pop waits on the same socket,
+and rank 0 holds one connection per rank instead of two. Only one handle of a connection may pop
+(the server answers a wait on the connection it came from); a second handle that tries is
+refused, loudly.
 """
 
 from __future__ import annotations
 
 import os
+import select
 import socket
 import struct
+import threading
 
 from dist_quant.coordinator.endpoint import parse_address
 from dist_quant.coordinator.transport import TransportError
@@ -30,89 +41,136 @@ def _string(data: bytes) -> bytes:
     return struct.pack("<Q", len(data)) + data
 
 
+class _Connection:
+    """One socket, shared by the handles `clone()` makes; closed with the last of them."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock: socket.socket | None = sock
+        self.send_lock = threading.Lock()  # whole commands, never interleaved
+        self.reader: StoreClientTransport | None = None  # the one handle that pops
+        self.handles = 1
+
+    def release(self) -> None:
+        with self.send_lock:
+            self.handles -= 1
+            if self.handles == 0 and self.sock is not None:
+                self.sock.close()
+                self.sock = None
+
+
 class StoreClientTransport:
-    """One connection to a `StoreServer`; the `Transport` of a client (see `transport.py`)."""
+    """A connection to a `StoreServer`; the `Transport` of a client and of every rank (see
+    `transport.py`). `clone()` is another handle on the same connection."""
 
     def __init__(self, address: str, *, connect_timeout_s: float = 10.0) -> None:
         self.address = address
         self._connect_timeout_s = connect_timeout_s
+        self._closed = False
         host, port = parse_address(address)
-        self._sock: socket.socket | None = None
+        sock = None
         try:
-            self._sock = socket.create_connection((host, port), timeout=connect_timeout_s)
-            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._sock.sendall(struct.pack("<BI", _VALIDATE, _VALIDATION_MAGIC))
+            sock = socket.create_connection((host, port), timeout=connect_timeout_s)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(struct.pack("<BI", _VALIDATE, _VALIDATION_MAGIC))
             nonce = os.getpid() & 0xFFFFFFFF
-            self._sock.sendall(struct.pack("<BI", _PING, nonce))
-            (echo,) = struct.unpack("<I", self._recv(4))
+            sock.sendall(struct.pack("<BI", _PING, nonce))
+            (echo,) = struct.unpack("<I", _recv(sock, 4, address))
         except OSError as e:
-            self.close()
+            if sock is not None:
+                sock.close()
             raise TransportError(f"cannot reach the coordinator store at {address}: {e}") from e
         if echo != nonce:
-            self.close()
+            sock.close()
             raise TransportError(
                 f"the coordinator store at {address} answered the ping with {echo}, not {nonce}: "
                 "not a TCPStore of this protocol"
             )
+        self._conn = _Connection(sock)
 
-    def _conn(self) -> socket.socket:
-        if self._sock is None:
+    def _sock(self) -> socket.socket:
+        sock = self._conn.sock
+        if self._closed or sock is None:
             raise TransportError(f"connection to the coordinator store {self.address} is closed")
-        return self._sock
+        return sock
 
-    def _recv(self, n: int) -> bytes:
-        sock = self._conn()
-        chunks, left = [], n
-        while left:
-            chunk = sock.recv(left)
-            if not chunk:
-                raise ConnectionResetError(f"the store at {self.address} closed the connection")
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
+    def _send(self, data: bytes) -> None:
+        with self._conn.send_lock:
+            self._sock().sendall(data)
 
     def push(self, queue: str, data: bytes) -> None:
         key = (_KEY_PREFIX + queue).encode()
         try:
-            sock = self._conn()
-            sock.settimeout(self._connect_timeout_s)
-            sock.sendall(bytes([_QUEUE_PUSH]) + _string(key) + _string(bytes(data)))
+            self._send(bytes([_QUEUE_PUSH]) + _string(key) + _string(bytes(data)))
         except OSError as e:
             raise TransportError(f"coordinator store {self.address}: {e}") from e
 
     def pop(self, queue: str, timeout: float | None = None) -> bytes | None:
         key = (_KEY_PREFIX + queue).encode()
+        with self._conn.send_lock:
+            if self._conn.reader is None:
+                self._conn.reader = self
+            elif self._conn.reader is not self:
+                raise RuntimeError(
+                    f"coordinator store {self.address}: another handle of this connection already "
+                    "pops; a second reader needs a connection of its own"
+                )
         try:
-            sock = self._conn()
-            sock.settimeout(self._connect_timeout_s)
-            sock.sendall(bytes([_WAIT]) + struct.pack("<Q", 1) + _string(key))
-            sock.settimeout(None if timeout is None else max(timeout, 0.001))
-            try:
-                response = self._recv(1)[0]
-            except TimeoutError:
-                response = None
-            sock.settimeout(self._connect_timeout_s)
-            if response is None:
-                sock.sendall(bytes([_CANCEL_WAIT]))
+            sock = self._sock()
+            self._send(bytes([_WAIT]) + struct.pack("<Q", 1) + _string(key))
+            # The wait is a poll, not a socket timeout: the socket's one timeout (the connect
+            # timeout) never changes, so a push on it from another thread never sees it change.
+            if _answered(sock, timeout):
+                response = _recv(sock, 1, self.address)[0]
+            else:
+                self._send(bytes([_CANCEL_WAIT]))
                 # the server may have answered STOP_WAITING just before the cancel: skip it
-                while self._recv(1)[0] != _WAIT_CANCELED:
+                while _recv(sock, 1, self.address)[0] != _WAIT_CANCELED:
                     pass
                 return None
             if response != _STOP_WAITING:
                 raise TransportError(f"coordinator store {self.address}: bad wait reply {response}")
-            sock.sendall(bytes([_QUEUE_POP]) + _string(key))
-            (count,) = struct.unpack("<q", self._recv(8))
+            self._send(bytes([_QUEUE_POP]) + _string(key))
+            (count,) = struct.unpack("<q", _recv(sock, 8, self.address))
             if count <= 0:
                 return None  # another reader of this queue took the item first
-            (size,) = struct.unpack("<Q", self._recv(8))
-            return self._recv(size)
+            (size,) = struct.unpack("<Q", _recv(sock, 8, self.address))
+            return _recv(sock, size, self.address)
         except OSError as e:
             raise TransportError(f"coordinator store {self.address}: {e}") from e
 
     def clone(self) -> StoreClientTransport:
-        return StoreClientTransport(self.address, connect_timeout_s=self._connect_timeout_s)
+        """Another handle on this connection, for a thread that pushes (or the one that pops)."""
+        self._sock()  # a closed connection has no clones
+        twin = object.__new__(StoreClientTransport)
+        twin.address, twin._connect_timeout_s = self.address, self._connect_timeout_s
+        twin._closed, twin._conn = False, self._conn
+        with self._conn.send_lock:
+            self._conn.handles += 1
+        return twin
 
     def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        if not self._closed:
+            self._closed = True
+            self._conn.release()
+
+
+def _answered(sock: socket.socket, timeout: float | None) -> bool:
+    """Whether the server's answer arrives within `timeout` seconds (None: however long). A
+    poll, which unlike select takes descriptors above 1024 (thousands of ranks per process)."""
+    if sock.fileno() < 0:
+        raise ConnectionResetError("the connection was closed")
+    poller = select.poll()
+    poller.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+    wait_ms = -1 if timeout is None else max(int(timeout * 1000), 1)
+    return bool(poller.poll(wait_ms))
+
+
+def _recv(sock: socket.socket, n: int, address: str) -> bytes:
+    chunks, left = [], n
+    while left:
+        chunk = sock.recv(left)
+        if not chunk:
+            raise ConnectionResetError(f"the store at {address} closed the connection")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)

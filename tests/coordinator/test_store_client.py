@@ -77,3 +77,90 @@ def test_a_server_that_is_not_a_tcpstore_is_refused():
         with pytest.raises(TransportError, match="not a TCPStore"):
             StoreClientTransport(f"127.0.0.1:{port}", connect_timeout_s=5)
         t.join(5)
+
+
+def test_a_clone_pushes_on_the_same_connection_while_the_reader_waits_on_it(server, monkeypatch):
+    """One connection per rank: the training thread's acks go out on the socket the listener's
+    pop is waiting on, and arrive in order."""
+    reader = StoreClientTransport(server.address)
+    opened = []
+    real = socket.create_connection
+    monkeypatch.setattr(
+        socket, "create_connection", lambda *a, **k: opened.append(a) or real(*a, **k)
+    )
+    writer = reader.clone()
+    assert opened == []
+    got = []
+    t = threading.Thread(target=lambda: got.append(reader.pop("rank/3", 10)))
+    t.start()
+    time.sleep(0.1)  # the reader's WAIT is at the server now
+    torch_side = StoreTransport(server.address)
+    for i in range(3):
+        writer.push("inbox", f"ack{i}".encode())
+    assert [torch_side.pop("inbox", 5) for _ in range(3)] == [b"ack0", b"ack1", b"ack2"]
+    torch_side.push("rank/3", b"decision")
+    t.join(10)
+    assert got == [b"decision"]
+    writer.push("inbox", b"after the pop")
+    assert torch_side.pop("inbox", 5) == b"after the pop"
+    assert reader.pop("rank/3", 0.05) is None  # the reader's timeouts still work
+
+
+def test_a_second_handle_that_pops_is_refused(server):
+    reader = StoreClientTransport(server.address)
+    other = reader.clone()
+    assert reader.pop("q", 0.01) is None
+    with pytest.raises(RuntimeError, match="another handle of this connection already pops"):
+        other.pop("q", 0.01)
+    other.push("q", b"pushing is fine")
+    assert reader.pop("q", 5) == b"pushing is fine"
+
+
+def test_the_connection_closes_with_its_last_handle(server):
+    first = StoreClientTransport(server.address)
+    second = first.clone()
+    first.close()
+    with pytest.raises(TransportError, match="closed"):
+        first.push("q", b"x")
+    second.push("q", b"still open")
+    assert StoreTransport(server.address).pop("q", 5) == b"still open"
+    second.close()
+    with pytest.raises(TransportError, match="closed"):
+        second.push("q", b"x")
+    with pytest.raises(TransportError, match="closed"):
+        second.clone()
+
+
+def test_connecting_asks_the_resolver_for_no_name(server, monkeypatch):
+    """torch's client looks up the peer's name on every connect (a reverse-DNS query); ranks use
+    this client so that a slow resolver cannot stall attach."""
+    asked = []
+    for name in ("getnameinfo", "gethostbyaddr"):
+        monkeypatch.setattr(socket, name, lambda *a, name=name: asked.append(name) or 1 / 0)
+    t = StoreClientTransport(server.address)
+    t.clone().push("q", b"x")
+    assert t.pop("q", 5) == b"x"
+    assert asked == []
+
+
+def test_pushes_from_a_clone_survive_the_readers_pops_timing_out_on_the_same_socket(server):
+    reader = StoreClientTransport(server.address)
+    writer = reader.clone()
+    timed_out = []
+
+    def read():
+        for _ in range(40):
+            timed_out.append(reader.pop("rank/1", 0.005))
+
+    t = threading.Thread(target=read)
+    t.start()
+    for i in range(200):
+        writer.push("inbox", f"ack{i}".encode() * 50)
+    t.join(30)
+    torch_side = StoreTransport(server.address)
+    assert [torch_side.pop("inbox", 5) for _ in range(200)] == [
+        f"ack{i}".encode() * 50 for i in range(200)
+    ]
+    assert timed_out == [None] * 40
+    torch_side.push("rank/1", b"then a real one")
+    assert reader.pop("rank/1", 5) == b"then a real one"

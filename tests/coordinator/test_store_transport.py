@@ -14,6 +14,7 @@ from dist_quant.coordinator import SwitchRequestError, attach, request_switch, s
 from dist_quant.coordinator.attach import check_tp_groups
 from dist_quant.coordinator.transport import TransportError
 from dist_quant.coordinator.transport_store import StoreServer, StoreTransport, parse_address
+from dist_quant.coordinator.transport_store_client import StoreClientTransport
 from switch_harness import FAKE_HOOKS, FakeModel, wait_for
 
 
@@ -122,8 +123,9 @@ def test_idle_boundaries_make_no_store_call(single_rank, monkeypatch):
 
         return wrapper
 
-    monkeypatch.setattr(StoreTransport, "push", counted("push", StoreTransport.push))
-    monkeypatch.setattr(StoreTransport, "pop", counted("pop", StoreTransport.pop))
+    cls = StoreClientTransport  # how every rank connects (attach.connect_endpoint)
+    monkeypatch.setattr(cls, "push", counted("push", cls.push))
+    monkeypatch.setattr(cls, "pop", counted("pop", cls.pop))
     p = attach(FakeModel(0), run_dir=single_rank, transport="store", **FAKE_HOOKS)
     try:
         wait_for(lambda: counts[("dist_quant.participant.r0", "pop")] == 1, 5, "listener")

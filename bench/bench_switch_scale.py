@@ -1,0 +1,334 @@
+"""The cluster switch at scale: the real coordinator and transport against N simulated ranks.
+
+    python bench/bench_switch_scale.py [--ranks 64 1024 4096 16384] [--ranks-per-node 8]
+        [--transport store|ray] [--json] [--timeout 600] [--at-step-ahead K]
+
+Real: `Coordinator`, its decision log (fsynced), the transport (`store`: a `StoreServer` in this
+process, every rank connected to it exactly as `attach` connects; `ray`: the coordinator actor's
+body and its in-memory queues called directly, without Ray's RPC, since starting Ray with
+thousands of concurrent calls is far too heavy for a 2-core machine), `Participant` (listener
+thread, state machine, votes and acks) and the client's `request_switch`. Simulated: the model
+and planner (a stub whose plan and publish take microseconds), the network (every rank on this
+host: loopback or in-process), and training (one thread per worker process calls
+`step_boundary` for each of its ranks every `--step-ms`, i.e. its ranks run in lockstep as the
+collectives of a real job would keep them).
+
+Per N it reports request -> decision, request -> every rank published, the longest
+`step_boundary` call any rank saw while the switch ran (its stall; `max_step_ms`: the longest
+step beyond its sleep, i.e. every rank's boundary, then the wait for the other processes), CPU
+of the coordinator's threads per switch, CPU of all simulated ranks together (`ranks_cpu_ms`: on
+2 cores the ranks' own work, which a cluster runs in parallel, dominates the latencies above a
+few hundred ranks), messages the coordinator sent and received, and connections open at rank
+0's server (for `ray`: calls in flight inside the actor, each holding one of its threads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import secrets
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from switch_scale_ranks import (
+    RECIPE_B,
+    THREAD_STACK,
+    ActorCalls,
+    Counted,
+    Ranks,
+    server_connections,
+    thread_cpu_s,
+    worker,
+)
+
+COSTS_MS = {"in a node": 0.05, "across nodes": 0.5}
+
+
+# -- one measurement -----------------------------------------------------------------------------
+
+
+class Bench:
+    """One N: rank 0 (server, coordinator, client) here, the ranks in workers or threads."""
+
+    def __init__(self, args: argparse.Namespace, world: int, tmp: Path) -> None:
+        from dist_quant.coordinator.coordinator import Coordinator
+        from dist_quant.coordinator.log import DecisionLog
+
+        self.args, self.world = args, world
+        self.token = secrets.token_hex(16)
+        self.deadline = time.monotonic() + args.timeout
+        rpn = args.ranks_per_node
+        tp_groups = [tuple(range(g, min(g + rpn, world))) for g in range(0, world, rpn)]
+        self.counts: dict[str, int] = {"sent": 0, "received": 0}
+        # ray: every message crosses the actor once (a push in, or a pop out)
+        self.gauge = {"now": 0, "peak": 0, "messages": 0}
+        self._gauge_lock = threading.Lock()
+        self.workers: list[tuple[Any, Any]] = []
+        self.local: Ranks | None = None
+        self.barrier: Any = None
+        before = set(threading.enumerate())
+        if args.transport == "store":
+            from dist_quant.coordinator.attach import connect_endpoint
+            from dist_quant.coordinator.transport_store import StoreServer
+
+            self.server = StoreServer()
+            self.endpoint = {"transport": "store", "address": self.server.address,
+                             "token": self.token}  # fmt: skip
+            coordinator_transport = Counted(connect_endpoint(self.endpoint), self.counts)
+            self.coordinator = Coordinator(
+                coordinator_transport,
+                token=self.token,
+                world_size=world,
+                tp_groups=tp_groups,
+                log=DecisionLog(tmp / "decisions.jsonl"),
+                commit_window_s=0.5,
+            )
+            self.coordinator.start()
+        else:
+            from dist_quant.coordinator.transport_ray import _CoordinatorActor
+
+            self.server = None
+            self.actor = _CoordinatorActor()
+            self.actor.start(self.token, world, tp_groups, str(tmp / "decisions.jsonl"), (), 0.5)
+        self.coordinator_threads = [t for t in threading.enumerate() if t not in before]
+
+    def _client_transport(self) -> Any:
+        if self.args.transport == "store":
+            from dist_quant.coordinator.attach import connect_endpoint
+
+            return connect_endpoint(self.endpoint)
+        return ActorCalls(self.actor, self.gauge, self._gauge_lock)
+
+    def _left(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"--timeout {self.args.timeout:g} s passed")
+        return left
+
+    def start_ranks(self) -> dict[str, Any]:
+        step_s = self.args.step_ms / 1e3
+        if self.args.transport == "store":
+            ctx = mp.get_context("spawn")
+            per = self.args.ranks_per_process
+            self.barrier = barrier = ctx.Barrier(math.ceil(self.world / per))
+            for lo in range(0, self.world, per):
+                here, there = ctx.Pipe()
+                proc = ctx.Process(
+                    target=worker,
+                    args=(lo, min(lo + per, self.world), self.endpoint, step_s, barrier, there),
+                    daemon=True,
+                )
+                proc.start()
+                self.workers.append((proc, here))
+            hellos = [self._ask(conn, None) for _, conn in self.workers]
+        else:
+            threading.stack_size(THREAD_STACK)
+            self.local = Ranks(0, self.world, self._client_transport, self.token, step_s)
+            self.local.started.wait(self._left())
+            hellos = [{"failures": self.local.failures, "connect_s": self.local.connect_s}]
+        failures = [f for h in hellos for f in h["failures"]]
+        return {"attach_failures": len(failures), "first_failure": failures[:1],
+                "attach_s": max(h["connect_s"] for h in hellos)}  # fmt: skip
+
+    def _ask(self, conn: Any, cmd: str | None) -> Any:
+        if cmd is not None:
+            conn.send(cmd)
+        if not conn.poll(self._left()):
+            raise TimeoutError(f"a worker did not answer {cmd or 'hello'} within --timeout")
+        return conn.recv()
+
+    def _reports(self) -> list[dict[str, Any]]:
+        if self.local is not None:
+            r = self.local
+            return [{"published": r.published(), "last_publish": r.last_publish(),
+                     "max_stall_s": r.max_stall_s, "max_step_s": r.max_step_s,
+                     "step": r.step, "cpu_s": time.process_time() - self._cpu0}]  # fmt: skip
+        return [self._ask(conn, "report") for _, conn in self.workers]
+
+    def _messages(self) -> int:
+        if self.server is None:
+            return self.gauge["messages"]
+        return self.counts["sent"] + self.counts["received"]
+
+    def switch(self) -> dict[str, Any]:
+        from dist_quant.coordinator.client import request_switch, status
+
+        if self.local is not None:
+            self.local.measuring.set()
+            self._cpu0 = time.process_time()
+            step = self.local.step
+        else:
+            step = max(self._ask(conn, "measure") for _, conn in self.workers)
+        at_step = step + self.args.at_step_ahead if self.args.at_step_ahead else None
+        client = self._client_transport()
+        connections = server_connections(self.server.port) if self.server else self.gauge["now"]
+        moved0 = self._messages()
+        cpu0 = thread_cpu_s(self.coordinator_threads)
+        t0 = time.monotonic()
+        result = request_switch(
+            RECIPE_B, at_step=at_step, timeout_s=self.args.vote_timeout,
+            token=self.token, transport=client,
+        )  # fmt: skip
+        decided = time.monotonic()
+        if not result.committed:
+            raise RuntimeError(f"switch aborted: {result.summary}")
+        while True:
+            reports = self._reports()
+            if sum(r["published"] for r in reports) == self.world:
+                break
+            time.sleep(min(0.02, self._left()))
+        published = max(r["last_publish"] for r in reports)
+        while status(token=self.token, transport=client)["phase"] != "published":
+            time.sleep(min(0.02, self._left()))
+        cpu = thread_cpu_s(self.coordinator_threads) - cpu0
+        ranks_cpu = sum(r["cpu_s"] for r in self._reports())  # acks sent too
+        if self.local is not None:
+            ranks_cpu -= cpu  # one process: all but the coordinator's threads (and the client)
+        return {
+            "decision_ms": 1e3 * (decided - t0),
+            "published_ms": 1e3 * (published - t0),
+            "max_stall_ms": 1e3 * max(r["max_stall_s"] for r in reports),
+            "max_step_ms": 1e3 * max(r["max_step_s"] for r in reports),
+            "coordinator_cpu_ms": 1e3 * cpu,
+            "ranks_cpu_ms": 1e3 * ranks_cpu,
+            "rank0_messages": self._messages() - moved0,
+            "rank0_connections": connections if self.server else self.gauge["peak"],
+            "commit_step": result.step,
+            "at_step": at_step,
+        }
+
+    def close(self) -> None:
+        if self.barrier is not None:
+            self.barrier.abort()  # frees a worker whose peer never came
+        for _, conn in self.workers:
+            try:
+                conn.send("exit")
+            except OSError:
+                pass
+        for proc, _ in self.workers:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+        if self.local is not None:
+            self.local.stop()
+        if self.server is not None:
+            self.coordinator.stop()
+            self.server.close()
+        else:
+            self.actor.stop()
+
+
+def measure(args: argparse.Namespace, world: int) -> dict[str, Any]:
+    row: dict[str, Any] = {"ranks": world, "transport": args.transport}
+    with tempfile.TemporaryDirectory() as tmp:
+        bench = None
+        try:
+            bench = Bench(args, world, Path(tmp))
+            row.update(bench.start_ranks())
+            if row["attach_failures"]:
+                row["error"] = f"{row['attach_failures']} rank(s) failed to attach"
+            else:
+                row.update(bench.switch())
+        except (TimeoutError, RuntimeError, OSError) as e:
+            row["error"] = f"{type(e).__name__}: {e}"
+        finally:
+            if bench is not None:
+                bench.close()
+    return row
+
+
+# -- output --------------------------------------------------------------------------------------
+
+
+def projection(world: int, rpn: int, measured: dict[str, Any] | None) -> list[str]:
+    """The switch's latency for `world` ranks over world / rpn nodes: network time at the stated
+    per-message costs, plus the protocol's CPU as measured here at `world` ranks (`measured`, if
+    that N ran): rank 0's coordinator CPU (serial) and one rank's share of the ranks' CPU (ranks
+    run in parallel in a cluster). Four message rounds (prepare, vote, decision, ack), two bounds:
+    pipelined (a round costs one hop) and serialised (a round costs its messages one after the
+    other at rank 0). Flat: every rank talks to rank 0. Node leaders: ranks talk to their node's
+    lowest rank, leaders to rank 0."""
+    nodes = math.ceil(world / rpn)
+    local, remote = COSTS_MS["in a node"], COSTS_MS["across nodes"]
+    rounds = 4
+    ran = measured is not None and measured.get("ranks") == world and "ranks_cpu_ms" in measured
+    if ran:
+        base = measured["coordinator_cpu_ms"] + measured["ranks_cpu_ms"] / world
+        where = (
+            f"+ {base:.0f} ms of CPU measured here at {world} ranks (rank 0's coordinator "
+            f"{measured['coordinator_cpu_ms']:.0f} ms, one rank's share "
+            f"{measured['ranks_cpu_ms'] / world:.2f} ms)"
+        )
+    else:
+        base, where = 0.0, f"only ({world} ranks were not measured in this run)"
+    lines = [
+        f"projection for {world} ranks on {nodes} nodes ({rpn} per node): {local} ms per "
+        f"message in a node, {remote} ms across nodes, {rounds} rounds, network time {where}:"
+    ]
+    for name, pipelined, serial in (
+        ("flat", remote, world * remote),
+        ("node leaders", local + remote, rpn * local + nodes * remote),
+    ):
+        lines.append(
+            f"  {name:<12}: pipelined {base + rounds * pipelined:9.0f} ms, "
+            f"serialised at rank 0 {base + rounds * serial:9.0f} ms"
+        )
+    lines.append(
+        "not simulated: network round trips (every rank shares this host), planning time (the "
+        "stub plans in microseconds; bench/bench_switch.py measures plan_model), GPU work and "
+        "the collectives between steps (a barrier per step stands in for them)."
+    )
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[64, 1024, 4096, 16384])
+    parser.add_argument("--ranks-per-node", type=int, default=8)
+    parser.add_argument("--transport", choices=("store", "ray"), default="store")
+    parser.add_argument("--json", action="store_true", help="one JSON object per line")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per N")
+    parser.add_argument("--vote-timeout", type=float, default=300.0)
+    parser.add_argument("--step-ms", type=float, default=20.0)
+    parser.add_argument("--at-step-ahead", type=int, default=0,
+                        help="request at_step = the ranks' step + this (0: no at_step)")  # fmt: skip
+    parser.add_argument("--ranks-per-process", type=int, default=2048)
+    args = parser.parse_args()
+    if args.ranks_per_node < 1 or args.ranks_per_process < 1 or min(args.ranks) < 1:
+        parser.error("--ranks, --ranks-per-node and --ranks-per-process must be >= 1")
+
+    import torch
+
+    if not args.json:
+        print(f"{os.cpu_count()} CPU cores, torch {torch.__version__}, transport "
+              f"{args.transport}, {args.ranks_per_node} ranks per node (= TP group), "
+              f"{args.step_ms:g} ms steps")  # fmt: skip
+        print(f"{'ranks':>6} | {'decision ms':>11} | {'published ms':>12} | {'max stall ms':>12} |"
+              f" {'coord CPU ms':>12} | {'rank0 msgs':>10} | {'rank0 conns':>11}")  # fmt: skip
+    largest = None
+    for world in args.ranks:
+        row = measure(args, world)
+        if "error" not in row:
+            largest = row
+        if args.json:
+            print(json.dumps(row), flush=True)
+        elif "error" in row:
+            print(f"{world:>6} | {row['error']}", flush=True)
+        else:
+            print(f"{world:>6} | {row['decision_ms']:11.1f} | {row['published_ms']:12.1f} | "
+                  f"{row['max_stall_ms']:12.1f} | {row['coordinator_cpu_ms']:12.1f} | "
+                  f"{row['rank0_messages']:10d} | {row['rank0_connections']:11d}",
+                  flush=True)  # fmt: skip
+    if not args.json:
+        print("\n" + "\n".join(projection(16384, 8, largest)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

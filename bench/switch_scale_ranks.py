@@ -1,0 +1,254 @@
+"""The simulated ranks of bench/bench_switch_scale.py: a stub model and planner, the seams that
+count messages, calls and CPU, and the worker process that runs thousands of real `Participant`s
+in lockstep. Imported by the bench and by its worker processes."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+# Simulated ranks are many threads; their stacks stay tiny.
+THREAD_STACK = 256 * 1024
+RECIPE_A, RECIPE_B = {"name": "A"}, {"name": "B"}
+
+
+# -- the stub model and planner ------------------------------------------------------------------
+
+
+class StubModel:
+    def __init__(self) -> None:
+        self.recipe = RECIPE_A["name"]
+        self.published_at: float | None = None
+
+
+class StubPlan:
+    def __init__(self, model: StubModel, name: str) -> None:
+        self.model, self.name, self.digest = model, name, name
+
+    def publish(self) -> None:
+        self.model.recipe = self.name
+        self.model.published_at = time.monotonic()
+
+
+def stub_loader(payload: Any) -> dict:
+    if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
+        raise ValueError(f"stub recipe {payload!r} must be a dict with a 'name'")
+    return payload
+
+
+def stub_planner(model: StubModel, recipe: dict) -> StubPlan:
+    return StubPlan(model, recipe["name"])
+
+
+# -- the counting seams --------------------------------------------------------------------------
+
+
+class Counted:
+    """A transport that counts the messages it moves and the calls in flight through it.
+    Clones share the counters, so the coordinator's two connections count as one rank 0."""
+
+    def __init__(self, inner: Any, counts: dict[str, int] | None = None) -> None:
+        self.inner = inner
+        self.counts = counts if counts is not None else {"sent": 0, "received": 0}
+        self._lock = threading.Lock()
+
+    def push(self, queue: str, data: bytes) -> None:
+        self.inner.push(queue, data)
+        with self._lock:
+            self.counts["sent"] += 1
+
+    def pop(self, queue: str, timeout: float | None = None) -> bytes | None:
+        data = self.inner.pop(queue, timeout)
+        if data is not None:
+            with self._lock:
+                self.counts["received"] += 1
+        return data
+
+    def clone(self) -> Counted:
+        return Counted(self.inner.clone(), self.counts)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class ActorCalls:
+    """The Ray transport without Ray: each call goes straight to the actor body, and the number
+    of calls inside the actor at once (each one of its `max_concurrency` threads) is tracked."""
+
+    def __init__(self, actor: Any, gauge: dict[str, int], lock: threading.Lock) -> None:
+        self._actor, self._gauge, self._lock = actor, gauge, lock
+
+    def _enter(self) -> None:
+        with self._lock:
+            self._gauge["now"] += 1
+            self._gauge["peak"] = max(self._gauge["peak"], self._gauge["now"])
+
+    def _leave(self, moved: bool) -> None:
+        with self._lock:
+            self._gauge["now"] -= 1
+            self._gauge["messages"] += moved
+
+    def push(self, queue: str, data: bytes) -> None:
+        self._enter()
+        try:
+            self._actor.push(queue, data)
+        finally:
+            self._leave(True)
+
+    def pop(self, queue: str, timeout: float | None = None) -> bytes | None:
+        self._enter()
+        data = None
+        try:
+            data = self._actor.pop(queue, timeout)
+            return data
+        finally:
+            self._leave(data is not None)
+
+    def clone(self) -> ActorCalls:
+        return self
+
+    def close(self) -> None:
+        pass
+
+
+def thread_cpu_s(threads: list[threading.Thread]) -> float:
+    total = 0.0
+    for t in threads:
+        if t.is_alive() and t.ident is not None:
+            try:
+                total += time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+            except OSError:
+                pass  # ended between the check and the read
+    return total
+
+
+def server_connections(port: int) -> int:
+    """Established TCP connections whose local end is `port` (the server's side of each)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            local, state = fields[1], fields[3]
+            if state == "01" and int(local.rsplit(":", 1)[1], 16) == port:
+                count += 1
+    return count
+
+
+# -- simulated ranks -----------------------------------------------------------------------------
+
+
+class Ranks:
+    """Participants for ranks [lo, hi) in this process, and the thread that trains them."""
+
+    def __init__(
+        self, lo: int, hi: int, connect: Any, token: str, step_s: float, barrier: Any = None
+    ) -> None:
+        from dist_quant.coordinator.participant import Participant
+
+        self.models: list[StubModel] = []
+        self.parts: list[Any] = []
+        self.failures: list[str] = []
+        self._step_s = step_s
+        self._barrier = barrier
+        self._stop = threading.Event()
+        self.measuring = threading.Event()
+        self.started = threading.Event()
+        self.step = 0
+        self.max_stall_s = 0.0
+        self.max_step_s = 0.0
+        t0 = time.monotonic()
+        for r in range(lo, hi):
+            try:
+                transport = connect()
+                model = StubModel()
+                part = Participant(
+                    model,
+                    rank=r,
+                    transport=transport,
+                    token=token,
+                    planner=stub_planner,
+                    recipe_loader=stub_loader,
+                    describe=lambda m: m.recipe,
+                )
+            except Exception as e:  # noqa: BLE001 - counted and reported as attach failures
+                self.failures.append(f"rank {r}: {type(e).__name__}: {e}")
+                continue
+            self.models.append(model)
+            self.parts.append(part.start())
+        self.connect_s = time.monotonic() - t0
+        self._trainer = threading.Thread(target=self._train, name="bench.trainer", daemon=True)
+        self._trainer.start()
+
+    def _train(self) -> None:
+        while not self._stop.is_set():
+            began, worst = time.perf_counter(), 0.0
+            for part in self.parts:
+                t0 = time.perf_counter()
+                part.step_boundary(self.step)
+                worst = max(worst, time.perf_counter() - t0)
+            sweep = time.perf_counter() - began
+            if self.measuring.is_set():
+                self.max_stall_s = max(self.max_stall_s, worst)
+                self.max_step_s = max(self.max_step_s, sweep)
+            self.started.set()
+            self.step += 1
+            self._stop.wait(self._step_s)
+            if self._barrier is not None:
+                # the other processes' ranks: a real job's collectives keep every rank in step
+                t0 = time.perf_counter()
+                try:
+                    self._barrier.wait()
+                except threading.BrokenBarrierError:
+                    return
+                if self.measuring.is_set():  # a step: every boundary, then the barrier
+                    self.max_step_s = max(self.max_step_s, sweep + time.perf_counter() - t0)
+
+    def published(self) -> int:
+        return sum(m.recipe == RECIPE_B["name"] for m in self.models)
+
+    def last_publish(self) -> float:
+        return max((m.published_at or 0.0) for m in self.models) if self.models else 0.0
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._barrier is not None:
+            self._barrier.abort()
+        self._trainer.join(10)
+
+
+def worker(lo: int, hi: int, endpoint: dict, step_s: float, barrier: Any, conn: Any) -> None:
+    """A process of simulated ranks, driven by `conn` (a Pipe): "measure", "report", "exit"."""
+    threading.stack_size(THREAD_STACK)
+    from dist_quant.coordinator.attach import connect_endpoint
+
+    ranks = Ranks(lo, hi, lambda: connect_endpoint(endpoint), endpoint["token"], step_s, barrier)
+    ranks.started.wait(60)
+    conn.send({"failures": ranks.failures, "connect_s": ranks.connect_s, "step": ranks.step})
+    while True:
+        cmd = conn.recv()
+        if cmd == "measure":
+            ranks.measuring.set()
+            cpu0 = time.process_time()  # every rank's threads in this process
+            conn.send(ranks.step)
+        elif cmd == "report":
+            conn.send(
+                {
+                    "published": ranks.published(),
+                    "last_publish": ranks.last_publish(),
+                    "max_stall_s": ranks.max_stall_s,
+                    "max_step_s": ranks.max_step_s,
+                    "step": ranks.step,
+                    "cpu_s": time.process_time() - cpu0,
+                }
+            )
+        else:
+            ranks.stop()
+            conn.send("bye")
+            os._exit(0)  # the ranks' sockets close with the process, as a job's would

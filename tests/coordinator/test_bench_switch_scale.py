@@ -1,0 +1,50 @@
+"""bench/bench_switch_scale.py at a few dozen ranks, so the scale bench cannot rot: it runs the
+real coordinator, transport and participants end to end and reports what it promises."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "bench_switch_scale.py"
+KEYS = {"ranks", "decision_ms", "published_ms", "max_stall_ms", "coordinator_cpu_ms",
+        "rank0_messages", "rank0_connections", "max_step_ms"}  # fmt: skip
+
+
+def run_bench(*args: str) -> list[dict]:
+    out = subprocess.run(
+        [sys.executable, str(BENCH), "--json", "--timeout", "120", *args],
+        capture_output=True, text=True, timeout=240, check=True,
+    )  # fmt: skip
+    return [json.loads(line) for line in out.stdout.splitlines()]
+
+
+@pytest.mark.parametrize("transport", ["store", "ray"])
+def test_bench_switches_every_simulated_rank_and_counts_four_messages_per_rank(transport):
+    ranks = 24
+    (row,) = run_bench("--ranks", str(ranks), "--ranks-per-node", "4", "--transport", transport,
+                       "--ranks-per-process", "12", "--step-ms", "50", "--at-step-ahead", "60")  # fmt: skip
+    assert "error" not in row, row
+    assert KEYS <= row.keys()
+    assert row["ranks"] == ranks and row["attach_failures"] == 0
+    assert row["commit_step"] == row["at_step"]
+    # (the client may hear the result after the ranks published: no order between the two)
+    assert row["decision_ms"] > 0 and row["published_ms"] > 0
+    assert row["coordinator_cpu_ms"] > 0 and 0 <= row["max_stall_ms"] <= row["max_step_ms"]
+    # prepare, vote, decision and ack per rank; the request, "accepted" and the result; then
+    # the bench's status polls, a query and its reply each
+    extra = row["rank0_messages"] - 4 * ranks - 3
+    assert extra >= 2 and extra % 2 == 0, row
+    if transport == "store":
+        # one per rank (its clone shares it), the coordinator's, the client's, and the one the
+        # TCPStore server opens to itself
+        assert row["rank0_connections"] == ranks + 3
+    else:  # every rank's listener holds one actor thread in a pop
+        assert row["rank0_connections"] >= ranks
+
+
+def test_bench_reports_a_timeout_as_an_error_row_not_a_hang():
+    (row,) = run_bench("--ranks", "8", "--transport", "ray", "--timeout", "0.001")
+    assert row["ranks"] == 8 and "TimeoutError" in row["error"]
