@@ -99,7 +99,7 @@ class Coordinator:
         self._out = transport
         self._inbox = transport.clone()
         self._token = token
-        self._ranks = tuple(range(world_size))
+        self._ranks = range(world_size)  # O(1) membership: checked per vote and ack
         self._tp_groups = tuple(tuple(g) for g in tp_groups)
         self._log = log
         self._faults = tuple(faults)
@@ -113,6 +113,7 @@ class Coordinator:
         self._history: deque[dict[str, Any]] = deque(maxlen=_HISTORY)
         self._say = SwitchLog(None)
         self._threads: list[threading.Thread] = []
+        self._status_due: list[str] = []  # status queries of the batch being taken in
 
     @property
     def phase(self) -> Phase:
@@ -168,13 +169,23 @@ class Coordinator:
         try:
             while True:
                 event = self._next_event()
-                if isinstance(event, (Stop, TransportError)):
-                    if isinstance(event, TransportError):
-                        self._say.error(f"inbox lost, coordinator stops: {event}")
-                    return
-                if event is not None:
+                # Everything already queued is taken in before the phase moves on: one pass of
+                # `_advance` per batch instead of per message, and a vote that sits in the queue
+                # when the deadline passes is counted, not reported missing.
+                while event is not None:
+                    if isinstance(event, (Stop, TransportError)):
+                        if isinstance(event, TransportError):
+                            self._say.error(f"inbox lost, coordinator stops: {event}")
+                        return
                     self._on_message(event)
+                    try:
+                        event = self._events.get_nowait()
+                    except queue.Empty:
+                        event = None
                 self._advance()
+                for request_id in self._status_due:  # answered as of after the batch
+                    self._reply(request_id, "status", None, body=self._status())
+                self._status_due.clear()
         except CoordinatorKilled as e:
             self._say.warning(str(e), phase=self._phase.value)
 
@@ -208,8 +219,15 @@ class Coordinator:
             sw = self._switch
             switch_id = sw.prepare.switch_id if sw is not None else None
             if self._phase is Phase.PREPARING and sw is not None:
+                # decide() reads every vote: called once all are in (counted as they arrive,
+                # so a switch costs O(ranks), not O(ranks^2)) or once the deadline passed
                 passed = time.monotonic() >= sw.deadline
-                decision = decide(sw.prepare, sw.votes, self._ranks, self._tp_groups, passed)
+                complete = len(sw.votes) == len(self._ranks)
+                decision = (
+                    decide(sw.prepare, sw.votes, self._ranks, self._tp_groups, passed)
+                    if complete or passed
+                    else None
+                )
                 if decision is not None:
                     sw.decision, sw.decided_at = decision, time.monotonic()
                     self._transition(Phase.DECIDING)
@@ -217,11 +235,16 @@ class Coordinator:
                 self._record_and_announce(sw)
             elif self._phase is Phase.CANCELLING and sw is not None and sw.cancel is not None:
                 passed = time.monotonic() >= sw.cancel.deadline
-                outcome = decide_cancel(sw.cancel.prepare, sw.cancel.votes, self._ranks, passed)
+                votes = sw.cancel.votes
+                outcome = (
+                    decide_cancel(sw.cancel.prepare, votes, self._ranks, passed)
+                    if passed or len(votes) == len(self._ranks)
+                    else None
+                )
                 if outcome is not None:
                     self._record_cancel(sw, outcome)
             elif self._phase is Phase.COMMITTED and sw is not None:
-                if all(r in sw.acks for r in self._ranks):
+                if len(sw.acks) == len(self._ranks):  # acks are kept from known ranks only
                     self._transition(Phase.PUBLISHED)
                     self._history[-1]["published"] = True
                     self._append_best_effort({"event": "published", "switch_id": switch_id})
@@ -310,7 +333,7 @@ class Coordinator:
         elif isinstance(msg, SwitchRequest):
             self._on_request(msg)
         elif isinstance(msg, StatusQuery):
-            self._reply(msg.request_id, "status", None, body=self._status())
+            self._status_due.append(msg.request_id)
         elif isinstance(msg, CancelRequest):
             self._on_cancel_request(msg)
         elif isinstance(msg, CancelVote):
@@ -431,6 +454,9 @@ class Coordinator:
     def _on_ack(self, ack: Ack) -> None:
         sw = self._switch
         if sw is None or ack.switch_id != sw.prepare.switch_id or ack.rank in sw.acks:
+            return
+        if ack.rank not in self._ranks:
+            self._say.warning(f"ignored ack from unknown rank {ack.rank}", switch_id=ack.switch_id)
             return
         sw.acks[ack.rank] = ack
         self._recipe_keys[ack.rank] = ack.recipe_key

@@ -27,11 +27,12 @@ Cancelling a committed switch before its step (a second vote over the same ranks
 
 from __future__ import annotations
 
+import functools
 import json
 import types
 import typing
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from typing import Any, ClassVar, Union
@@ -112,17 +113,7 @@ class Message:
         cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
         if cls is None:
             raise ProtocolError(f"unknown message kind {kind!r}; known: {sorted(MESSAGE_TYPES)}")
-        hints = typing.get_type_hints(cls)
-        names = {f.name for f in fields(cls)}
-        extra = set(d) - names - {"kind"}
-        if extra:
-            raise ProtocolError(f"{kind}: unexpected fields {sorted(extra)}")
-        values = {}
-        for f in fields(cls):
-            if f.name not in d:
-                raise ProtocolError(f"{kind}: missing field {f.name!r}")
-            values[f.name] = _coerce(d[f.name], hints[f.name], f"{kind}.{f.name}")
-        return cls(**values)
+        return _decode(cls, d, kind)
 
     @staticmethod
     def from_json(text: str | bytes) -> Message:
@@ -133,49 +124,101 @@ class Message:
         return Message.from_dict(d)
 
 
-def _coerce(value: Any, hint: Any, where: str) -> Any:
-    """Check `value` (decoded JSON) against a field's type hint; converts dict keys to int."""
+_Check = Callable[[Any, str], Any]
+
+
+@functools.cache
+def _schema(cls: type) -> tuple[frozenset[str], tuple[tuple[str, _Check], ...]]:
+    """A dataclass's field names and one compiled check per field, built once per class: the
+    coordinator decodes a message per vote and ack, and resolving type hints costs ~100 us."""
+    hints = typing.get_type_hints(cls)
+    checks = tuple((f.name, _check_for(hints[f.name])) for f in fields(cls))
+    return frozenset(name for name, _ in checks), checks
+
+
+def _decode(cls: type, d: Mapping[str, Any], what: str, *, strict: bool = True) -> Any:
+    """`cls(**d)` with every field present and checked against its type hint; `strict`: and no
+    other keys but "kind" (messages are strict; results ignore keys a newer peer adds)."""
+    names, checks = _schema(cls)
+    extra = d.keys() - names - {"kind"}
+    if strict and extra:
+        raise ProtocolError(f"{what}: unexpected fields {sorted(extra)}")
+    values = {}
+    for name, check in checks:
+        if name not in d:
+            raise ProtocolError(f"{what}: missing field {name!r}")
+        values[name] = check(d[name], f"{what}.{name}")
+    return cls(**values)
+
+
+def _mismatch(value: Any, hint: Any, where: str) -> ProtocolError:
+    return ProtocolError(f"{where}: expected {getattr(hint, '__name__', hint)}, got {value!r}")
+
+
+@functools.cache
+def _check_for(hint: Any) -> _Check:
+    """The check (and conversion: JSON object keys to int) of decoded JSON against a type hint."""
     origin = typing.get_origin(hint)
     if origin in (Union, types.UnionType):
-        for option in typing.get_args(hint):
-            try:
-                return _coerce(value, option, where)
-            except ProtocolError:
-                continue
-        raise ProtocolError(f"{where}: {value!r} does not match {hint}")
-    if hint is type(None):
-        if value is None:
-            return None
-    elif hint is bool:
-        if isinstance(value, bool):
-            return value
-    elif hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif hint is str:
-        if isinstance(value, str):
-            return value
-    elif hint is dict or origin is dict:
-        if isinstance(value, dict):
-            if hint is dict:
-                return value
-            key_t, val_t = typing.get_args(hint)
+        options = tuple(_check_for(option) for option in typing.get_args(hint))
+
+        def check_union(value: Any, where: str) -> Any:
+            for option in options:
+                try:
+                    return option(value, where)
+                except ProtocolError:
+                    continue
+            raise ProtocolError(f"{where}: {value!r} does not match {hint}")
+
+        return check_union
+    if origin is dict:
+        key_t, val_t = typing.get_args(hint)
+        check_val = _check_for(val_t)
+
+        def check_dict(value: Any, where: str) -> Any:
+            if not isinstance(value, dict):
+                raise _mismatch(value, hint, where)
             out = {}
             for k, v in value.items():
                 try:
                     key = int(k) if key_t is int else k
                 except ValueError:
                     raise ProtocolError(f"{where}: key {k!r} is not an integer") from None
-                out[key] = _coerce(v, val_t, f"{where}[{k}]")
+                out[key] = check_val(v, f"{where}[{k}]")
             return out
-    elif origin is tuple:
-        if isinstance(value, (list, tuple)):
-            (item_t, _) = typing.get_args(hint)
-            return tuple(_coerce(v, item_t, f"{where}[]") for v in value)
-    raise ProtocolError(f"{where}: expected {getattr(hint, '__name__', hint)}, got {value!r}")
+
+        return check_dict
+    if origin is tuple:
+        (item_t, _) = typing.get_args(hint)
+        check_item = _check_for(item_t)
+
+        def check_tuple(value: Any, where: str) -> Any:
+            if not isinstance(value, (list, tuple)):
+                raise _mismatch(value, hint, where)
+            return tuple(check_item(v, f"{where}[]") for v in value)
+
+        return check_tuple
+    accept = _SCALARS.get(hint)
+    if accept is None:
+        raise TypeError(f"protocol bug: no wire check for type hint {hint!r}")
+
+    def check_scalar(value: Any, where: str) -> Any:
+        if not accept(value):
+            raise _mismatch(value, hint, where)
+        return float(value) if hint is float else value
+
+    return check_scalar
+
+
+# type hint -> does a decoded JSON value qualify (bools are not numbers on the wire)
+_SCALARS: dict[Any, Callable[[Any], bool]] = {
+    type(None): lambda v: v is None,
+    bool: lambda v: isinstance(v, bool),
+    int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+    float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    str: lambda v: isinstance(v, str),
+    dict: lambda v: isinstance(v, dict),
+}
 
 
 @dataclass(frozen=True)
@@ -496,14 +539,7 @@ class CancelResult:
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> CancelResult:
-        hints = typing.get_type_hints(CancelResult)
-        try:
-            values = {
-                f.name: _coerce(d[f.name], hints[f.name], f.name) for f in fields(CancelResult)
-            }
-        except KeyError as e:
-            raise ProtocolError(f"cancel result is missing field {e}") from None
-        return CancelResult(**values)
+        return _decode(CancelResult, d, "cancel result", strict=False)
 
 
 @dataclass(frozen=True)
@@ -523,11 +559,4 @@ class SwitchResult:
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> SwitchResult:
-        hints = typing.get_type_hints(SwitchResult)
-        try:
-            values = {
-                f.name: _coerce(d[f.name], hints[f.name], f.name) for f in fields(SwitchResult)
-            }
-        except KeyError as e:
-            raise ProtocolError(f"switch result is missing field {e}") from None
-        return SwitchResult(**values)
+        return _decode(SwitchResult, d, "switch result", strict=False)
