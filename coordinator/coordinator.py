@@ -1,10 +1,12 @@
-"""The coordinator: one explicit state machine over the switch phases of `protocol.Phase`.
+"""The coordinator: the I/O loop around the state machine of `coordinator_state.py`.
 
 One thread runs `run()`. A pump thread is the only reader of the transport's inbox and hands each
 message to a local queue, so the state machine can wait for "the next message or the vote
-deadline" without store timeouts. `_on_message` records votes, acks and requests; `_advance`
-dispatches on the current phase and moves the switch on; `_transition` is the only place the phase
-changes. The decision is appended to the durable log before any rank or client can read it.
+deadline" without store timeouts. Each batch of queued messages is taken in (votes and acks into
+the state's tallies, requests through their step functions), then `_advance` asks the step
+functions whether the phase moves on and carries out what they return. `_set_state` is the only
+place the state changes. The decision is appended to the durable log before any rank or client
+can read it.
 """
 
 from __future__ import annotations
@@ -14,33 +16,27 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
+from dist_quant.coordinator import coordinator_state as cs
 from dist_quant.coordinator.faults import CoordinatorKilled, Fault, inject
 from dist_quant.coordinator.log import DecisionLog, DecisionLogError, begin_attempt
 from dist_quant.coordinator.logfmt import SwitchLog
 from dist_quant.coordinator.protocol import (
-    TRANSITIONS,
     Ack,
     CancelDecision,
-    CancelPrepare,
     CancelRequest,
     CancelVote,
     Decision,
     Hello,
     Message,
     Phase,
-    Prepare,
     ProtocolError,
     Reply,
     StatusQuery,
     Stop,
     SwitchRequest,
-    SwitchResult,
     Vote,
-    decide,
-    decide_cancel,
     settle_cancel,
     settle_decision,
 )
@@ -48,32 +44,6 @@ from dist_quant.coordinator.transport import Transport, TransportError
 from dist_quant.coordinator.wire import INBOX, rank_queue, reply_queue, seal, unseal
 
 _HISTORY = 16  # decisions kept for `status`
-
-
-@dataclass
-class _Switch:
-    """Book-keeping of the open (or last) switch; only the coordinator thread touches it."""
-
-    prepare: Prepare
-    request_id: str
-    opened_at: float
-    deadline: float
-    votes: dict[int, Vote] = field(default_factory=dict)
-    acks: dict[int, Ack] = field(default_factory=dict)
-    decision: Decision | None = None
-    decided_at: float | None = None
-    log_s: float = 0.0
-    cancel: _Cancel | None = None
-
-
-@dataclass
-class _Cancel:
-    """A cancel of the committed switch being voted on (phase CANCELLING)."""
-
-    prepare: CancelPrepare
-    request_id: str
-    deadline: float
-    votes: dict[int, CancelVote] = field(default_factory=dict)
 
 
 class Coordinator:
@@ -99,14 +69,13 @@ class Coordinator:
         self._out = transport
         self._inbox = transport.clone()
         self._token = token
-        self._ranks = range(world_size)  # O(1) membership: checked per vote and ack
+        self._world = world_size
         self._tp_groups = tuple(tuple(g) for g in tp_groups)
         self._log = log
         self._faults = tuple(faults)
         self._commit_window_s = commit_window_s
         self._events: queue.Queue[Message | ProtocolError | TransportError] = queue.Queue()
-        self._phase = Phase.IDLE
-        self._switch: _Switch | None = None
+        self._state: cs.State = cs.Idle()
         self._next_id = 1
         self._seen_requests: set[str] = set()
         self._recipe_keys: dict[int, str] = {}
@@ -117,7 +86,7 @@ class Coordinator:
 
     @property
     def phase(self) -> Phase:
-        return self._phase
+        return self._state.phase
 
     def start(self) -> None:
         """Record this attempt and recover the log, then start the pump and state-machine
@@ -184,19 +153,19 @@ class Coordinator:
                         event = None
                 self._advance()
                 for request_id in self._status_due:  # answered as of after the batch
-                    self._reply(request_id, "status", None, body=self._status())
+                    self._reply(Reply(request_id, "status", None, "", self._status()))
                 self._status_due.clear()
         except CoordinatorKilled as e:
-            self._say.warning(str(e), phase=self._phase.value)
+            self._say.warning(str(e), phase=self.phase.value)
 
     def _next_event(self) -> Message | ProtocolError | TransportError | None:
-        """The next message, or None once the open switch's vote deadline has passed."""
-        timeout = None
-        sw = self._switch
-        if self._phase is Phase.PREPARING and sw is not None:
-            timeout = max(sw.deadline - time.monotonic(), 0.0)
-        elif self._phase is Phase.CANCELLING and sw is not None and sw.cancel is not None:
-            timeout = max(sw.cancel.deadline - time.monotonic(), 0.0)
+        """The next message, or None once the open round's vote deadline has passed."""
+        state, deadline = self._state, None
+        if isinstance(state, cs.Preparing):
+            deadline = state.opened.deadline
+        elif isinstance(state, cs.Cancelling):
+            deadline = state.deadline
+        timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         try:
             return self._events.get(timeout=timeout)
         except queue.Empty:
@@ -204,73 +173,75 @@ class Coordinator:
 
     # -- the state machine -----------------------------------------------------------------------
 
-    def _transition(self, new: Phase) -> None:
-        """The only place the phase changes."""
-        if new not in TRANSITIONS[self._phase]:
-            raise RuntimeError(f"coordinator bug: illegal transition {self._phase} -> {new}")
-        switch_id = self._switch.prepare.switch_id if self._switch else None
-        self._say.info(f"{self._phase.value} -> {new.value}", switch_id=switch_id, phase=new.value)
-        self._phase = new
+    def _set_state(self, new: cs.State) -> None:
+        """The only place the state changes; checked against the table."""
+        old = self._state
+        cs.check_transition(old, new)
+        if new.phase is not old.phase:
+            self._say.info(
+                f"{old.phase.value} -> {new.phase.value}",
+                switch_id=cs.switch_id_of(new),
+                phase=new.phase.value,
+            )
+        self._state = new
+
+    def _apply(self, step: cs.Step) -> None:
+        """Carry out a step: the new state and its log lines; its record, durably; then its
+        broadcast and last its reply, so a client that holds a result knows every rank can read
+        the decision. A record that cannot be logged aborts the switch before anything is sent."""
+        self._set_state(step.state)
+        for note in step.notes:
+            self._say.error(note, switch_id=cs.switch_id_of(step.state))
+        if step.record is not None:
+            inject(self._faults, "open", rank=None, switch_id=cs.switch_id_of(step.state))
+            try:
+                self._log.append(step.record)
+            except DecisionLogError as e:
+                self._say.error(f"cannot open the switch: {e}", switch_id=step.record["switch_id"])
+                if step.reply is not None:
+                    self._reply(step.reply)
+                self._apply(cs.on_open_failed(step.state, str(e), now=time.monotonic()))
+                return
+        if step.broadcast is not None:
+            self._broadcast(step.broadcast)
+        if step.reply is not None:
+            self._reply(step.reply)
 
     def _advance(self) -> None:
-        """Dispatch on the phase until it stops changing."""
+        """Move the phase on as far as the tallies and the clock allow."""
         while True:
-            before = self._phase
-            sw = self._switch
-            switch_id = sw.prepare.switch_id if sw is not None else None
-            if self._phase is Phase.PREPARING and sw is not None:
-                # decide() reads every vote: called once all are in (counted as they arrive,
-                # so a switch costs O(ranks), not O(ranks^2)) or once the deadline passed
-                passed = time.monotonic() >= sw.deadline
-                complete = len(sw.votes) == len(self._ranks)
-                decision = (
-                    decide(sw.prepare, sw.votes, self._ranks, self._tp_groups, passed)
-                    if complete or passed
-                    else None
-                )
-                if decision is not None:
-                    sw.decision, sw.decided_at = decision, time.monotonic()
-                    self._transition(Phase.DECIDING)
-            elif self._phase is Phase.DECIDING and sw is not None:
-                self._record_and_announce(sw)
-            elif self._phase is Phase.CANCELLING and sw is not None and sw.cancel is not None:
-                passed = time.monotonic() >= sw.cancel.deadline
-                votes = sw.cancel.votes
-                outcome = (
-                    decide_cancel(sw.cancel.prepare, votes, self._ranks, passed)
-                    if passed or len(votes) == len(self._ranks)
-                    else None
-                )
+            before = self._state
+            if isinstance(before, cs.Deciding):
+                self._record_and_announce(before)
+            elif isinstance(before, cs.Cancelling):
+                outcome = cs.cancel_outcome(before, now=time.monotonic())
                 if outcome is not None:
-                    self._record_cancel(sw, outcome)
-            elif self._phase is Phase.COMMITTED and sw is not None:
-                if len(sw.acks) == len(self._ranks):  # acks are kept from known ranks only
-                    self._transition(Phase.PUBLISHED)
+                    self._record_cancel(before, outcome)
+            else:
+                self._apply(cs.on_tally(before, now=time.monotonic(), tp_groups=self._tp_groups))
+                if isinstance(self._state, cs.Published) and self._state is not before:
                     self._history[-1]["published"] = True
+                    switch_id = self._state.settled.switch_id
                     self._append_best_effort({"event": "published", "switch_id": switch_id})
-            if self._phase is before:
+            if self._state is before:
                 return
 
-    def _record_and_announce(self, sw: _Switch) -> None:
+    def _record_and_announce(self, state: cs.Deciding) -> None:
         """Log the decision durably, then make it visible to ranks and the client."""
-        decision = sw.decision
-        switch_id = decision.switch_id
+        switch_id = state.decision.switch_id
         inject(self._faults, "decide", rank=None, switch_id=switch_id)
         t0 = time.monotonic()
         decision = self._log_settled(
             "decision",
-            decision,
+            state.decision,
             settle_decision,
-            sw.deadline,
+            state.opened.deadline,
             "cannot record the decision, aborting",
         )
-        sw.log_s = time.monotonic() - t0
-        sw.decision = decision
+        log_s = time.monotonic() - t0
         inject(self._faults, "publish", rank=None, switch_id=switch_id)
-        self._transition(Phase.COMMITTED if decision.commit else Phase.ABORTED)
         self._history.append({**decision.to_dict(), "published": False})
-        self._broadcast(decision)
-        self._reply(sw.request_id, "result", switch_id, body=self._result(sw).to_dict())
+        self._apply(cs.on_logged(state, decision, log_s=log_s))
 
     def _log_settled(
         self, event: str, outcome: Any, settle: Callable[..., Any], deadline: float, failure: str
@@ -293,19 +264,15 @@ class Coordinator:
             self._append_best_effort({"event": event, **settled.to_dict()})
         return settled
 
-    def _record_cancel(self, sw: _Switch, outcome: CancelDecision) -> None:
+    def _record_cancel(self, state: cs.Cancelling, outcome: CancelDecision) -> None:
         """Log the cancel's outcome durably, then tell the ranks and the client (as a decision)."""
-        cancel = sw.cancel
         outcome = self._log_settled(
-            "cancel", outcome, settle_cancel, cancel.deadline,
+            "cancel", outcome, settle_cancel, state.deadline,
             "cannot record the cancel, keeping the commit",
         )  # fmt: skip
-        sw.cancel = None
-        self._transition(Phase.CANCELLED if outcome.cancelled else Phase.COMMITTED)
         if outcome.cancelled:
             self._history[-1]["cancelled"] = True
-        self._broadcast(outcome)
-        self._reply(cancel.request_id, "result", outcome.switch_id, body=outcome.to_dict())
+        self._apply(cs.on_cancel_logged(state, outcome))
 
     def _append_outcome(self, event: str, outcome: Decision | CancelDecision) -> str | None:
         """Record a switch's or a cancel's outcome durably; the error text if the log failed."""
@@ -328,20 +295,36 @@ class Coordinator:
     # -- messages --------------------------------------------------------------------------------
 
     def _on_message(self, msg: Message | ProtocolError) -> None:
+        where = {"switch_id": cs.switch_id_of(self._state), "phase": self.phase.value}
         if isinstance(msg, ProtocolError):
             self._on_refused(msg)
-        elif isinstance(msg, SwitchRequest):
-            self._on_request(msg)
+        elif isinstance(msg, (SwitchRequest, CancelRequest)):
+            if msg.request_id in self._seen_requests:
+                self._say.warning(f"ignored replayed request {msg.request_id}")
+                return
+            self._seen_requests.add(msg.request_id)
+            now = time.monotonic()
+            if isinstance(msg, CancelRequest):
+                self._apply(cs.on_cancel_request(self._state, msg, now=now))
+                return
+            step = cs.on_request(
+                self._state, msg, switch_id=self._next_id, world_size=self._world, now=now
+            )
+            if isinstance(step.state, cs.Preparing):
+                self._next_id += 1
+            self._apply(step)
         elif isinstance(msg, StatusQuery):
             self._status_due.append(msg.request_id)
-        elif isinstance(msg, CancelRequest):
-            self._on_cancel_request(msg)
-        elif isinstance(msg, CancelVote):
-            self._on_cancel_vote(msg)
         elif isinstance(msg, Vote):
-            self._on_vote(msg)
+            self._say.info(cs.take_vote(self._state, msg), **where)
+        elif isinstance(msg, CancelVote):
+            self._say.info(cs.take_cancel_vote(self._state, msg), **where)
         elif isinstance(msg, Ack):
-            self._on_ack(msg)
+            note = cs.take_ack(self._state, msg)
+            if 0 <= msg.rank < self._world:
+                self._recipe_keys[msg.rank] = msg.recipe_key
+            if note:
+                self._say.warning(note, **where, step=msg.step)
         elif isinstance(msg, Hello):
             self._recipe_keys[msg.rank] = msg.recipe_key
         else:
@@ -352,168 +335,29 @@ class Coordinator:
         self._say.warning(f"refused: {err}")
         if isinstance(unverified, (SwitchRequest, StatusQuery, CancelRequest)):
             # Sealed with our token, which the client lacks; it reads the refusal unverified.
-            self._reply(unverified.request_id, "refused", None, error=f"refused: {err}")
-
-    def _on_request(self, req: SwitchRequest) -> None:
-        sw = self._switch
-        if req.request_id in self._seen_requests:
-            self._say.warning(f"ignored replayed request {req.request_id}")
-            return
-        self._seen_requests.add(req.request_id)
-        if self._phase.open and sw is not None:
-            open_id = sw.prepare.switch_id
-            step = sw.decision.step if sw.decision is not None else None
-            hint = (
-                f"; `dist-quant cancel {open_id}` cancels it"
-                if self._phase is Phase.COMMITTED
-                else ""
-            )
-            self._reply(
-                req.request_id,
-                "refused",
-                open_id,
-                error=f"switch {open_id} is still open ({self._phase.describe(open_id, step)}); "
-                f"retry after it ends{hint}",
-            )
-            return
-        problem = _request_problem(req)
-        if problem:
-            self._reply(req.request_id, "refused", None, error=problem)
-            return
-        switch_id, self._next_id = self._next_id, self._next_id + 1
-        prepare = Prepare(switch_id, req.recipe, req.at_step, req.timeout_s)
-        now = time.monotonic()
-        self._switch = sw = _Switch(prepare, req.request_id, now, now + req.timeout_s)
-        self._transition(Phase.PREPARING)
-        self._reply(req.request_id, "accepted", switch_id)
-        inject(self._faults, "open", rank=None, switch_id=switch_id)
-        try:
-            self._log.append({"event": "open", "request_id": req.request_id, **prepare.to_dict()})
-        except DecisionLogError as e:
-            self._say.error(f"cannot open the switch: {e}", switch_id=switch_id)
-            sw.decision, sw.decided_at = Decision(switch_id, False, None, {}, str(e)), now
-            self._transition(Phase.DECIDING)
-            return
-        self._broadcast(prepare)
-
-    def _on_cancel_request(self, req: CancelRequest) -> None:
-        if req.request_id in self._seen_requests:
-            self._say.warning(f"ignored replayed request {req.request_id}")
-            return
-        self._seen_requests.add(req.request_id)
-        sw = self._switch
-        open_id = sw.prepare.switch_id if sw is not None and self._phase.open else None
-        wanted = req.switch_id if req.switch_id is not None else open_id
-        problem = ""
-        if not (0 < req.timeout_s < float("inf")):
-            problem = f"timeout_s must be a positive number of seconds, got {req.timeout_s}"
-        elif open_id is None:
-            problem = "no switch is open: nothing to cancel"
-        elif wanted != open_id:
-            problem = f"switch {wanted} is not the open switch ({open_id}); nothing to cancel"
-        elif self._phase is not Phase.COMMITTED:
-            problem = (
-                f"switch {open_id} cannot be cancelled now "
-                f"({self._phase.describe(open_id, None)}); only a committed switch can be"
-            )
-        if problem:
-            self._reply(req.request_id, "refused", wanted, error=problem)
-            return
-        prepare = CancelPrepare(open_id, sw.decision.step, req.timeout_s)
-        sw.cancel = _Cancel(prepare, req.request_id, time.monotonic() + req.timeout_s)
-        self._transition(Phase.CANCELLING)
-        self._reply(req.request_id, "accepted", open_id)
-        self._broadcast(prepare)
-
-    def _on_cancel_vote(self, vote: CancelVote) -> None:
-        sw = self._switch
-        cancel = sw.cancel if sw is not None else None
-        where = {"switch_id": vote.switch_id, "phase": self._phase.value}
-        if cancel is None or vote.switch_id != cancel.prepare.switch_id:
-            self._say.info(f"ignored cancel vote of rank {vote.rank}: stale or too late", **where)
-        elif vote.rank in self._ranks and vote.rank not in cancel.votes:
-            cancel.votes[vote.rank] = vote
-            self._say.info(
-                f"rank {vote.rank} votes {'yes' if vote.yes else 'no'} to cancel", **where
-            )
-
-    def _on_vote(self, vote: Vote) -> None:
-        sw = self._switch
-        where = {"switch_id": vote.switch_id, "phase": self._phase.value}
-        current = sw is not None and vote.switch_id == sw.prepare.switch_id
-        if not current or self._phase is not Phase.PREPARING:
-            self._say.info(f"ignored vote of rank {vote.rank}: stale or too late", **where)
-        elif vote.rank not in self._ranks:
-            self._say.warning(f"ignored vote from unknown rank {vote.rank}", **where)
-        elif vote.rank in sw.votes:
-            self._say.info(f"ignored repeated vote of rank {vote.rank}", **where)
-        else:
-            sw.votes[vote.rank] = vote
-            self._say.info(f"rank {vote.rank} votes {'yes' if vote.yes else 'no'}", **where)
-
-    def _on_ack(self, ack: Ack) -> None:
-        sw = self._switch
-        if sw is None or ack.switch_id != sw.prepare.switch_id or ack.rank in sw.acks:
-            return
-        if ack.rank not in self._ranks:
-            self._say.warning(f"ignored ack from unknown rank {ack.rank}", switch_id=ack.switch_id)
-            return
-        sw.acks[ack.rank] = ack
-        self._recipe_keys[ack.rank] = ack.recipe_key
-        if not ack.ok:
-            self._say.error(
-                f"rank {ack.rank} failed to publish: {ack.error}",
-                switch_id=ack.switch_id,
-                phase=self._phase.value,
-                step=ack.step,
-            )
+            reply = Reply(unverified.request_id, "refused", None, f"refused: {err}", {})
+            self._reply(reply)
 
     # -- outputs ---------------------------------------------------------------------------------
 
     def _broadcast(self, msg: Message) -> None:
         data = seal(msg, self._token)
-        for r in self._ranks:
+        for r in range(self._world):
             self._out.push(rank_queue(r), data)
 
-    def _reply(
-        self, request_id: str, status: str, switch_id: int | None, *, error: str = "", body=None
-    ) -> None:
-        reply = Reply(request_id, status, switch_id, error, body or {})
-        self._out.push(reply_queue(request_id), seal(reply, self._token))
-
-    def _result(self, sw: _Switch) -> SwitchResult:
-        d = sw.decision
-        decided = sw.decided_at if sw.decided_at is not None else sw.opened_at
-        votes_s = decided - sw.opened_at
-        return SwitchResult(
-            switch_id=d.switch_id,
-            committed=d.commit,
-            step=d.step,
-            reasons=dict(d.reasons),
-            timings={"votes_s": votes_s, "log_s": sw.log_s, "total_s": votes_s + sw.log_s},
-            prepare_s={r: v.prepare_s for r, v in sorted(sw.votes.items())},
-            summary=d.summary,
-        )
+    def _reply(self, reply: Reply) -> None:
+        self._out.push(reply_queue(reply.request_id), seal(reply, self._token))
 
     def _status(self) -> dict[str, Any]:
-        sw = self._switch
-        switch_id = sw.prepare.switch_id if sw is not None else None
-        step = sw.decision.step if sw is not None and sw.decision is not None else None
+        state = self._state
+        switch_id = cs.switch_id_of(state)
         return {
-            "phase": self._phase.value,
-            "phase_text": self._phase.describe(switch_id, step),
-            "open_switch": sw.prepare.switch_id if sw and self._phase.open else None,
-            "world_size": len(self._ranks),
+            "phase": state.phase.value,
+            "phase_text": state.phase.describe(switch_id, cs.step_of(state)),
+            "open_switch": switch_id if state.phase.open else None,
+            "world_size": self._world,
             "tp_groups": [list(g) for g in self._tp_groups],
             "recipe_keys": {str(r): k for r, k in sorted(self._recipe_keys.items())},
             "decisions": list(self._history),
             "log": str(self._log.path),
         }
-
-
-def _request_problem(req: SwitchRequest) -> str:
-    if not (0 < req.timeout_s < float("inf")):
-        return f"timeout_s must be a positive number of seconds, got {req.timeout_s}"
-    if req.at_step is not None and req.at_step < 0:
-        return f"at_step must be >= 0, got {req.at_step}"
-    return ""
