@@ -37,6 +37,7 @@ from dist_quant.coordinator.protocol import (
     Stop,
     SwitchRequest,
     Vote,
+    lead_time,
     settle_cancel,
     settle_decision,
 )
@@ -76,6 +77,7 @@ class Coordinator:
         self._commit_window_s = commit_window_s
         self._events: queue.Queue[Message | ProtocolError | TransportError] = queue.Queue()
         self._state: cs.State = cs.Idle()
+        self._latency_s: float | None = None  # request -> decision sent, last committed switch
         self._next_id = 1
         self._seen_requests: set[str] = set()
         self._recipe_keys: dict[int, str] = {}
@@ -242,6 +244,8 @@ class Coordinator:
         inject(self._faults, "publish", rank=None, switch_id=switch_id)
         self._history.append({**decision.to_dict(), "published": False})
         self._apply(cs.on_logged(state, decision, log_s=log_s))
+        if decision.commit:  # the next switch books its commit step by this one's latency
+            self._latency_s = time.monotonic() - state.opened.opened_at
 
     def _log_settled(
         self, event: str, outcome: Any, settle: Callable[..., Any], deadline: float, failure: str
@@ -308,7 +312,12 @@ class Coordinator:
                 self._apply(cs.on_cancel_request(self._state, msg, now=now))
                 return
             step = cs.on_request(
-                self._state, msg, switch_id=self._next_id, world_size=self._world, now=now
+                self._state,
+                msg,
+                switch_id=self._next_id,
+                world_size=self._world,
+                now=now,
+                lead_s=lead_time(self._world, self._latency_s),
             )
             if isinstance(step.state, cs.Preparing):
                 self._next_id += 1

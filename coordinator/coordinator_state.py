@@ -200,9 +200,16 @@ def check_transition(old: State, new: State) -> None:
 
 # ---- requests ---------------------------------------------------------------------------------
 def on_request(
-    state: State, req: SwitchRequest, *, switch_id: int, world_size: int, now: float
+    state: State,
+    req: SwitchRequest,
+    *,
+    switch_id: int,
+    world_size: int,
+    now: float,
+    lead_s: float = 0.0,
 ) -> Step:
-    """A new switch request: PREPARING (log "open", then send the Prepare), or a refusal."""
+    """A new switch request: PREPARING (log "open", then send the Prepare, which asks the ranks
+    to hold the commit step `lead_s` ahead of their votes), or a refusal."""
     open_id = switch_id_of(state)
     if state.phase.open:
         hint = (
@@ -216,7 +223,7 @@ def on_request(
     problem = _request_problem(req)
     if problem:
         return Step(state, reply=Reply(req.request_id, "refused", None, problem, {}))
-    prepare = Prepare(switch_id, req.recipe, req.at_step, req.timeout_s)
+    prepare = Prepare(switch_id, req.recipe, req.at_step, req.timeout_s, lead_s)
     opened = Opened(prepare, req.request_id, now, now + req.timeout_s)
     return Step(
         Preparing(opened, Tally(world_size)),

@@ -71,6 +71,14 @@ def _default_describe(model: Any) -> str:
     return "none" if key is None else repr(key)
 
 
+def _step_rate(previous: float, interval: float) -> float:
+    """Seconds per step: follows a faster step at once and a slower one by halves, so that one
+    long step (a checkpoint, an eval) does not shrink the steps a commit is booked ahead."""
+    if previous <= 0.0:
+        return interval
+    return min(interval, (previous + interval) / 2)
+
+
 class Participant:
     """One rank's side of the switch protocol. Made by `attach`; call `step_boundary` every step."""
 
@@ -116,6 +124,8 @@ class Participant:
         self._ledger = Ledger(rank)
         self._nothing_pending = True  # not self._state.phase.pending: the boundary's fast path
         self._last_step: int | None = None
+        self._last_boundary_at: float | None = None
+        self._step_s = 0.0  # seconds per step, as the votes report it (0: not measured yet)
         self._reapply = deque(sorted(reapply, key=lambda e: e["step"]))
         self._listener = threading.Thread(
             target=self._listen, name=f"dist_quant.participant.r{rank}", daemon=True
@@ -168,10 +178,13 @@ class Participant:
         commit step; otherwise a lock and a flag check (no network call, no collective)."""
         if self._monitor is not None:
             self._monitor.begin_step(step)  # a telemetry stats step starts counting here
+        now = time.monotonic()
         with self._lock:
             if self._last_step is None:
                 self._cond.notify_all()  # a listener may wait for the first boundary
-            self._last_step = step
+            else:
+                self._step_s = _step_rate(self._step_s, now - self._last_boundary_at)
+            self._last_step, self._last_boundary_at = step, now
             if self._nothing_pending:
                 return
             held = self._boundary_slow(step)
@@ -305,7 +318,7 @@ class Participant:
             plan, error = None, f"{type(e).__name__}: {e}"
         prepare_s = time.perf_counter() - t0
         with self._cond:
-            last = self._last_step
+            last, step_s = self._last_step, self._step_s
             voted = on_planned(
                 self._state,
                 self._ledger,
@@ -315,6 +328,7 @@ class Participant:
                 error=error,
                 last_step=last,
                 prepare_s=prepare_s,
+                step_s=step_s,
             )
             self._apply(voted, last)
         if inject(self._faults, "vote", rank=self.rank, switch_id=p.switch_id):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import types
 import typing
 from collections import Counter
@@ -258,11 +259,13 @@ class Prepare(Message):
     recipe: RecipePayload
     at_step: int | None
     timeout_s: float
+    lead_s: float = 0.0  # how long ahead of its vote a rank holds the commit step (`hold_step`)
 
 
 @dataclass(frozen=True)
 class Vote(Message):
-    """Rank -> coordinator. YES carries the plan digest and the last step the rank passed."""
+    """Rank -> coordinator. YES carries the plan digest, the last step the rank passed and its
+    measured seconds per step (0: not known yet)."""
 
     kind: ClassVar[str] = "vote"
     switch_id: int
@@ -272,6 +275,7 @@ class Vote(Message):
     last_step: int | None
     reason: str
     prepare_s: float
+    step_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -396,8 +400,9 @@ def decide(
     The switch stays open until every expected rank voted or the deadline passed. It commits only
     if every expected rank voted YES, digests agree within each tensor-parallel group, and (with a
     requested `at_step`) no rank has already passed that step. Votes from ranks that are not
-    expected are ignored. The commit step is the requested one, else one past the largest step any
-    rank reported, so every rank can still reach it.
+    expected are ignored. The commit step is the requested one, else the largest `hold_step` of
+    the votes (each rank's last step, plus the steps that fit in `prepare.lead_s` at its rate):
+    no rank passes its hold step undecided, so every rank can still reach the commit step.
     """
     missing = [r for r in expected_ranks if r not in votes]
     if missing and not deadline_passed:
@@ -424,8 +429,39 @@ def decide(
     if prepare.at_step is not None:
         step = prepare.at_step
     else:
-        step = max((s for s in yes_steps.values() if s is not None), default=-1) + 1
+        step = max(
+            hold_step(votes[r].last_step, votes[r].step_s, prepare.lead_s, None) for r in yes_steps
+        )
     return Decision(prepare.switch_id, True, step, {}, f"commit at step {step}")
+
+
+MIN_LEAD_S = 0.05  # the commit step is booked at least this far ahead of the votes
+LEAD_PER_RANK_S = 100e-6  # before a first measurement: the coordinator's cost per rank
+MAX_LEAD_S = 10.0
+MAX_LEAD_STEPS = 10_000  # however short a step: a rank is never held further ahead than this
+
+
+def lead_time(world_size: int, last_latency_s: float | None) -> float:
+    """How long ahead of the votes the commit step is booked (`Prepare.lead_s`): twice the
+    request -> decision-sent time of the job's last committed switch, or before one, an estimate
+    from the number of ranks; clamped to [MIN_LEAD_S, MAX_LEAD_S]."""
+    if last_latency_s is None:
+        lead = MIN_LEAD_S + world_size * LEAD_PER_RANK_S
+    else:
+        lead = 2.0 * last_latency_s
+    return min(max(lead, MIN_LEAD_S), MAX_LEAD_S)
+
+
+def hold_step(last_step: int, step_s: float, lead_s: float, at_step: int | None) -> int:
+    """The first boundary a rank that voted YES after passing `last_step` may not pass without
+    the decision: the requested `at_step`, else one past `last_step` plus as many steps (of
+    `step_s` seconds, the rank's own rate) as fit in `lead_s`. The commit step is the largest of
+    these over every rank, so no rank can have passed it undecided, and a rank waits only if it
+    reaches its hold step before the decision arrives."""
+    if at_step is not None:
+        return at_step
+    ahead = math.ceil(lead_s / step_s) if step_s > 0 and lead_s > 0 else 0
+    return last_step + 1 + min(ahead, MAX_LEAD_STEPS)
 
 
 def _digest_mismatches(

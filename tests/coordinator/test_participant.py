@@ -1,6 +1,7 @@
 """The participant: votes from its listener, waits at v+1, publishes exactly at S, and refuses to
 continue half-switched. Ranks are threads; the coordinator is real or played by hand."""
 
+import math
 import threading
 import time
 
@@ -116,6 +117,42 @@ def test_commit_at_a_later_step_publishes_exactly_there(solo):
         seen.append((step, model.recipe))
     assert seen == [(4, "A"), (5, "A"), (6, "B"), (7, "B"), (8, "B")]
     assert model.publishes == ["B"]
+
+
+def test_with_a_requested_step_the_rank_trains_on_undecided_until_that_step(solo):
+    coord, model, p = solo
+    p.step_boundary(3)
+    assert vote_after_prepare(coord, p, 1, at_step=20).yes
+    for step in range(4, 20):  # none of these waits: the decision is not needed before 20
+        p.step_boundary(step)
+    assert (p.state, model.recipe) == ("voted", "A")
+    t, box = run_boundary(p, 20)
+    t.join(0.2)
+    assert t.is_alive() and model.recipe == "A"  # at 20 undecided: waits
+    coord.send(Decision(1, True, 20, {}, ""), rank_queue(0))
+    t.join(5)
+    assert box == ["ok"] and model.publishes == ["B"]
+
+
+def test_without_a_requested_step_the_rank_trains_on_undecided_until_its_hold_step(solo):
+    coord, model, p = solo
+    for step in range(3):
+        p.step_boundary(step)
+        time.sleep(0.01)  # a measured pace of at least 10 ms per step
+    coord.send(Prepare(1, {"name": "B"}, None, 5.0, 0.5), rank_queue(0))
+    vote = coord.recv()
+    assert vote.yes and vote.last_step == 2 and vote.step_s >= 0.01
+    hold = 2 + 1 + math.ceil(0.5 / vote.step_s)  # what the coordinator books, worked by hand
+    assert hold > 3, vote.step_s
+    for step in range(3, hold):
+        p.step_boundary(step)
+    assert (p.state, model.recipe) == ("voted", "A")
+    t, box = run_boundary(p, hold)
+    t.join(0.2)
+    assert t.is_alive() and model.recipe == "A"
+    coord.send(Decision(1, True, hold, {}, ""), rank_queue(0))
+    t.join(5)
+    assert box == ["ok"] and model.publishes == ["B"]
 
 
 def test_abort_drops_the_candidate(solo):
