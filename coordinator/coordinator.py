@@ -23,12 +23,16 @@ from dist_quant.coordinator.faults import CoordinatorKilled, Fault, inject
 from dist_quant.coordinator.log import DecisionLog, DecisionLogError, begin_attempt
 from dist_quant.coordinator.logfmt import SwitchLog
 from dist_quant.coordinator.protocol import (
+    BEAT_S,
+    LEASE_S,
     Ack,
+    Alive,
     CancelDecision,
     CancelRequest,
     CancelVote,
     Decision,
     Hello,
+    Mark,
     Message,
     Phase,
     ProtocolError,
@@ -60,11 +64,13 @@ class Coordinator:
         log: DecisionLog,
         faults: Sequence[Fault] = (),
         commit_window_s: float = 0.5,
+        lease_s: float = LEASE_S,
     ) -> None:
         """`commit_window_s`: a COMMIT whose logging ends later than this past the vote deadline
         is turned into ABORT. Ranks wait at least `decision_grace_s` past the deadline before
         giving up; keeping this window below that grace means no rank can have given up on a
-        switch that the others then publish (attach uses half the grace)."""
+        switch that the others then publish (attach uses half the grace). `lease_s`: a rank
+        that owes its vote and was not heard from for this long aborts the switch at once."""
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self._out = transport
@@ -85,6 +91,11 @@ class Coordinator:
         self._say = SwitchLog(None)
         self._threads: list[threading.Thread] = []
         self._status_due: list[str] = []  # status queries of the batch being taken in
+        self._lease_s = lease_s
+        self._marks: dict[int, float] = {}  # nonce -> when pushed, of the mark on its way
+        self._next_nonce = 1
+        self._drained_to = float("-inf")  # every message pushed before then is taken in
+        self._fresh_drain = False
 
     @property
     def phase(self) -> Phase:
@@ -153,6 +164,8 @@ class Coordinator:
                         event = self._events.get_nowait()
                     except queue.Empty:
                         event = None
+                if self._mark_due():
+                    self._push_mark()
                 self._advance()
                 for request_id in self._status_due:  # answered as of after the batch
                     self._reply(Reply(request_id, "status", None, "", self._status()))
@@ -161,17 +174,51 @@ class Coordinator:
             self._say.warning(str(e), phase=self.phase.value)
 
     def _next_event(self) -> Message | ProtocolError | TransportError | None:
-        """The next message, or None once the open round's vote deadline has passed."""
-        state, deadline = self._state, None
-        if isinstance(state, cs.Preparing):
-            deadline = state.opened.deadline
-        elif isinstance(state, cs.Cancelling):
-            deadline = state.deadline
-        timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        """The next message, or None once the inbox is due to be drained (`_mark_due`)."""
+        wake = self._wake_at()
+        timeout = None if wake is None else max(wake - time.monotonic(), 0.0)
         try:
             return self._events.get(timeout=timeout)
         except queue.Empty:
             return None
+
+    # -- draining the inbox ------------------------------------------------------------------------
+    # A round's deadline, and a rank's silence, are judged only up to the time the inbox has been
+    # read to: the coordinator pushes a `Mark` into its own inbox and, once the pump hands it back,
+    # has taken in everything pushed before it. Queued votes are then never counted as missing.
+
+    def _wake_at(self) -> float | None:
+        """When the open round next needs a drain: its deadline, or (while votes are due) the
+        next look for silent ranks. None while a mark is on its way or nothing is open."""
+        if self._marks:
+            return None
+        state = self._state
+        if isinstance(state, cs.Preparing):
+            first_look = state.lease.since + self._lease_s
+            look = max(first_look, self._drained_to + BEAT_S)
+            return min(state.opened.deadline, look)
+        if isinstance(state, cs.Cancelling):
+            return state.deadline
+        return None
+
+    def _mark_due(self) -> bool:
+        wake = self._wake_at()
+        return wake is not None and time.monotonic() >= wake
+
+    def _push_mark(self) -> None:
+        nonce, pushed_at = self._next_nonce, time.monotonic()
+        self._next_nonce += 1
+        try:
+            self._out.push(INBOX, seal(Mark(nonce), self._token))
+        except TransportError as e:  # the inbox is gone: what the pump handed over is all there is
+            self._say.warning(f"cannot drain the inbox: {e}")
+            self._on_drained(pushed_at)
+            return
+        self._marks[nonce] = pushed_at
+
+    def _on_drained(self, drained_to: float) -> None:
+        self._drained_to = max(self._drained_to, drained_to)
+        self._fresh_drain = True
 
     # -- the state machine -----------------------------------------------------------------------
 
@@ -206,6 +253,8 @@ class Coordinator:
                 return
         if step.broadcast is not None:
             self._broadcast(step.broadcast)
+            if isinstance(step.state, cs.Preparing):  # silence counts from when all could read it
+                step.state.lease.since = time.monotonic()
         if step.reply is not None:
             self._reply(step.reply)
 
@@ -216,11 +265,21 @@ class Coordinator:
             if isinstance(before, cs.Deciding):
                 self._record_and_announce(before)
             elif isinstance(before, cs.Cancelling):
-                outcome = cs.cancel_outcome(before, now=time.monotonic())
+                outcome = cs.cancel_outcome(before, drained_to=self._drained_to)
                 if outcome is not None:
                     self._record_cancel(before, outcome)
             else:
-                self._apply(cs.on_tally(before, now=time.monotonic(), tp_groups=self._tp_groups))
+                now, drained_to = time.monotonic(), self._drained_to
+                if self._fresh_drain:  # once per drain: the look at every rank is O(ranks)
+                    self._fresh_drain = False
+                    self._apply(
+                        cs.on_drained(before, now=now, drained_to=drained_to, lease_s=self._lease_s)
+                    )
+                if self._state is before:
+                    tallied = cs.on_tally(
+                        before, now=now, drained_to=drained_to, tp_groups=self._tp_groups
+                    )
+                    self._apply(tallied)
                 if isinstance(self._state, cs.Published) and self._state is not before:
                     self._history[-1]["published"] = True
                     switch_id = self._state.settled.switch_id
@@ -334,6 +393,12 @@ class Coordinator:
                 self._recipe_keys[msg.rank] = msg.recipe_key
             if note:
                 self._say.warning(note, **where, step=msg.step)
+        elif isinstance(msg, Alive):
+            cs.take_alive(self._state, msg, now=time.monotonic())
+        elif isinstance(msg, Mark):
+            pushed_at = self._marks.pop(msg.nonce, None)
+            if pushed_at is not None:
+                self._on_drained(pushed_at)
         elif isinstance(msg, Hello):
             self._recipe_keys[msg.rank] = msg.recipe_key
         else:
@@ -364,6 +429,7 @@ class Coordinator:
             "phase": state.phase.value,
             "phase_text": state.phase.describe(switch_id, cs.step_of(state)),
             "open_switch": switch_id if state.phase.open else None,
+            "waiting_for": cs.waiting_for(state),
             "world_size": self._world,
             "tp_groups": [list(g) for g in self._tp_groups],
             "recipe_keys": {str(r): k for r, k in sorted(self._recipe_keys.items())},

@@ -24,6 +24,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 from dist_quant.coordinator.protocol import (
     TRANSITIONS,
     Ack,
+    Alive,
     CancelDecision,
     CancelPrepare,
     CancelRequest,
@@ -38,6 +39,7 @@ from dist_quant.coordinator.protocol import (
     Vote,
     decide,
     decide_cancel,
+    silent_ranks,
 )
 
 M = TypeVar("M", Vote, CancelVote, Ack)
@@ -96,11 +98,21 @@ class Idle:
     phase: ClassVar[Phase] = Phase.IDLE
 
 
+class Lease:
+    """When each rank that owes a vote was last heard from (`Alive`), counted from `since`, when
+    the Prepare went out. Mutable like a `Tally`, written by `take_alive` and the driver alone."""
+
+    def __init__(self, since: float) -> None:
+        self.since = since
+        self.heard: dict[int, float] = {}
+
+
 @dataclass(frozen=True)
 class Preparing:
     phase: ClassVar[Phase] = Phase.PREPARING
     opened: Opened
     votes: Tally[Vote]
+    lease: Lease
 
 
 @dataclass(frozen=True)
@@ -226,7 +238,7 @@ def on_request(
     prepare = Prepare(switch_id, req.recipe, req.at_step, req.timeout_s, lead_s)
     opened = Opened(prepare, req.request_id, now, now + req.timeout_s)
     return Step(
-        Preparing(opened, Tally(world_size)),
+        Preparing(opened, Tally(world_size), Lease(now)),
         reply=Reply(req.request_id, "accepted", switch_id, "", {}),
         record={"event": "open", "request_id": req.request_id, **prepare.to_dict()},
         broadcast=prepare,
@@ -277,6 +289,13 @@ def take_vote(state: State, vote: Vote) -> str:
     return f"rank {vote.rank} votes {'yes' if vote.yes else 'no'}"
 
 
+def take_alive(state: State, alive: Alive, *, now: float) -> None:
+    """Note that a rank still planning the open switch is alive."""
+    if isinstance(state, Preparing) and alive.switch_id == state.opened.prepare.switch_id:
+        if 0 <= alive.rank < state.votes.world_size:
+            state.lease.heard[alive.rank] = now
+
+
 def take_cancel_vote(state: State, vote: CancelVote) -> str:
     if not isinstance(state, Cancelling) or vote.switch_id != state.prepare.switch_id:
         return f"ignored cancel vote of rank {vote.rank}: stale or too late"
@@ -298,11 +317,13 @@ def take_ack(state: State, ack: Ack) -> str:
 
 
 # ---- the phase moves on ---------------------------------------------------------------------
-def on_tally(state: State, *, now: float, tp_groups: Any) -> Step:
+def on_tally(state: State, *, now: float, drained_to: float, tp_groups: Any) -> Step:
     """What the tallies allow now: PREPARING -> DECIDING once every rank voted or the deadline
-    passed; COMMITTED -> PUBLISHED once every rank acked. Otherwise the state as it is."""
+    passed; COMMITTED -> PUBLISHED once every rank acked. Otherwise the state as it is. The
+    deadline counts as passed once the inbox is read up to it (`drained_to`: every message pushed
+    before then is in the tallies), so a vote waiting in the queue is not a missing vote."""
     if isinstance(state, Preparing):
-        passed = now >= state.opened.deadline
+        passed = drained_to >= state.opened.deadline
         if not (passed or state.votes.complete):
             return Step(state)
         ranks = range(state.votes.world_size)
@@ -313,9 +334,49 @@ def on_tally(state: State, *, now: float, tp_groups: Any) -> Step:
     return Step(state)
 
 
-def cancel_outcome(state: Cancelling, *, now: float) -> CancelDecision | None:
-    """The cancel's outcome once every rank voted or its deadline passed (then logged)."""
-    passed = now >= state.deadline
+def on_drained(state: State, *, now: float, drained_to: float, lease_s: float) -> Step:
+    """The inbox was read up to `drained_to`: PREPARING -> DECIDING (ABORT) if a rank that owes
+    its vote was silent for `lease_s` (no vote, no `Alive`): dead, stopped or cut off. The
+    driver calls this once per drain, so the O(ranks) look is paid every `BEAT_S` at most."""
+    if not isinstance(state, Preparing):
+        return Step(state)
+    lease = state.lease
+    silent = silent_ranks(
+        state.votes.by_rank, lease.heard, state.votes.world_size,
+        since=lease.since, drained_to=drained_to, lease_s=lease_s,
+    )  # fmt: skip
+    if not silent:
+        return Step(state)
+    why = f"no vote and no sign of life for {lease_s:g} s: dead, stopped or cut off"
+    reasons = {r: why for r in silent}
+    shown = ", ".join(str(r) for r in silent[:_SHOWN])
+    more = f" and {len(silent) - _SHOWN} more" if len(silent) > _SHOWN else ""
+    summary = f"rank {shown}{more}: {why}" if len(silent) == 1 else f"ranks {shown}{more}: {why}"
+    decision = Decision(state.opened.prepare.switch_id, False, None, reasons, summary)
+    return Step(Deciding(state.opened, state.votes, decision, now))
+
+
+_SHOWN = 16  # ranks named in a one-line summary
+
+
+def waiting_for(state: State) -> list[int]:
+    """The ranks the open round still waits for (votes, acks or cancel votes): what holds the
+    switch up, for `dist-quant status`."""
+    if isinstance(state, Preparing):
+        tally: Tally[Any] = state.votes
+    elif isinstance(state, Committed):
+        tally = state.acks
+    elif isinstance(state, Cancelling):
+        tally = state.votes
+    else:
+        return []
+    return [r for r in range(tally.world_size) if r not in tally.by_rank]
+
+
+def cancel_outcome(state: Cancelling, *, drained_to: float) -> CancelDecision | None:
+    """The cancel's outcome once every rank voted or its deadline passed (then logged); the
+    deadline counts once the inbox is read up to it, as for a switch's votes."""
+    passed = drained_to >= state.deadline
     if not (passed or state.votes.complete):
         return None
     ranks = range(state.votes.world_size)

@@ -35,6 +35,7 @@ from dist_quant.coordinator.participant_state import (
     Committing,
     Idle,
     Ledger,
+    Preparing,
     RankPhase,
     State,
     Step,
@@ -49,7 +50,9 @@ from dist_quant.coordinator.participant_state import (
     reapplying,
 )
 from dist_quant.coordinator.protocol import (
+    BEAT_S,
     Ack,
+    Alive,
     CancelDecision,
     CancelPrepare,
     Decision,
@@ -106,7 +109,8 @@ class Participant:
         self.address = address
         self._model = model
         self._rx = transport  # the listener's connection
-        self._tx = transport.clone()  # the training thread's (acks, close)
+        self._tx = transport.clone()  # the training and planning threads' (acks, votes, close)
+        self._tx_lock = threading.Lock()
         self._token = token
         self._planner = planner or plan_model
         self._loader = recipe_loader or recipe_from_dict
@@ -151,7 +155,8 @@ class Participant:
         self._closed = True
         atexit.unregister(self.close)
         try:
-            self._tx.push(rank_queue(self.rank), seal(Stop(f"rank {self.rank}"), self._token))
+            with self._tx_lock:
+                self._tx.push(rank_queue(self.rank), seal(Stop(f"rank {self.rank}"), self._token))
         except TransportError:
             pass  # the store is gone, so the listener has already ended
         self._listener.join(timeout)
@@ -257,8 +262,14 @@ class Participant:
     def _listen(self) -> None:
         self._send(self._rx, Hello(self.rank, self._key()))
         while True:
+            planning = self._state  # only this thread enters PREPARING
+            beat = BEAT_S if isinstance(planning, Preparing) else None
             try:
-                data = self._rx.pop(rank_queue(self.rank))
+                data = self._rx.pop(rank_queue(self.rank), beat)
+                if data is None:
+                    if self._state is planning:  # still planning: say this rank is alive
+                        self._send(self._rx, Alive(planning.switch_id, self.rank))
+                    continue
             except TransportError as e:
                 busy = not self._state.phase.accepts_prepare
                 (self._say.warning if busy else self._say.info)(f"coordinator unreachable: {e}")
@@ -304,6 +315,16 @@ class Participant:
         if opened.state.phase is not RankPhase.PREPARING:
             self._send(self._rx, opened.send)  # stale (nothing to send) or busy (a NO)
             return
+        # Planned on a thread of its own, so the listener keeps reading (an ABORT frees this rank
+        # for the next switch even if the plan never ends) and says the rank is alive meanwhile.
+        threading.Thread(
+            target=self._plan_and_vote,
+            args=(p,),
+            name=f"dist_quant.participant.r{self.rank}.plan{p.switch_id}",
+            daemon=True,
+        ).start()
+
+    def _plan_and_vote(self, p: Prepare) -> None:
         with self._cond:
             started = self._cond.wait_for(lambda: self._last_step is not None, p.timeout_s)
         t0 = time.perf_counter()
@@ -331,10 +352,12 @@ class Participant:
                 step_s=step_s,
             )
             self._apply(voted, last)
+        if voted.send is None:
+            return  # decided while planning: the plan was dropped
         if inject(self._faults, "vote", rank=self.rank, switch_id=p.switch_id):
             self._say.warning("vote dropped (injected fault)", **self._where(last))
             return
-        self._send(self._rx, voted.send)
+        self._send(self._tx, voted.send)
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -378,11 +401,17 @@ class Participant:
             return f"unknown ({type(e).__name__}: {e})"
 
     def _send(self, transport: Transport, msg: Message | AckDue | None, queue: str = INBOX) -> None:
+        """Push on the listener's connection (from the listener) or on `_tx`, which the training
+        thread (acks) and the planning thread (votes) share under `_tx_lock`."""
         if msg is None:
             return
         if isinstance(msg, AckDue):
             msg = Ack(msg.switch_id, self.rank, msg.step, msg.ok, msg.error, self._key())
         try:
-            transport.push(queue, seal(msg, self._token))
+            if transport is self._tx:
+                with self._tx_lock:
+                    transport.push(queue, seal(msg, self._token))
+            else:
+                transport.push(queue, seal(msg, self._token))
         except TransportError as e:
             self._say.warning(f"could not send {msg.kind}: {e}", switch_id=self._ledger.newest)

@@ -8,7 +8,7 @@ lock, calls these, and does what the `Step` says; `Participant._set_state` check
 against `TRANSITIONS`.
 
     IDLE --Prepare--> PREPARING --yes--> VOTED --COMMIT--> COMMITTING --boundary S--> IDLE
-                                 \\--no--> IDLE    \\--ABORT--> IDLE
+                                 \\--no, or ABORT--> IDLE   \\--ABORT--> IDLE
                                                   \\--no decision by its hold step and in time-->
                                                     GAVE_UP
     GAVE_UP --ABORT--> IDLE ;  GAVE_UP --next Prepare--> PREPARING
@@ -231,10 +231,13 @@ def on_planned(
 ) -> Step:
     """Planning for `p` ended (`plan` None: it failed with `error`): VOTED, or IDLE; the vote,
     with the rank's seconds per step `step_s` (0: unknown). VOTED holds at `hold_step`, the step
-    the coordinator computes the same way from the vote. Only the listener leaves PREPARING, so
-    the state is still `p`'s."""
+    the coordinator computes the same way from the vote. A plan that ends after its switch was
+    decided (aborted while this rank was still planning) is dropped, with no vote."""
     if not isinstance(state, Preparing) or state.switch_id != p.switch_id:
-        raise RuntimeError(f"participant bug: planned switch {p.switch_id} while {state}")
+        note = Note(
+            "info", "planning ended after the switch was decided: plan dropped", p.switch_id
+        )
+        return Step(state, ledger, notes=(note,))
     yes = plan is not None
     vote = Vote(p.switch_id, ledger.rank, yes, digest, last_step, error, prepare_s, step_s)
     if plan is None or last_step is None:  # a plan needs a first boundary (it waited for one)
@@ -275,6 +278,11 @@ def on_decision(state: State, ledger: Ledger, d: Decision) -> Step:
         return Step(Idle(), ledger)
     if sid != ledger.newest:
         return Step(state, ledger, notes=(Note("info", "ignored decision of another switch", sid),))
+    if isinstance(state, Preparing) and state.switch_id == sid and not d.commit:
+        # aborted (this rank was late, or held up the switch) while it still plans: free for the
+        # next switch now; the plan is dropped when it ends
+        note = Note("warning", "aborted before this rank voted: stopped waiting for its plan", sid)
+        return Step(Idle(), ledger.deciding(sid, False, None), notes=(note,))
     if d.commit:
         # COMMIT for a switch this rank did not vote YES on: never sent by a correct coordinator;
         # continuing could run two recipes.

@@ -8,7 +8,8 @@ Message flow of one switch (see README.md for the diagram):
 
     client      -> coordinator : SwitchRequest
     coordinator -> every rank  : Prepare
-    every rank  -> coordinator : Vote   (cast by the rank's background listener)
+    every rank  -> coordinator : Vote   (planned and cast off the training thread; while the
+                                         plan runs, Alive every BEAT_S)
     coordinator -> decision log: Decision (flushed and fsynced first)
     coordinator -> every rank  : Decision
     coordinator -> client      : Reply(result)
@@ -324,6 +325,26 @@ class Stop(Message):
 
 
 @dataclass(frozen=True)
+class Alive(Message):
+    """Rank -> coordinator, every `BEAT_S` while the rank plans a switch it has not voted on yet:
+    the process is alive and its listener reads. A rank heard from neither this nor a vote for
+    `lease_s` is dead, stopped or cut off, and the switch aborts without waiting for its deadline."""
+
+    kind: ClassVar[str] = "alive"
+    switch_id: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class Mark(Message):
+    """Coordinator -> its own inbox: once it comes back out, every message pushed before it has
+    been read, so votes still missing at a deadline are really missing, not queued."""
+
+    kind: ClassVar[str] = "mark"
+    nonce: int
+
+
+@dataclass(frozen=True)
 class CancelRequest(Message):
     """Client -> coordinator: cancel the committed switch `switch_id` (None: the open one)."""
 
@@ -380,6 +401,8 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         Ack,
         Reply,
         Stop,
+        Alive,
+        Mark,
         CancelRequest,
         CancelPrepare,
         CancelVote,
@@ -433,6 +456,24 @@ def decide(
             hold_step(votes[r].last_step, votes[r].step_s, prepare.lead_s, None) for r in yes_steps
         )
     return Decision(prepare.switch_id, True, step, {}, f"commit at step {step}")
+
+
+BEAT_S = 0.5  # a rank planning a switch says it is alive this often (`Alive`)
+LEASE_S = 2.0  # a rank silent this long while a vote is due is dead, stopped or cut off
+
+
+def silent_ranks(
+    voted: Mapping[int, Any], heard: Mapping[int, float], world_size: int, *, since: float,
+    drained_to: float, lease_s: float,
+) -> list[int]:  # fmt: skip
+    """Ranks that owe a vote and were heard from (vote, `Alive`; else since the Prepare went out
+    at `since`) no later than `lease_s` before `drained_to`, the time up to which every message
+    pushed to the coordinator has been read: so a message waiting in the queue never makes a live
+    rank look silent."""
+    cutoff = drained_to - lease_s
+    if since > cutoff:
+        return []
+    return [r for r in range(world_size) if r not in voted and heard.get(r, since) <= cutoff]
 
 
 MIN_LEAD_S = 0.05  # the commit step is booked at least this far ahead of the votes

@@ -7,6 +7,7 @@ from dist_quant.coordinator import coordinator_state as cs
 from dist_quant.coordinator.protocol import (
     TRANSITIONS,
     Ack,
+    Alive,
     CancelDecision,
     CancelPrepare,
     CancelRequest,
@@ -35,8 +36,10 @@ def tally(*msgs):
     return t
 
 
-def preparing(*votes):
-    return cs.Preparing(OPENED, tally(*votes))
+def preparing(*votes, heard=None):
+    lease = cs.Lease(100.1)  # the Prepare reached every rank's queue at t=100.1
+    lease.heard.update(heard or {})
+    return cs.Preparing(OPENED, tally(*votes), lease)
 
 
 COMMIT = Decision(3, True, 11, {}, "commit at step 11")
@@ -76,7 +79,8 @@ def request(at_step=None, timeout_s=5.0, rid="req-9"):
 def test_a_request_after_the_last_switch_ended_opens_the_next(name):
     step = cs.on_request(EVERY_STATE[name], request(), switch_id=9, world_size=WORLD, now=50.0)
     prepare = Prepare(9, {"name": "C"}, None, 5.0)
-    assert step.state == cs.Preparing(cs.Opened(prepare, "req-9", 50.0, 55.0), step.state.votes)
+    assert step.state.opened == cs.Opened(prepare, "req-9", 50.0, 55.0)
+    assert step.state.lease.since == 50.0 and step.state.lease.heard == {}
     assert step.state.votes.by_rank == {} and step.state.votes.world_size == WORLD
     assert (step.reply.status, step.reply.switch_id) == ("accepted", 9)
     assert step.record == {"event": "open", "request_id": "req-9", **prepare.to_dict()}
@@ -197,7 +201,7 @@ TALLY_CASES = [
     "state, now, expected", [c[1:] for c in TALLY_CASES], ids=[c[0] for c in TALLY_CASES]
 )
 def test_the_phase_moves_on_once_the_tally_is_complete_or_the_deadline_passed(state, now, expected):
-    step = cs.on_tally(state, now=now, tp_groups=TP)
+    step = cs.on_tally(state, now=now, drained_to=now, tp_groups=TP)
     if expected == "same":
         assert step.state is state
     elif expected == "published":
@@ -245,9 +249,9 @@ def test_only_the_open_committed_switch_can_be_cancelled():
 
 def test_a_cancel_is_decided_once_every_rank_voted_and_kept_cancel_returns_to_committed():
     half = cancelling(CancelVote(3, 0, True, 9, ""))
-    assert cs.cancel_outcome(half, now=199.0) is None
+    assert cs.cancel_outcome(half, drained_to=199.0) is None
     every = cancelling(*(CancelVote(3, r, True, 9, "") for r in range(WORLD)))
-    outcome = cs.cancel_outcome(every, now=199.0)
+    outcome = cs.cancel_outcome(every, drained_to=199.0)
     assert outcome == CancelDecision(3, True, 11, {}, "cancelled before step 11")
     done = cs.on_cancel_logged(every, outcome)
     assert done.state == cs.Cancelled(every.committed.settled) and done.broadcast == outcome
@@ -260,7 +264,8 @@ def every_step(state):
     """Each step function applied to `state` with a representative event."""
     yield cs.on_request(state, request(), switch_id=9, world_size=WORLD, now=200.0)
     yield cs.on_cancel_request(state, CancelRequest("c", None, 1.0), now=200.0)
-    yield cs.on_tally(state, now=500.0, tp_groups=TP)
+    yield cs.on_tally(state, now=500.0, drained_to=500.0, tp_groups=TP)
+    yield cs.on_drained(state, now=500.0, drained_to=500.0, lease_s=2.0)
     if isinstance(state, cs.Preparing):
         yield cs.on_open_failed(state, "x", now=1.0)
     if isinstance(state, cs.Deciding):
@@ -281,3 +286,68 @@ def test_every_step_from_every_state_is_in_the_transition_table(name):
 def test_a_change_outside_the_table_is_refused():
     with pytest.raises(RuntimeError, match="illegal transition idle -> committed"):
         cs.check_transition(cs.Idle(), committed())
+
+
+def test_the_deadline_counts_only_once_the_inbox_is_read_up_to_it():
+    state = preparing(yes(0), yes(1), yes(2))
+    # the clock is past the deadline (102) but the inbox was read only up to 101.5: rank 3's
+    # vote may still be queued, so the round stays open
+    assert cs.on_tally(state, now=103.0, drained_to=101.5, tp_groups=TP).state is state
+    decided = cs.on_tally(state, now=103.0, drained_to=102.0, tp_groups=TP).state
+    assert decided.decision.reasons == {3: "no vote before the deadline (2 s)"}
+
+
+SILENT = "no vote and no sign of life for 2 s: dead, stopped or cut off"
+
+# (name, state, drained_to, silent ranks): the lease is 2 s; the Prepare went out at 100.1
+SILENCE_CASES = [
+    ("not read up to the first lease yet", preparing(), 102.0, []),
+    ("every rank silent for the lease", preparing(), 102.1, [0, 1, 2, 3]),
+    ("voted ranks are not silent", preparing(yes(0), yes(2)), 102.1, [1, 3]),
+    (
+        "a rank still planning said it is alive",
+        preparing(yes(0), yes(1), yes(2), heard={3: 101.0}),
+        102.5,
+        [],
+    ),
+    (
+        "its last sign of life is older than the lease",
+        preparing(yes(0), yes(1), yes(2), heard={3: 100.4}),
+        102.5,
+        [3],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "state, drained_to, silent",
+    [c[1:] for c in SILENCE_CASES],
+    ids=[c[0] for c in SILENCE_CASES],
+)
+def test_a_rank_silent_for_the_lease_aborts_the_switch_naming_it(state, drained_to, silent):
+    step = cs.on_drained(state, now=drained_to + 0.01, drained_to=drained_to, lease_s=2.0)
+    if not silent:
+        assert step.state is state
+        return
+    assert isinstance(step.state, cs.Deciding) and step.state.decided_at == drained_to + 0.01
+    d = step.state.decision
+    assert (d.switch_id, d.commit, d.step) == (3, False, None)
+    assert d.reasons == {r: SILENT for r in silent}
+    names = ", ".join(map(str, silent))
+    assert d.summary == f"rank{'s' if len(silent) > 1 else ''} {names}: {SILENT}"
+
+
+def test_alive_is_noted_only_for_the_open_round_and_known_ranks():
+    state = preparing()
+    cs.take_alive(state, Alive(3, 1), now=100.7)
+    cs.take_alive(state, Alive(2, 2), now=100.8)  # an older switch
+    cs.take_alive(state, Alive(3, 9), now=100.9)  # no such rank
+    assert state.lease.heard == {1: 100.7}
+    cs.take_alive(committed(), Alive(3, 1), now=101.0)  # nothing to note once decided
+
+
+def test_status_names_the_ranks_a_round_waits_for():
+    assert cs.waiting_for(preparing(yes(0), yes(2))) == [1, 3]
+    assert cs.waiting_for(committed(Ack(3, 1, 11, True, "", "B"))) == [0, 2, 3]
+    assert cs.waiting_for(cancelling(CancelVote(3, 3, True, 9, ""))) == [0, 1, 2]
+    assert cs.waiting_for(EVERY_STATE["published"]) == []

@@ -11,7 +11,7 @@ from dist_quant.coordinator import SwitchError, fail_at, request_switch
 from dist_quant.coordinator.coordinator import Coordinator
 from dist_quant.coordinator.log import DecisionLog
 from dist_quant.coordinator.participant import Participant
-from dist_quant.coordinator.protocol import Ack, Decision, Hello, Prepare
+from dist_quant.coordinator.protocol import Ack, Alive, Decision, Hello, Prepare, Vote
 from dist_quant.coordinator.transport_memory import MemoryHub, MemoryTransport
 from dist_quant.coordinator.wire import rank_queue
 from switch_harness import (
@@ -153,6 +153,33 @@ def test_without_a_requested_step_the_rank_trains_on_undecided_until_its_hold_st
     coord.send(Decision(1, True, hold, {}, ""), rank_queue(0))
     t.join(5)
     assert box == ["ok"] and model.publishes == ["B"]
+
+
+def test_a_rank_planning_slowly_says_it_is_alive_until_it_votes(solo):
+    coord, model, p = solo
+    p.step_boundary(0)
+    slow = {"name": "B", "sleep_rank": 0, "sleep_s": 1.2}  # more than two beats of 0.5 s
+    coord.send(Prepare(1, slow, None, 5.0), rank_queue(0))
+    heard = [coord.recv()]
+    while not isinstance(heard[-1], Vote):
+        heard.append(coord.recv())
+    assert heard[0] == Alive(1, 0) and set(heard[:-1]) == {Alive(1, 0)}
+    assert heard[-1].yes and heard[-1].switch_id == 1
+    assert coord.silent(wait=0.7)  # voted: no more beats
+
+
+def test_an_abort_while_the_rank_still_plans_frees_it_and_the_late_plan_is_dropped(solo):
+    coord, model, p = solo
+    p.step_boundary(0)
+    coord.send(Prepare(1, {"name": "B", "sleep_rank": 0, "sleep_s": 1.0}, None, 5.0), rank_queue(0))
+    coord.send(Decision(1, False, None, {0: "too slow"}, ""), rank_queue(0))
+    wait_for(lambda: p.state == "idle", 5, "the abort to free the rank")
+    vote = vote_after_prepare(coord, p, 2, recipe={"name": "C"})
+    assert (vote.switch_id, vote.yes) == (2, True)
+    assert coord.silent(wait=1.5)  # the plan of switch 1 ended meanwhile: no vote for it
+    coord.send(Decision(2, True, 1, {}, ""), rank_queue(0))
+    p.step_boundary(1)
+    assert model.publishes == ["C"]
 
 
 def test_abort_drops_the_candidate(solo):

@@ -86,6 +86,15 @@ def abort(switch_id=3):
 # a string is a Broken state whose reason contains it.
 DECISION_CASES = [
     (
+        "ABORT while the rank still plans frees it for the next switch",
+        Preparing(3, 10.0),
+        ledger(),
+        abort(),
+        Idle(),
+        ledger(decided={3: (False, None)}),
+        None,
+    ),
+    (
         "COMMIT after a YES -> committing for its step",
         VOTED,
         ledger(),
@@ -478,6 +487,17 @@ def test_on_planned_holds_the_step_the_lead_reaches_at_the_rank_pace(at_step, le
     )
     assert step.state == Voted(4, PLAN, 7, hold, 106.0)
     assert step.send == Vote(4, RANK, True, "abc", 7, "", 0.25, step_s)
+
+
+@pytest.mark.parametrize(
+    "state", [Idle(), Preparing(5, 106.0)], ids=["aborted meanwhile", "next switch preparing"]
+)
+def test_on_planned_after_the_switch_was_decided_drops_the_plan_without_a_vote(state):
+    book = ledger(newest=5, decided={4: (False, None)})
+    step = on_planned(
+        state, book, PREPARE, plan=PLAN, digest="abc", error="", last_step=7, prepare_s=9.0
+    )
+    assert (step.state, step.ledger, step.send) == (state, book, None)
 
 
 def test_on_planned_failure_votes_no_with_the_error_and_goes_idle():
