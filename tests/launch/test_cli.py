@@ -204,3 +204,12 @@ def test_demo_refuses_bad_options_before_starting_anything(tmp_path, capsys) -> 
 def test_run_with_a_missing_script_exits_2(tmp_path, capsys) -> None:
     assert main(["run", "--nproc", "2", str(tmp_path / "nope.py")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_status_names_the_ranks_an_open_switch_waits_for_as_runs() -> None:
+    from dist_quant.launch.client import format_status
+
+    info = {"phase_text": "switch 4: ranks are voting", "waiting_for": [7, 0, 1, 2, 5, 8]}
+    lines = format_status(info)
+    assert lines[:2] == ["state: switch 4: ranks are voting", "waiting for 6 rank(s): 0-2, 5, 7-8"]
+    assert not any(line.startswith("waiting") for line in format_status({"waiting_for": []}))
