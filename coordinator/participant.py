@@ -187,7 +187,7 @@ class Participant:
         with self._lock:
             if self._last_step is None:
                 self._cond.notify_all()  # a listener may wait for the first boundary
-            else:
+            elif step == self._last_step + 1:  # a repeated or skipped boundary says nothing
                 self._step_s = _step_rate(self._step_s, now - self._last_boundary_at)
             self._last_step, self._last_boundary_at = step, now
             if self._nothing_pending:

@@ -374,3 +374,15 @@ def test_four_ranks_in_lockstep_publish_at_the_same_step(tmp_path):
         first_b = logs[r].index("B")
         assert first_b == result.step, (r, first_b, result.step)
         assert set(logs[r][:first_b]) == {"A"} and set(logs[r][first_b:]) == {"B"}
+
+
+def test_the_pace_a_vote_reports_counts_only_consecutive_boundaries(solo):
+    coord, model, p = solo
+    for step in (0, 1, 2):
+        p.step_boundary(step)
+        time.sleep(0.02)
+    for _ in range(5):
+        p.step_boundary(2)  # a repeated boundary (a retried step) is not a fast step
+    p.step_boundary(7)  # nor is a jump
+    vote = vote_after_prepare(coord, p, 1)
+    assert vote.step_s >= 0.02
