@@ -44,6 +44,7 @@ from dist_quant.coordinator.guard import PrecisionGuard
 from dist_quant.coordinator.guard_runner import GuardRunner, StepMonitor
 from dist_quant.coordinator.locality import Locality, choose_host, here, local_leaders
 from dist_quant.coordinator.log import DecisionLog, resume_schedule
+from dist_quant.coordinator.node_relay import NodeRelay, relayed_nodes
 from dist_quant.coordinator.participant import Participant
 from dist_quant.coordinator.protocol import Stop
 from dist_quant.coordinator.transport import Transport, TransportError
@@ -54,7 +55,14 @@ from dist_quant.coordinator.transport_ray import (
     stop_coordinator_actor,
 )
 from dist_quant.coordinator.transport_store import StoreServer, StoreTransport
-from dist_quant.coordinator.wire import CLOSED, rank_queue, seal
+from dist_quant.coordinator.wire import (
+    CLOSED,
+    INBOX,
+    node_down_queue,
+    node_queue,
+    rank_queue,
+    seal,
+)
 from torch import nn
 
 from dist_quant.modules.base import assign_role_names
@@ -143,15 +151,22 @@ def attach(
             host_side.close()
         more = f" (and {len(problems) - 1} other rank(s))" if len(problems) > 1 else ""
         raise TransportError(problems[0] + more)
+    # Store jobs across hosts: each host's lowest rank relays its node's messages (node_relay.py).
+    nodes = relayed_nodes([loc.where for loc in localities]) if kind == "store" else ()
+    node = next((n for n in nodes if rank in n), None)
     try:
         if host_side is not None:
-            host_side.run_coordinator(tp_groups, tuple(faults), decision_grace_s / 2)
+            host_side.run_coordinator(tp_groups, tuple(faults), decision_grace_s / 2, nodes)
             on_close.append(host_side.close)
     except BaseException:
         rank_transport.close()
         if host_side is not None:
             host_side.close()
         raise
+    relay = None
+    if node is not None and rank == min(node):
+        token = endpoint["token"]
+        relay = NodeRelay(rank_transport, token=token, leader=rank, ranks=node, faults=faults)
     participant = Participant(
         model,
         rank=rank,
@@ -166,6 +181,8 @@ def attach(
         on_close=on_close,
         monitor=_monitor(telemetry if stats_interval else None, guard, model, run_dir, rank),
         reapply=endpoint.get("reapply", ()),
+        upstream=INBOX if node is None else node_queue(min(node)),
+        relay=relay,
     )
     try:
         return participant.start()
@@ -302,6 +319,7 @@ class _Host:
         self._run_dir = run_dir
         self._coordinator: Coordinator | None = None
         self._world = 0
+        self._relays: tuple[int, ...] = ()  # leaders whose relay threads the drain stops too
         # switches a resumed job publishes again (the log's `restored` record), for every rank
         self.reapply = resume_schedule(DecisionLog(run_dir / LOG_FILE).records())
 
@@ -350,8 +368,12 @@ class _Host:
             stop = seal(Stop("coordinator closing"), self.endpoint["token"])
             for r in range(self._world):
                 tx.push(rank_queue(r), stop)
+            for leader in self._relays:
+                tx.push(node_queue(leader), stop)
+                tx.push(node_down_queue(leader), stop)
             deadline = time.monotonic() + _DRAIN_S
-            for _ in range(self._world):  # one per rank, this rank's own included
+            # one per rank, this rank's own included, and one per relay thread (two per relay)
+            for _ in range(self._world + 2 * len(self._relays)):
                 if tx.pop(CLOSED, max(deadline - time.monotonic(), 0.001)) is None:
                     break  # a rank that exited without close(): nothing of it is blocked
         finally:
@@ -362,6 +384,7 @@ class _Host:
         tp_groups: tuple[tuple[int, ...], ...],
         faults: tuple[Fault, ...],
         commit_window_s: float,
+        relayed: tuple[tuple[int, ...], ...] = (),
     ) -> None:
         world = sum(len(g) for g in tp_groups)  # the groups partition the ranks
         token = self.endpoint["token"]
@@ -379,8 +402,10 @@ class _Host:
                 log=DecisionLog(log_path),
                 faults=faults,
                 commit_window_s=commit_window_s,
+                relayed_nodes=relayed,
             )
             self._coordinator.start()
+            self._relays = tuple(min(node) for node in relayed)
 
     def close(self) -> None:
         remove_endpoint(self._run_dir, self.endpoint["token"])

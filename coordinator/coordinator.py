@@ -27,10 +27,12 @@ from dist_quant.coordinator.protocol import (
     LEASE_S,
     Ack,
     Alive,
+    Bundle,
     CancelDecision,
     CancelRequest,
     CancelVote,
     Decision,
+    DecisionQuery,
     Hello,
     Mark,
     Message,
@@ -46,9 +48,17 @@ from dist_quant.coordinator.protocol import (
     settle_decision,
 )
 from dist_quant.coordinator.transport import Transport, TransportError
-from dist_quant.coordinator.wire import INBOX, rank_queue, reply_queue, seal, unseal
+from dist_quant.coordinator.wire import (
+    INBOX,
+    node_down_queue,
+    rank_queue,
+    reply_queue,
+    seal,
+    unseal,
+)
 
-_HISTORY = 16  # decisions kept for `status`
+_HISTORY = 16  # decisions kept for `status` and for ranks that ask for one again
+_RELAYED = (Vote, Ack, Alive, Hello, CancelVote)  # what a node's ranks send the coordinator
 
 
 class Coordinator:
@@ -65,12 +75,15 @@ class Coordinator:
         faults: Sequence[Fault] = (),
         commit_window_s: float = 0.5,
         lease_s: float = LEASE_S,
+        relayed_nodes: Sequence[Sequence[int]] = (),
     ) -> None:
         """`commit_window_s`: a COMMIT whose logging ends later than this past the vote deadline
         is turned into ABORT. Ranks wait at least `decision_grace_s` past the deadline before
         giving up; keeping this window below that grace means no rank can have given up on a
         switch that the others then publish (attach uses half the grace). `lease_s`: a rank
-        that owes its vote and was not heard from for this long aborts the switch at once."""
+        that owes its vote and was not heard from for this long aborts the switch at once.
+        `relayed_nodes`: the ranks of each node whose lowest rank runs a `NodeRelay`; what goes
+        to every rank goes to those relays once per node, the other ranks get it directly."""
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self._out = transport
@@ -92,6 +105,10 @@ class Coordinator:
         self._threads: list[threading.Thread] = []
         self._status_due: list[str] = []  # status queries of the batch being taken in
         self._lease_s = lease_s
+        self._relays = {min(node): tuple(node) for node in relayed_nodes}
+        relayed = {r for node in relayed_nodes for r in node}
+        self._direct = tuple(r for r in range(world_size) if r not in relayed)
+        self._decided: dict[int, Decision] = {}  # switch id -> logged outcome, for queries
         self._marks: dict[int, float] = {}  # nonce -> when pushed, of the mark on its way
         self._next_nonce = 1
         self._drained_to = float("-inf")  # every message pushed before then is taken in
@@ -302,6 +319,9 @@ class Coordinator:
         log_s = time.monotonic() - t0
         inject(self._faults, "publish", rank=None, switch_id=switch_id)
         self._history.append({**decision.to_dict(), "published": False})
+        self._decided[switch_id] = decision
+        while len(self._decided) > _HISTORY:
+            del self._decided[min(self._decided)]
         self._apply(cs.on_logged(state, decision, log_s=log_s))
         if decision.commit:  # the next switch books its commit step by this one's latency
             self._latency_s = time.monotonic() - state.opened.opened_at
@@ -401,8 +421,28 @@ class Coordinator:
                 self._on_drained(pushed_at)
         elif isinstance(msg, Hello):
             self._recipe_keys[msg.rank] = msg.recipe_key
+        elif isinstance(msg, Bundle):
+            self._on_bundle(msg)
+        elif isinstance(msg, DecisionQuery):
+            decision = self._decided.get(msg.switch_id)
+            if decision is not None and 0 <= msg.rank < self._world:
+                self._out.push(rank_queue(msg.rank), seal(decision, self._token))
         else:
             self._say.warning(f"ignored unexpected {msg.kind} message")
+
+    def _on_bundle(self, bundle: Bundle) -> None:
+        """A node leader's relay checked each item against the token, and the bundle is sealed
+        with it: take the items in as if they had come one by one."""
+        for item in bundle.items:
+            try:
+                msg = Message.from_dict(item)
+            except ProtocolError as e:
+                self._say.warning(f"ignored an item of node {bundle.leader}'s bundle: {e}")
+                continue
+            if isinstance(msg, _RELAYED):
+                self._on_message(msg)
+            else:
+                self._say.warning(f"ignored a {msg.kind} message in node {bundle.leader}'s bundle")
 
     def _on_refused(self, err: ProtocolError) -> None:
         unverified = getattr(err, "unverified", None)
@@ -416,7 +456,9 @@ class Coordinator:
 
     def _broadcast(self, msg: Message) -> None:
         data = seal(msg, self._token)
-        for r in range(self._world):
+        for leader in self._relays:
+            self._out.push(node_down_queue(leader), data)
+        for r in self._direct:
             self._out.push(rank_queue(r), data)
 
     def _reply(self, reply: Reply) -> None:

@@ -28,6 +28,7 @@ from dist_quant.coordinator.errors import SwitchError
 from dist_quant.coordinator.faults import Fault, inject
 from dist_quant.coordinator.guard_runner import StepMonitor
 from dist_quant.coordinator.logfmt import SwitchLog
+from dist_quant.coordinator.node_relay import NodeRelay
 from dist_quant.coordinator.participant_state import (
     AckDue,
     Boundary,
@@ -39,6 +40,7 @@ from dist_quant.coordinator.participant_state import (
     RankPhase,
     State,
     Step,
+    Voted,
     check_transition,
     on_boundary,
     on_cancel_decision,
@@ -56,6 +58,7 @@ from dist_quant.coordinator.protocol import (
     CancelDecision,
     CancelPrepare,
     Decision,
+    DecisionQuery,
     Hello,
     Message,
     Prepare,
@@ -101,10 +104,14 @@ class Participant:
         on_close: Sequence[Callable[[], None]] = (),
         monitor: StepMonitor | None = None,
         reapply: Sequence[dict[str, Any]] = (),
+        upstream: str = INBOX,
+        relay: NodeRelay | None = None,
     ) -> None:
         """`reapply`: committed switches `{"switch_id", "step", "recipe"}` that a job resumed from
         a checkpoint taken before their step publishes again at that step (from the decision
-        log's `restored` record, see `job_checkpoint`)."""
+        log's `restored` record, see `job_checkpoint`). `upstream`: where this rank's messages
+        for the coordinator go (its node leader's relay queue in a job that spans hosts);
+        `relay`: the relay this rank runs as its node's leader."""
         self.rank = rank
         self.address = address
         self._model = model
@@ -119,6 +126,8 @@ class Participant:
         self._grace = decision_grace_s
         self._on_close = tuple(on_close)
         self._monitor = monitor  # telemetry and the precision guard (guard_runner.py)
+        self._upstream = upstream
+        self._relay = relay
         self._closed = False
         self._say = SwitchLog(rank)
         self._lock = threading.Lock()
@@ -141,6 +150,8 @@ class Participant:
             plan = self._plan_reapply(entry)
             with self._cond:
                 self._apply(reapplying(self._state, self._ledger, entry, plan), None)
+        if self._relay is not None:
+            self._relay.start()
         self._listener.start()
         # Rank 0 hosts the store: tearing it down during interpreter shutdown, under a listener
         # still blocked on it, aborts the process. Closing at exit stops everything in order.
@@ -160,6 +171,9 @@ class Participant:
         except TransportError:
             pass  # the store is gone, so the listener has already ended
         self._listener.join(timeout)
+        if self._relay is not None:
+            with self._tx_lock:
+                self._relay.stop(self._tx, timeout)
         if self._monitor is not None:
             self._monitor.close()
         for fn in self._on_close:
@@ -262,13 +276,11 @@ class Participant:
     def _listen(self) -> None:
         self._send(self._rx, Hello(self.rank, self._key()))
         while True:
-            planning = self._state  # only this thread enters PREPARING
-            beat = BEAT_S if isinstance(planning, Preparing) else None
+            current = self._state  # only this thread enters PREPARING
             try:
-                data = self._rx.pop(rank_queue(self.rank), beat)
+                data = self._rx.pop(rank_queue(self.rank), self._beat(current))
                 if data is None:
-                    if self._state is planning:  # still planning: say this rank is alive
-                        self._send(self._rx, Alive(planning.switch_id, self.rank))
+                    self._on_quiet(current)
                     continue
             except TransportError as e:
                 busy = not self._state.phase.accepts_prepare
@@ -304,6 +316,26 @@ class Participant:
                     self._cond.notify_all()
             else:
                 self._say.warning(f"ignored unexpected {msg.kind} message")
+
+    def _beat(self, state: State) -> float | None:
+        """How long the listener may wait for a message: forever, except while it plans (it says
+        it is alive every BEAT_S) or, behind a node relay, while it holds a YES vote (it asks the
+        coordinator straight for the decision once training waits for it)."""
+        if isinstance(state, Preparing):
+            return BEAT_S
+        if isinstance(state, Voted) and self._upstream != INBOX:
+            return BEAT_S
+        return None
+
+    def _on_quiet(self, state: State) -> None:
+        """Nothing arrived for a beat while `state` held."""
+        if self._state is not state:
+            return
+        if isinstance(state, Preparing):
+            self._send(self._rx, Alive(state.switch_id, self.rank))
+        elif isinstance(state, Voted) and (self._last_step or 0) >= state.hold_step:
+            # waiting at the hold step: the node's relay may be gone with its leader
+            self._send(self._rx, DecisionQuery(state.switch_id, self.rank), INBOX)
 
     def _on_prepare(self, p: Prepare) -> None:
         with self._cond:
@@ -400,11 +432,15 @@ class Participant:
         except Exception as e:  # noqa: BLE001 - status only; never fail a switch over it
             return f"unknown ({type(e).__name__}: {e})"
 
-    def _send(self, transport: Transport, msg: Message | AckDue | None, queue: str = INBOX) -> None:
-        """Push on the listener's connection (from the listener) or on `_tx`, which the training
-        thread (acks) and the planning thread (votes) share under `_tx_lock`."""
+    def _send(
+        self, transport: Transport, msg: Message | AckDue | None, queue: str | None = None
+    ) -> None:
+        """Push to `queue` (default: upstream, to the coordinator) on the listener's connection
+        (from the listener) or on `_tx`, which the training thread (acks) and the planning thread
+        (votes) share under `_tx_lock`."""
         if msg is None:
             return
+        queue = queue or self._upstream
         if isinstance(msg, AckDue):
             msg = Ack(msg.switch_id, self.rank, msg.step, msg.ok, msg.error, self._key())
         try:

@@ -336,6 +336,27 @@ class Alive(Message):
 
 
 @dataclass(frozen=True)
+class Bundle(Message):
+    """Node leader -> coordinator: the messages its node's ranks sent it (votes, acks, `Alive`,
+    hellos, cancel votes), each checked against the token by the leader, as one message: rank 0
+    reads O(nodes) messages, not O(ranks)."""
+
+    kind: ClassVar[str] = "bundle"
+    leader: int
+    items: tuple[dict, ...]
+
+
+@dataclass(frozen=True)
+class DecisionQuery(Message):
+    """Rank -> coordinator, straight (not through its node leader): the rank reached its hold
+    step without the decision of `switch_id`; the coordinator sends it again if it is logged."""
+
+    kind: ClassVar[str] = "decision_query"
+    switch_id: int
+    rank: int
+
+
+@dataclass(frozen=True)
 class Mark(Message):
     """Coordinator -> its own inbox: once it comes back out, every message pushed before it has
     been read, so votes still missing at a deadline are really missing, not queued."""
@@ -402,6 +423,8 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         Reply,
         Stop,
         Alive,
+        Bundle,
+        DecisionQuery,
         Mark,
         CancelRequest,
         CancelPrepare,
