@@ -518,13 +518,15 @@ def lead_time(world_size: int, last_latency_s: float | None) -> float:
 
 def hold_step(last_step: int, step_s: float, lead_s: float, at_step: int | None) -> int:
     """The first boundary a rank that voted YES after passing `last_step` may not pass without
-    the decision: the requested `at_step`, else one past `last_step` plus as many steps (of
+    the decision: the requested `at_step`, else one past `last_step` plus as many whole steps (of
     `step_s` seconds, the rank's own rate) as fit in `lead_s`. The commit step is the largest of
     these over every rank, so no rank can have passed it undecided, and a rank waits only if it
-    reaches its hold step before the decision arrives."""
+    reaches its hold step before the decision arrives: a decision within `lead_s` of the vote
+    keeps it waiting less than one step. Whole steps, not rounded up: a switch that is decided
+    within a step still commits at the next boundary, as it would without a lead."""
     if at_step is not None:
         return at_step
-    ahead = math.ceil(lead_s / step_s) if step_s > 0 and lead_s > 0 else 0
+    ahead = math.floor(lead_s / step_s) if step_s > 0 and lead_s > 0 else 0
     return last_step + 1 + min(ahead, MAX_LEAD_STEPS)
 
 

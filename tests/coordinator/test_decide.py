@@ -139,11 +139,18 @@ def paced(rank, step, step_s):
 
 
 # (name, votes, lead_s, at_step, commit step): the step is booked `lead_s` ahead of each vote at
-# that rank's own pace, the furthest of them; worked out by hand: last + 1 + ceil(lead / step_s)
+# that rank's own pace, the furthest of them; worked out by hand: last + 1 + floor(lead / step_s)
 LEAD_CASES = [
     ("no lead: one past the largest step", [paced(r, 10, 0.1) for r in RANKS], 0.0, None, 11),
     ("0.5 s ahead at 0.1 s per step", [paced(r, 10, 0.1) for r in RANKS], 0.5, None, 16),
-    ("a partial step rounds up", [paced(r, 10, 0.1) for r in RANKS], 0.55, None, 17),
+    ("a partial step does not count", [paced(r, 10, 0.1) for r in RANKS], 0.55, None, 16),
+    (
+        "a lead shorter than a step: the next boundary",
+        [paced(r, 10, 0.1) for r in RANKS],
+        0.05,
+        None,
+        11,
+    ),
     (
         "the fastest rank books furthest",
         [paced(0, 10, 0.1), paced(1, 10, 0.05), paced(2, 11, 0.1), paced(3, 10, 0.1)],
