@@ -35,7 +35,7 @@ import types
 import typing
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any, ClassVar, Union
 
@@ -102,7 +102,7 @@ class Message:
     kind: ClassVar[str] = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, **asdict(self)}
+        return {"kind": self.kind, **_fields_of(self)}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
@@ -151,6 +151,18 @@ def _decode(cls: type, d: Mapping[str, Any], what: str, *, strict: bool = True) 
             raise ProtocolError(f"{what}: missing field {name!r}")
         values[name] = check(d[name], f"{what}.{name}")
     return cls(**values)
+
+
+def _fields_of(obj: Any) -> dict[str, Any]:
+    """A dataclass's fields as a dict, its values shared, not copied (`dataclasses.asdict` deep
+    copies: a result carrying one entry per rank cost ~60 us per rank at 16k ranks). The values
+    are plain JSON data of a frozen object; callers build new dicts around them."""
+    return {name: getattr(obj, name) for name in _field_order(type(obj))}
+
+
+@functools.cache
+def _field_order(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))
 
 
 def _mismatch(value: Any, hint: Any, where: str) -> ProtocolError:
@@ -637,7 +649,7 @@ class CancelResult:
     summary: str
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return _fields_of(self)
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> CancelResult:
@@ -657,7 +669,7 @@ class SwitchResult:
     summary: str = ""  # one line: "commit at step 12", or why it aborted
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return _fields_of(self)
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> SwitchResult:
