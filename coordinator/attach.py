@@ -44,6 +44,7 @@ from dist_quant.coordinator.guard import PrecisionGuard
 from dist_quant.coordinator.guard_runner import GuardRunner, StepMonitor
 from dist_quant.coordinator.locality import Locality, choose_host, here, local_leaders
 from dist_quant.coordinator.log import DecisionLog, resume_schedule
+from dist_quant.coordinator.node_relay import NodeRelay, relayed_nodes
 from dist_quant.coordinator.participant import Participant
 from dist_quant.coordinator.protocol import Stop
 from dist_quant.coordinator.transport import PairedTransport, Transport, TransportError
@@ -55,7 +56,14 @@ from dist_quant.coordinator.transport_ray import (
 )
 from dist_quant.coordinator.transport_store import StoreServer
 from dist_quant.coordinator.transport_store_client import StoreClientTransport
-from dist_quant.coordinator.wire import CLOSED, rank_queue, seal
+from dist_quant.coordinator.wire import (
+    CLOSED,
+    INBOX,
+    node_down_queue,
+    node_queue,
+    rank_queue,
+    seal,
+)
 from torch import nn
 
 from dist_quant.modules.base import assign_role_names
@@ -132,14 +140,24 @@ def attach(
         if host_side is not None:
             host_side.close()
         raise RuntimeError(endpoint["error"])
+    # Store jobs across hosts: each host's lowest rank relays its node's messages (node_relay.py).
+    nodes = relayed_nodes([loc.where for loc in localities]) if kind == "store" else ()
+    node = next((n for n in nodes if rank in n), None)
     rank_transport, problem, on_close = _join(endpoint, rank, localities, run_dir)
+    relay_link: Transport | None = None
+    if not problem and node is not None and rank == min(node):
+        relay_link, problem = _open_relay_link(endpoint, rank)
     if host_side is not None and not problem:
-        problem = host_side.connect_coordinator(tp_groups, tuple(faults), decision_grace_s / 2)
+        problem = host_side.connect_coordinator(
+            tp_groups, tuple(faults), decision_grace_s / 2, nodes
+        )
     # Collective 3: did every rank reach the coordinator? Every rank fails together, or none.
     problems = [p for p in _all_gather(problem, world, group) if p]
     if problems:
         if rank_transport is not None:
             rank_transport.close()
+        if relay_link is not None:
+            relay_link.close()
         for fn in on_close:
             fn()
         if host_side is not None:
@@ -155,6 +173,11 @@ def attach(
         if host_side is not None:
             host_side.close()
         raise
+    relay = None
+    if relay_link is not None:
+        on_close.append(relay_link.close)
+        token = endpoint["token"]
+        relay = NodeRelay(relay_link, token=token, leader=rank, ranks=node, faults=faults)
     participant = Participant(
         model,
         rank=rank,
@@ -169,6 +192,8 @@ def attach(
         on_close=on_close,
         monitor=_monitor(telemetry if stats_interval else None, guard, model, run_dir, rank),
         reapply=endpoint.get("reapply", ()),
+        upstream=INBOX if node is None else node_queue(min(node)),
+        relay=relay,
     )
     try:
         return participant.start()
@@ -249,6 +274,25 @@ def _all_gather(obj: Any, world: int, group: dist.ProcessGroup | None) -> list[A
     return gathered
 
 
+def _open_relay_link(endpoint: dict[str, Any], rank: int) -> tuple[Transport | None, str]:
+    """A node leader's relay pops two queues of its own, and a store-client connection has one
+    reader: two connections, opened inside attach's all-or-none window (the relay's two clones).
+    Returns (transport, problem text or "")."""
+    try:
+        up = connect_endpoint(endpoint, connect_timeout_s=CONNECT_TIMEOUT_S)
+        try:
+            down = connect_endpoint(endpoint, connect_timeout_s=CONNECT_TIMEOUT_S)
+        except BaseException:
+            up.close()
+            raise
+    except TransportError as e:
+        return None, (
+            f"attach: rank {rank} cannot open its node relay's connections to the coordinator "
+            f"at {endpoint['address']}: {e}"
+        )
+    return PairedTransport(up, down), ""
+
+
 def _join(
     endpoint: dict[str, Any], rank: int, localities: list[Locality], run_dir: Any
 ) -> tuple[Transport | None, str, list[Callable[[], None]]]:
@@ -313,6 +357,7 @@ class _Host:
         self._run_dir = run_dir
         self._coordinator: Coordinator | None = None
         self._world = 0
+        self._relays: tuple[int, ...] = ()  # leaders whose relay threads the drain stops too
         # switches a resumed job publishes again (the log's `restored` record), for every rank
         self.reapply = resume_schedule(DecisionLog(run_dir / LOG_FILE).records())
 
@@ -361,8 +406,12 @@ class _Host:
             stop = seal(Stop("coordinator closing"), self.endpoint["token"])
             for r in range(self._world):
                 tx.push(rank_queue(r), stop)
+            for leader in self._relays:
+                tx.push(node_queue(leader), stop)
+                tx.push(node_down_queue(leader), stop)
             deadline = time.monotonic() + _DRAIN_S
-            for _ in range(self._world):  # one per rank, this rank's own included
+            # one per rank, this rank's own included, and one per relay thread (two per relay)
+            for _ in range(self._world + 2 * len(self._relays)):
                 if tx.pop(CLOSED, max(deadline - time.monotonic(), 0.001)) is None:
                     break  # a rank that exited without close(): nothing of it is blocked
         finally:
@@ -373,11 +422,13 @@ class _Host:
         tp_groups: tuple[tuple[int, ...], ...],
         faults: tuple[Fault, ...],
         commit_window_s: float,
+        relayed: tuple[tuple[int, ...], ...] = (),
     ) -> str:
         """Make the coordinator and open its connections (not yet started), inside attach's
         all-or-none window; returns the problem text, or ""."""
         world = sum(len(g) for g in tp_groups)  # the groups partition the ranks
         log_path = self._run_dir / LOG_FILE
+        self._relay_leaders = tuple(min(node) for node in relayed)
         self._start_args = (self.endpoint["token"], world, tp_groups, str(log_path), faults,
                             commit_window_s)  # fmt: skip
         if self.kind == "ray":
@@ -391,6 +442,7 @@ class _Host:
                 log=DecisionLog(log_path),
                 faults=faults,
                 commit_window_s=commit_window_s,
+                relayed_nodes=relayed,
             )
         except TransportError as e:
             return (
@@ -404,6 +456,7 @@ class _Host:
             start_coordinator_in_actor(self._server, *self._start_args)
         else:
             self._coordinator.start()
+            self._relays = self._relay_leaders
 
     def close(self) -> None:
         remove_endpoint(self._run_dir, self.endpoint["token"])

@@ -1,10 +1,12 @@
-"""The coordinator: one explicit state machine over the switch phases of `protocol.Phase`.
+"""The coordinator: the I/O loop around the state machine of `coordinator_state.py`.
 
 One thread runs `run()`. A pump thread is the only reader of the transport's inbox and hands each
 message to a local queue, so the state machine can wait for "the next message or the vote
-deadline" without store timeouts. `_on_message` records votes, acks and requests; `_advance`
-dispatches on the current phase and moves the switch on; `_transition` is the only place the phase
-changes. The decision is appended to the durable log before any rank or client can read it.
+deadline" without store timeouts. Each batch of queued messages is taken in (votes and acks into
+the state's tallies, requests through their step functions), then `_advance` asks the step
+functions whether the phase moves on and carries out what they return. `_set_state` is the only
+place the state changes. The decision is appended to the durable log before any rank or client
+can read it.
 """
 
 from __future__ import annotations
@@ -14,66 +16,49 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
+from dist_quant.coordinator import coordinator_state as cs
 from dist_quant.coordinator.faults import CoordinatorKilled, Fault, inject
 from dist_quant.coordinator.log import DecisionLog, DecisionLogError, begin_attempt
 from dist_quant.coordinator.logfmt import SwitchLog
 from dist_quant.coordinator.protocol import (
-    TRANSITIONS,
+    BEAT_S,
+    LEASE_S,
     Ack,
+    Alive,
+    Bundle,
     CancelDecision,
-    CancelPrepare,
     CancelRequest,
     CancelVote,
     Decision,
+    DecisionQuery,
     Hello,
+    Mark,
     Message,
     Phase,
-    Prepare,
     ProtocolError,
     Reply,
     StatusQuery,
     Stop,
     SwitchRequest,
-    SwitchResult,
     Vote,
-    decide,
-    decide_cancel,
+    lead_time,
     settle_cancel,
     settle_decision,
 )
 from dist_quant.coordinator.transport import Transport, TransportError
-from dist_quant.coordinator.wire import INBOX, rank_queue, reply_queue, seal, unseal
+from dist_quant.coordinator.wire import (
+    INBOX,
+    node_down_queue,
+    rank_queue,
+    reply_queue,
+    seal,
+    unseal,
+)
 
-_HISTORY = 16  # decisions kept for `status`
-
-
-@dataclass
-class _Switch:
-    """Book-keeping of the open (or last) switch; only the coordinator thread touches it."""
-
-    prepare: Prepare
-    request_id: str
-    opened_at: float
-    deadline: float
-    votes: dict[int, Vote] = field(default_factory=dict)
-    acks: dict[int, Ack] = field(default_factory=dict)
-    decision: Decision | None = None
-    decided_at: float | None = None
-    log_s: float = 0.0
-    cancel: _Cancel | None = None
-
-
-@dataclass
-class _Cancel:
-    """A cancel of the committed switch being voted on (phase CANCELLING)."""
-
-    prepare: CancelPrepare
-    request_id: str
-    deadline: float
-    votes: dict[int, CancelVote] = field(default_factory=dict)
+_HISTORY = 16  # decisions kept for `status` and for ranks that ask for one again
+_RELAYED = (Vote, Ack, Alive, Hello, CancelVote)  # what a node's ranks send the coordinator
 
 
 class Coordinator:
@@ -89,34 +74,49 @@ class Coordinator:
         log: DecisionLog,
         faults: Sequence[Fault] = (),
         commit_window_s: float = 0.5,
+        lease_s: float = LEASE_S,
+        relayed_nodes: Sequence[Sequence[int]] = (),
     ) -> None:
         """`commit_window_s`: a COMMIT whose logging ends later than this past the vote deadline
         is turned into ABORT. Ranks wait at least `decision_grace_s` past the deadline before
         giving up; keeping this window below that grace means no rank can have given up on a
-        switch that the others then publish (attach uses half the grace)."""
+        switch that the others then publish (attach uses half the grace). `lease_s`: a rank
+        that owes its vote and was not heard from for this long aborts the switch at once.
+        `relayed_nodes`: the ranks of each node whose lowest rank runs a `NodeRelay`; what goes
+        to every rank goes to those relays once per node, the other ranks get it directly."""
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self._out = transport
         self._inbox = transport.clone()
         self._token = token
-        self._ranks = tuple(range(world_size))
+        self._world = world_size
         self._tp_groups = tuple(tuple(g) for g in tp_groups)
         self._log = log
         self._faults = tuple(faults)
         self._commit_window_s = commit_window_s
         self._events: queue.Queue[Message | ProtocolError | TransportError] = queue.Queue()
-        self._phase = Phase.IDLE
-        self._switch: _Switch | None = None
+        self._state: cs.State = cs.Idle()
+        self._latency_s: float | None = None  # request -> decision sent, last committed switch
         self._next_id = 1
         self._seen_requests: set[str] = set()
         self._recipe_keys: dict[int, str] = {}
         self._history: deque[dict[str, Any]] = deque(maxlen=_HISTORY)
         self._say = SwitchLog(None)
         self._threads: list[threading.Thread] = []
+        self._status_due: list[str] = []  # status queries of the batch being taken in
+        self._lease_s = lease_s
+        self._relays = {min(node): tuple(node) for node in relayed_nodes}
+        relayed = {r for node in relayed_nodes for r in node}
+        self._direct = tuple(r for r in range(world_size) if r not in relayed)
+        self._decided: dict[int, Decision] = {}  # switch id -> logged outcome, for queries
+        self._marks: dict[int, float] = {}  # nonce -> when pushed, of the mark on its way
+        self._next_nonce = 1
+        self._drained_to = float("-inf")  # every message pushed before then is taken in
+        self._fresh_drain = False
 
     @property
     def phase(self) -> Phase:
-        return self._phase
+        return self._state.phase
 
     def start(self) -> None:
         """Record this attempt and recover the log, then start the pump and state-machine
@@ -168,86 +168,163 @@ class Coordinator:
         try:
             while True:
                 event = self._next_event()
-                if isinstance(event, (Stop, TransportError)):
-                    if isinstance(event, TransportError):
-                        self._say.error(f"inbox lost, coordinator stops: {event}")
-                    return
-                if event is not None:
+                # Everything already queued is taken in before the phase moves on: one pass of
+                # `_advance` per batch instead of per message, and a vote that sits in the queue
+                # when the deadline passes is counted, not reported missing.
+                while event is not None:
+                    if isinstance(event, (Stop, TransportError)):
+                        if isinstance(event, TransportError):
+                            self._say.error(f"inbox lost, coordinator stops: {event}")
+                        return
                     self._on_message(event)
+                    try:
+                        event = self._events.get_nowait()
+                    except queue.Empty:
+                        event = None
+                if self._mark_due():
+                    self._push_mark()
                 self._advance()
+                for request_id in self._status_due:  # answered as of after the batch
+                    self._reply(Reply(request_id, "status", None, "", self._status()))
+                self._status_due.clear()
         except CoordinatorKilled as e:
-            self._say.warning(str(e), phase=self._phase.value)
+            self._say.warning(str(e), phase=self.phase.value)
 
     def _next_event(self) -> Message | ProtocolError | TransportError | None:
-        """The next message, or None once the open switch's vote deadline has passed."""
-        timeout = None
-        sw = self._switch
-        if self._phase is Phase.PREPARING and sw is not None:
-            timeout = max(sw.deadline - time.monotonic(), 0.0)
-        elif self._phase is Phase.CANCELLING and sw is not None and sw.cancel is not None:
-            timeout = max(sw.cancel.deadline - time.monotonic(), 0.0)
+        """The next message, or None once the inbox is due to be drained (`_mark_due`)."""
+        wake = self._wake_at()
+        timeout = None if wake is None else max(wake - time.monotonic(), 0.0)
         try:
             return self._events.get(timeout=timeout)
         except queue.Empty:
             return None
 
+    # -- draining the inbox ------------------------------------------------------------------------
+    # A round's deadline, and a rank's silence, are judged only up to the time the inbox has been
+    # read to: the coordinator pushes a `Mark` into its own inbox and, once the pump hands it back,
+    # has taken in everything pushed before it. Queued votes are then never counted as missing.
+
+    def _wake_at(self) -> float | None:
+        """When the open round next needs a drain: its deadline, or (while votes are due) the
+        next look for silent ranks. None while a mark is on its way or nothing is open."""
+        if self._marks:
+            return None
+        state = self._state
+        if isinstance(state, cs.Preparing):
+            first_look = state.lease.since + self._lease_s
+            look = max(first_look, self._drained_to + BEAT_S)
+            return min(state.opened.deadline, look)
+        if isinstance(state, cs.Cancelling):
+            return state.deadline
+        return None
+
+    def _mark_due(self) -> bool:
+        wake = self._wake_at()
+        return wake is not None and time.monotonic() >= wake
+
+    def _push_mark(self) -> None:
+        nonce, pushed_at = self._next_nonce, time.monotonic()
+        self._next_nonce += 1
+        try:
+            self._out.push(INBOX, seal(Mark(nonce), self._token))
+        except TransportError as e:  # the inbox is gone: what the pump handed over is all there is
+            self._say.warning(f"cannot drain the inbox: {e}")
+            self._on_drained(pushed_at)
+            return
+        self._marks[nonce] = pushed_at
+
+    def _on_drained(self, drained_to: float) -> None:
+        self._drained_to = max(self._drained_to, drained_to)
+        self._fresh_drain = True
+
     # -- the state machine -----------------------------------------------------------------------
 
-    def _transition(self, new: Phase) -> None:
-        """The only place the phase changes."""
-        if new not in TRANSITIONS[self._phase]:
-            raise RuntimeError(f"coordinator bug: illegal transition {self._phase} -> {new}")
-        switch_id = self._switch.prepare.switch_id if self._switch else None
-        self._say.info(f"{self._phase.value} -> {new.value}", switch_id=switch_id, phase=new.value)
-        self._phase = new
+    def _set_state(self, new: cs.State) -> None:
+        """The only place the state changes; checked against the table."""
+        old = self._state
+        cs.check_transition(old, new)
+        if new.phase is not old.phase:
+            self._say.info(
+                f"{old.phase.value} -> {new.phase.value}",
+                switch_id=cs.switch_id_of(new),
+                phase=new.phase.value,
+            )
+        self._state = new
+
+    def _apply(self, step: cs.Step) -> None:
+        """Carry out a step: the new state and its log lines; its record, durably; then its
+        broadcast and last its reply, so a client that holds a result knows every rank can read
+        the decision. A record that cannot be logged aborts the switch before anything is sent."""
+        self._set_state(step.state)
+        for note in step.notes:
+            self._say.error(note, switch_id=cs.switch_id_of(step.state))
+        if step.record is not None:
+            inject(self._faults, "open", rank=None, switch_id=cs.switch_id_of(step.state))
+            try:
+                self._log.append(step.record)
+            except DecisionLogError as e:
+                self._say.error(f"cannot open the switch: {e}", switch_id=step.record["switch_id"])
+                if step.reply is not None:
+                    self._reply(step.reply)
+                self._apply(cs.on_open_failed(step.state, str(e), now=time.monotonic()))
+                return
+        if step.broadcast is not None:
+            self._broadcast(step.broadcast)
+            if isinstance(step.state, cs.Preparing):  # silence counts from when all could read it
+                step.state.lease.since = time.monotonic()
+        if step.reply is not None:
+            self._reply(step.reply)
 
     def _advance(self) -> None:
-        """Dispatch on the phase until it stops changing."""
+        """Move the phase on as far as the tallies and the clock allow."""
         while True:
-            before = self._phase
-            sw = self._switch
-            switch_id = sw.prepare.switch_id if sw is not None else None
-            if self._phase is Phase.PREPARING and sw is not None:
-                passed = time.monotonic() >= sw.deadline
-                decision = decide(sw.prepare, sw.votes, self._ranks, self._tp_groups, passed)
-                if decision is not None:
-                    sw.decision, sw.decided_at = decision, time.monotonic()
-                    self._transition(Phase.DECIDING)
-            elif self._phase is Phase.DECIDING and sw is not None:
-                self._record_and_announce(sw)
-            elif self._phase is Phase.CANCELLING and sw is not None and sw.cancel is not None:
-                passed = time.monotonic() >= sw.cancel.deadline
-                outcome = decide_cancel(sw.cancel.prepare, sw.cancel.votes, self._ranks, passed)
+            before = self._state
+            if isinstance(before, cs.Deciding):
+                self._record_and_announce(before)
+            elif isinstance(before, cs.Cancelling):
+                outcome = cs.cancel_outcome(before, drained_to=self._drained_to)
                 if outcome is not None:
-                    self._record_cancel(sw, outcome)
-            elif self._phase is Phase.COMMITTED and sw is not None:
-                if all(r in sw.acks for r in self._ranks):
-                    self._transition(Phase.PUBLISHED)
+                    self._record_cancel(before, outcome)
+            else:
+                now, drained_to = time.monotonic(), self._drained_to
+                if self._fresh_drain:  # once per drain: the look at every rank is O(ranks)
+                    self._fresh_drain = False
+                    self._apply(
+                        cs.on_drained(before, now=now, drained_to=drained_to, lease_s=self._lease_s)
+                    )
+                if self._state is before:
+                    tallied = cs.on_tally(
+                        before, now=now, drained_to=drained_to, tp_groups=self._tp_groups
+                    )
+                    self._apply(tallied)
+                if isinstance(self._state, cs.Published) and self._state is not before:
                     self._history[-1]["published"] = True
+                    switch_id = self._state.settled.switch_id
                     self._append_best_effort({"event": "published", "switch_id": switch_id})
-            if self._phase is before:
+            if self._state is before:
                 return
 
-    def _record_and_announce(self, sw: _Switch) -> None:
+    def _record_and_announce(self, state: cs.Deciding) -> None:
         """Log the decision durably, then make it visible to ranks and the client."""
-        decision = sw.decision
-        switch_id = decision.switch_id
+        switch_id = state.decision.switch_id
         inject(self._faults, "decide", rank=None, switch_id=switch_id)
         t0 = time.monotonic()
         decision = self._log_settled(
             "decision",
-            decision,
+            state.decision,
             settle_decision,
-            sw.deadline,
+            state.opened.deadline,
             "cannot record the decision, aborting",
         )
-        sw.log_s = time.monotonic() - t0
-        sw.decision = decision
+        log_s = time.monotonic() - t0
         inject(self._faults, "publish", rank=None, switch_id=switch_id)
-        self._transition(Phase.COMMITTED if decision.commit else Phase.ABORTED)
         self._history.append({**decision.to_dict(), "published": False})
-        self._broadcast(decision)
-        self._reply(sw.request_id, "result", switch_id, body=self._result(sw).to_dict())
+        self._decided[switch_id] = decision
+        while len(self._decided) > _HISTORY:
+            del self._decided[min(self._decided)]
+        self._apply(cs.on_logged(state, decision, log_s=log_s))
+        if decision.commit:  # the next switch books its commit step by this one's latency
+            self._latency_s = time.monotonic() - state.opened.opened_at
 
     def _log_settled(
         self, event: str, outcome: Any, settle: Callable[..., Any], deadline: float, failure: str
@@ -270,19 +347,15 @@ class Coordinator:
             self._append_best_effort({"event": event, **settled.to_dict()})
         return settled
 
-    def _record_cancel(self, sw: _Switch, outcome: CancelDecision) -> None:
+    def _record_cancel(self, state: cs.Cancelling, outcome: CancelDecision) -> None:
         """Log the cancel's outcome durably, then tell the ranks and the client (as a decision)."""
-        cancel = sw.cancel
         outcome = self._log_settled(
-            "cancel", outcome, settle_cancel, cancel.deadline,
+            "cancel", outcome, settle_cancel, state.deadline,
             "cannot record the cancel, keeping the commit",
         )  # fmt: skip
-        sw.cancel = None
-        self._transition(Phase.CANCELLED if outcome.cancelled else Phase.COMMITTED)
         if outcome.cancelled:
             self._history[-1]["cancelled"] = True
-        self._broadcast(outcome)
-        self._reply(cancel.request_id, "result", outcome.switch_id, body=outcome.to_dict())
+        self._apply(cs.on_cancel_logged(state, outcome))
 
     def _append_outcome(self, event: str, outcome: Decision | CancelDecision) -> str | None:
         """Record a switch's or a cancel's outcome durably; the error text if the log failed."""
@@ -305,189 +378,103 @@ class Coordinator:
     # -- messages --------------------------------------------------------------------------------
 
     def _on_message(self, msg: Message | ProtocolError) -> None:
+        where = {"switch_id": cs.switch_id_of(self._state), "phase": self.phase.value}
         if isinstance(msg, ProtocolError):
             self._on_refused(msg)
-        elif isinstance(msg, SwitchRequest):
-            self._on_request(msg)
+        elif isinstance(msg, (SwitchRequest, CancelRequest)):
+            if msg.request_id in self._seen_requests:
+                self._say.warning(f"ignored replayed request {msg.request_id}")
+                return
+            self._seen_requests.add(msg.request_id)
+            now = time.monotonic()
+            if isinstance(msg, CancelRequest):
+                self._apply(cs.on_cancel_request(self._state, msg, now=now))
+                return
+            step = cs.on_request(
+                self._state,
+                msg,
+                switch_id=self._next_id,
+                world_size=self._world,
+                now=now,
+                lead_s=lead_time(self._world, self._latency_s),
+            )
+            if isinstance(step.state, cs.Preparing):
+                self._next_id += 1
+            self._apply(step)
         elif isinstance(msg, StatusQuery):
-            self._reply(msg.request_id, "status", None, body=self._status())
-        elif isinstance(msg, CancelRequest):
-            self._on_cancel_request(msg)
-        elif isinstance(msg, CancelVote):
-            self._on_cancel_vote(msg)
+            self._status_due.append(msg.request_id)
         elif isinstance(msg, Vote):
-            self._on_vote(msg)
+            self._say.info(cs.take_vote(self._state, msg), **where)
+        elif isinstance(msg, CancelVote):
+            self._say.info(cs.take_cancel_vote(self._state, msg), **where)
         elif isinstance(msg, Ack):
-            self._on_ack(msg)
+            note = cs.take_ack(self._state, msg)
+            if 0 <= msg.rank < self._world:
+                self._recipe_keys[msg.rank] = msg.recipe_key
+            if note:
+                self._say.warning(note, **where, step=msg.step)
+        elif isinstance(msg, Alive):
+            cs.take_alive(self._state, msg, now=time.monotonic())
+        elif isinstance(msg, Mark):
+            pushed_at = self._marks.pop(msg.nonce, None)
+            if pushed_at is not None:
+                self._on_drained(pushed_at)
         elif isinstance(msg, Hello):
             self._recipe_keys[msg.rank] = msg.recipe_key
+        elif isinstance(msg, Bundle):
+            self._on_bundle(msg)
+        elif isinstance(msg, DecisionQuery):
+            decision = self._decided.get(msg.switch_id)
+            if decision is not None and 0 <= msg.rank < self._world:
+                self._out.push(rank_queue(msg.rank), seal(decision, self._token))
         else:
             self._say.warning(f"ignored unexpected {msg.kind} message")
+
+    def _on_bundle(self, bundle: Bundle) -> None:
+        """A node leader's relay checked each item against the token, and the bundle is sealed
+        with it: take the items in as if they had come one by one."""
+        for item in bundle.items:
+            try:
+                msg = Message.from_dict(item)
+            except ProtocolError as e:
+                self._say.warning(f"ignored an item of node {bundle.leader}'s bundle: {e}")
+                continue
+            if isinstance(msg, _RELAYED):
+                self._on_message(msg)
+            else:
+                self._say.warning(f"ignored a {msg.kind} message in node {bundle.leader}'s bundle")
 
     def _on_refused(self, err: ProtocolError) -> None:
         unverified = getattr(err, "unverified", None)
         self._say.warning(f"refused: {err}")
         if isinstance(unverified, (SwitchRequest, StatusQuery, CancelRequest)):
             # Sealed with our token, which the client lacks; it reads the refusal unverified.
-            self._reply(unverified.request_id, "refused", None, error=f"refused: {err}")
-
-    def _on_request(self, req: SwitchRequest) -> None:
-        sw = self._switch
-        if req.request_id in self._seen_requests:
-            self._say.warning(f"ignored replayed request {req.request_id}")
-            return
-        self._seen_requests.add(req.request_id)
-        if self._phase.open and sw is not None:
-            open_id = sw.prepare.switch_id
-            step = sw.decision.step if sw.decision is not None else None
-            hint = (
-                f"; `dist-quant cancel {open_id}` cancels it"
-                if self._phase is Phase.COMMITTED
-                else ""
-            )
-            self._reply(
-                req.request_id,
-                "refused",
-                open_id,
-                error=f"switch {open_id} is still open ({self._phase.describe(open_id, step)}); "
-                f"retry after it ends{hint}",
-            )
-            return
-        problem = _request_problem(req)
-        if problem:
-            self._reply(req.request_id, "refused", None, error=problem)
-            return
-        switch_id, self._next_id = self._next_id, self._next_id + 1
-        prepare = Prepare(switch_id, req.recipe, req.at_step, req.timeout_s)
-        now = time.monotonic()
-        self._switch = sw = _Switch(prepare, req.request_id, now, now + req.timeout_s)
-        self._transition(Phase.PREPARING)
-        self._reply(req.request_id, "accepted", switch_id)
-        inject(self._faults, "open", rank=None, switch_id=switch_id)
-        try:
-            self._log.append({"event": "open", "request_id": req.request_id, **prepare.to_dict()})
-        except DecisionLogError as e:
-            self._say.error(f"cannot open the switch: {e}", switch_id=switch_id)
-            sw.decision, sw.decided_at = Decision(switch_id, False, None, {}, str(e)), now
-            self._transition(Phase.DECIDING)
-            return
-        self._broadcast(prepare)
-
-    def _on_cancel_request(self, req: CancelRequest) -> None:
-        if req.request_id in self._seen_requests:
-            self._say.warning(f"ignored replayed request {req.request_id}")
-            return
-        self._seen_requests.add(req.request_id)
-        sw = self._switch
-        open_id = sw.prepare.switch_id if sw is not None and self._phase.open else None
-        wanted = req.switch_id if req.switch_id is not None else open_id
-        problem = ""
-        if not (0 < req.timeout_s < float("inf")):
-            problem = f"timeout_s must be a positive number of seconds, got {req.timeout_s}"
-        elif open_id is None:
-            problem = "no switch is open: nothing to cancel"
-        elif wanted != open_id:
-            problem = f"switch {wanted} is not the open switch ({open_id}); nothing to cancel"
-        elif self._phase is not Phase.COMMITTED:
-            problem = (
-                f"switch {open_id} cannot be cancelled now "
-                f"({self._phase.describe(open_id, None)}); only a committed switch can be"
-            )
-        if problem:
-            self._reply(req.request_id, "refused", wanted, error=problem)
-            return
-        prepare = CancelPrepare(open_id, sw.decision.step, req.timeout_s)
-        sw.cancel = _Cancel(prepare, req.request_id, time.monotonic() + req.timeout_s)
-        self._transition(Phase.CANCELLING)
-        self._reply(req.request_id, "accepted", open_id)
-        self._broadcast(prepare)
-
-    def _on_cancel_vote(self, vote: CancelVote) -> None:
-        sw = self._switch
-        cancel = sw.cancel if sw is not None else None
-        where = {"switch_id": vote.switch_id, "phase": self._phase.value}
-        if cancel is None or vote.switch_id != cancel.prepare.switch_id:
-            self._say.info(f"ignored cancel vote of rank {vote.rank}: stale or too late", **where)
-        elif vote.rank in self._ranks and vote.rank not in cancel.votes:
-            cancel.votes[vote.rank] = vote
-            self._say.info(
-                f"rank {vote.rank} votes {'yes' if vote.yes else 'no'} to cancel", **where
-            )
-
-    def _on_vote(self, vote: Vote) -> None:
-        sw = self._switch
-        where = {"switch_id": vote.switch_id, "phase": self._phase.value}
-        current = sw is not None and vote.switch_id == sw.prepare.switch_id
-        if not current or self._phase is not Phase.PREPARING:
-            self._say.info(f"ignored vote of rank {vote.rank}: stale or too late", **where)
-        elif vote.rank not in self._ranks:
-            self._say.warning(f"ignored vote from unknown rank {vote.rank}", **where)
-        elif vote.rank in sw.votes:
-            self._say.info(f"ignored repeated vote of rank {vote.rank}", **where)
-        else:
-            sw.votes[vote.rank] = vote
-            self._say.info(f"rank {vote.rank} votes {'yes' if vote.yes else 'no'}", **where)
-
-    def _on_ack(self, ack: Ack) -> None:
-        sw = self._switch
-        if sw is None or ack.switch_id != sw.prepare.switch_id or ack.rank in sw.acks:
-            return
-        sw.acks[ack.rank] = ack
-        self._recipe_keys[ack.rank] = ack.recipe_key
-        if not ack.ok:
-            self._say.error(
-                f"rank {ack.rank} failed to publish: {ack.error}",
-                switch_id=ack.switch_id,
-                phase=self._phase.value,
-                step=ack.step,
-            )
+            reply = Reply(unverified.request_id, "refused", None, f"refused: {err}", {})
+            self._reply(reply)
 
     # -- outputs ---------------------------------------------------------------------------------
 
     def _broadcast(self, msg: Message) -> None:
         data = seal(msg, self._token)
-        for r in self._ranks:
+        for leader in self._relays:
+            self._out.push(node_down_queue(leader), data)
+        for r in self._direct:
             self._out.push(rank_queue(r), data)
 
-    def _reply(
-        self, request_id: str, status: str, switch_id: int | None, *, error: str = "", body=None
-    ) -> None:
-        reply = Reply(request_id, status, switch_id, error, body or {})
-        self._out.push(reply_queue(request_id), seal(reply, self._token))
-
-    def _result(self, sw: _Switch) -> SwitchResult:
-        d = sw.decision
-        decided = sw.decided_at if sw.decided_at is not None else sw.opened_at
-        votes_s = decided - sw.opened_at
-        return SwitchResult(
-            switch_id=d.switch_id,
-            committed=d.commit,
-            step=d.step,
-            reasons=dict(d.reasons),
-            timings={"votes_s": votes_s, "log_s": sw.log_s, "total_s": votes_s + sw.log_s},
-            prepare_s={r: v.prepare_s for r, v in sorted(sw.votes.items())},
-            summary=d.summary,
-        )
+    def _reply(self, reply: Reply) -> None:
+        self._out.push(reply_queue(reply.request_id), seal(reply, self._token))
 
     def _status(self) -> dict[str, Any]:
-        sw = self._switch
-        switch_id = sw.prepare.switch_id if sw is not None else None
-        step = sw.decision.step if sw is not None and sw.decision is not None else None
+        state = self._state
+        switch_id = cs.switch_id_of(state)
         return {
-            "phase": self._phase.value,
-            "phase_text": self._phase.describe(switch_id, step),
-            "open_switch": sw.prepare.switch_id if sw and self._phase.open else None,
-            "world_size": len(self._ranks),
+            "phase": state.phase.value,
+            "phase_text": state.phase.describe(switch_id, cs.step_of(state)),
+            "open_switch": switch_id if state.phase.open else None,
+            "waiting_for": cs.waiting_for(state),
+            "world_size": self._world,
             "tp_groups": [list(g) for g in self._tp_groups],
             "recipe_keys": {str(r): k for r, k in sorted(self._recipe_keys.items())},
             "decisions": list(self._history),
             "log": str(self._log.path),
         }
-
-
-def _request_problem(req: SwitchRequest) -> str:
-    if not (0 < req.timeout_s < float("inf")):
-        return f"timeout_s must be a positive number of seconds, got {req.timeout_s}"
-    if req.at_step is not None and req.at_step < 0:
-        return f"at_step must be >= 0, got {req.at_step}"
-    return ""

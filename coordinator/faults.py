@@ -6,7 +6,8 @@ configured that is one empty-tuple check. Faults are frozen dataclasses so they 
 
 Phases (where the hook sits):
 - participant: "prepare" (listener, before planning), "vote" (listener, before sending its vote),
-  "commit" (training thread, at step S before publishing);
+  "commit" (training thread, at step S before publishing), "relay" (a node leader's relay, before
+  it hands a Decision on to its node's ranks);
 - coordinator (rank=None): "open" (before logging a new switch), "decide" (outcome known, before it
   is logged), "publish" (decision logged, before anyone can read it).
 Actions (each phase accepts those that mean something there, see the tables below): "raise" (an
@@ -27,6 +28,7 @@ PARTICIPANT_PHASES = {
     "prepare": ("raise", "delay", "exit"),
     "vote": ("delay", "drop", "exit"),
     "commit": ("raise", "delay", "exit"),
+    "relay": ("delay", "exit"),
 }
 COORDINATOR_PHASES = {
     "open": ("delay", "stop", "exit"),

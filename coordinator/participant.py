@@ -28,6 +28,7 @@ from dist_quant.coordinator.errors import SwitchError
 from dist_quant.coordinator.faults import Fault, inject
 from dist_quant.coordinator.guard_runner import StepMonitor
 from dist_quant.coordinator.logfmt import SwitchLog
+from dist_quant.coordinator.node_relay import NodeRelay
 from dist_quant.coordinator.participant_state import (
     AckDue,
     Boundary,
@@ -35,9 +36,11 @@ from dist_quant.coordinator.participant_state import (
     Committing,
     Idle,
     Ledger,
+    Preparing,
     RankPhase,
     State,
     Step,
+    Voted,
     check_transition,
     on_boundary,
     on_cancel_decision,
@@ -49,10 +52,13 @@ from dist_quant.coordinator.participant_state import (
     reapplying,
 )
 from dist_quant.coordinator.protocol import (
+    BEAT_S,
     Ack,
+    Alive,
     CancelDecision,
     CancelPrepare,
     Decision,
+    DecisionQuery,
     Hello,
     Message,
     Prepare,
@@ -69,6 +75,14 @@ from dist_quant.runtime import plan_model, recipe_key_of
 def _default_describe(model: Any) -> str:
     key = recipe_key_of(model)
     return "none" if key is None else repr(key)
+
+
+def _step_rate(previous: float, interval: float) -> float:
+    """Seconds per step: follows a faster step at once and a slower one by halves, so that one
+    long step (a checkpoint, an eval) does not shrink the steps a commit is booked ahead."""
+    if previous <= 0.0:
+        return interval
+    return min(interval, (previous + interval) / 2)
 
 
 class Participant:
@@ -90,15 +104,20 @@ class Participant:
         on_close: Sequence[Callable[[], None]] = (),
         monitor: StepMonitor | None = None,
         reapply: Sequence[dict[str, Any]] = (),
+        upstream: str = INBOX,
+        relay: NodeRelay | None = None,
     ) -> None:
         """`reapply`: committed switches `{"switch_id", "step", "recipe"}` that a job resumed from
         a checkpoint taken before their step publishes again at that step (from the decision
-        log's `restored` record, see `job_checkpoint`)."""
+        log's `restored` record, see `job_checkpoint`). `upstream`: where this rank's messages
+        for the coordinator go (its node leader's relay queue in a job that spans hosts);
+        `relay`: the relay this rank runs as its node's leader."""
         self.rank = rank
         self.address = address
         self._model = model
         self._rx = transport  # the listener's connection
-        self._tx = transport.clone()  # the training thread's (acks, close)
+        self._tx = transport.clone()  # the training and planning threads' (acks, votes, close)
+        self._tx_lock = threading.Lock()
         self._token = token
         self._planner = planner or plan_model
         self._loader = recipe_loader or recipe_from_dict
@@ -107,6 +126,8 @@ class Participant:
         self._grace = decision_grace_s
         self._on_close = tuple(on_close)
         self._monitor = monitor  # telemetry and the precision guard (guard_runner.py)
+        self._upstream = upstream
+        self._relay = relay
         self._closed = False
         self._say = SwitchLog(rank)
         self._lock = threading.Lock()
@@ -116,6 +137,8 @@ class Participant:
         self._ledger = Ledger(rank)
         self._nothing_pending = True  # not self._state.phase.pending: the boundary's fast path
         self._last_step: int | None = None
+        self._last_boundary_at: float | None = None
+        self._step_s = 0.0  # seconds per step, as the votes report it (0: not measured yet)
         self._reapply = deque(sorted(reapply, key=lambda e: e["step"]))
         self._listener = threading.Thread(
             target=self._listen, name=f"dist_quant.participant.r{rank}", daemon=True
@@ -127,6 +150,8 @@ class Participant:
             plan = self._plan_reapply(entry)
             with self._cond:
                 self._apply(reapplying(self._state, self._ledger, entry, plan), None)
+        if self._relay is not None:
+            self._relay.start()
         self._listener.start()
         # Rank 0 hosts the store: tearing it down during interpreter shutdown, under a listener
         # still blocked on it, aborts the process. Closing at exit stops everything in order.
@@ -141,10 +166,14 @@ class Participant:
         self._closed = True
         atexit.unregister(self.close)
         try:
-            self._tx.push(rank_queue(self.rank), seal(Stop(f"rank {self.rank}"), self._token))
+            with self._tx_lock:
+                self._tx.push(rank_queue(self.rank), seal(Stop(f"rank {self.rank}"), self._token))
         except TransportError:
             pass  # the store is gone, so the listener has already ended
         self._listener.join(timeout)
+        if self._relay is not None:
+            with self._tx_lock:
+                self._relay.stop(self._tx, timeout)
         if self._monitor is not None:
             self._monitor.close()
         for fn in self._on_close:
@@ -168,10 +197,13 @@ class Participant:
         commit step; otherwise a lock and a flag check (no network call, no collective)."""
         if self._monitor is not None:
             self._monitor.begin_step(step)  # a telemetry stats step starts counting here
+        now = time.monotonic()
         with self._lock:
             if self._last_step is None:
                 self._cond.notify_all()  # a listener may wait for the first boundary
-            self._last_step = step
+            elif step == self._last_step + 1:  # a repeated or skipped boundary says nothing
+                self._step_s = _step_rate(self._step_s, now - self._last_boundary_at)
+            self._last_step, self._last_boundary_at = step, now
             if self._nothing_pending:
                 return
             held = self._boundary_slow(step)
@@ -244,8 +276,12 @@ class Participant:
     def _listen(self) -> None:
         self._send(self._rx, Hello(self.rank, self._key()))
         while True:
+            current = self._state  # only this thread enters PREPARING
             try:
-                data = self._rx.pop(rank_queue(self.rank))
+                data = self._rx.pop(rank_queue(self.rank), self._beat(current))
+                if data is None:
+                    self._on_quiet(current)
+                    continue
             except TransportError as e:
                 busy = not self._state.phase.accepts_prepare
                 (self._say.warning if busy else self._say.info)(f"coordinator unreachable: {e}")
@@ -281,6 +317,26 @@ class Participant:
             else:
                 self._say.warning(f"ignored unexpected {msg.kind} message")
 
+    def _beat(self, state: State) -> float | None:
+        """How long the listener may wait for a message: forever, except while it plans (it says
+        it is alive every BEAT_S) or, behind a node relay, while it holds a YES vote (it asks the
+        coordinator straight for the decision once training waits for it)."""
+        if isinstance(state, Preparing):
+            return BEAT_S
+        if isinstance(state, Voted) and self._upstream != INBOX:
+            return BEAT_S
+        return None
+
+    def _on_quiet(self, state: State) -> None:
+        """Nothing arrived for a beat while `state` held."""
+        if self._state is not state:
+            return
+        if isinstance(state, Preparing):
+            self._send(self._rx, Alive(state.switch_id, self.rank))
+        elif isinstance(state, Voted) and (self._last_step or 0) >= state.hold_step:
+            # waiting at the hold step: the node's relay may be gone with its leader
+            self._send(self._rx, DecisionQuery(state.switch_id, self.rank), INBOX)
+
     def _on_prepare(self, p: Prepare) -> None:
         with self._cond:
             now, last = time.monotonic(), self._last_step
@@ -291,6 +347,16 @@ class Participant:
         if opened.state.phase is not RankPhase.PREPARING:
             self._send(self._rx, opened.send)  # stale (nothing to send) or busy (a NO)
             return
+        # Planned on a thread of its own, so the listener keeps reading (an ABORT frees this rank
+        # for the next switch even if the plan never ends) and says the rank is alive meanwhile.
+        threading.Thread(
+            target=self._plan_and_vote,
+            args=(p,),
+            name=f"dist_quant.participant.r{self.rank}.plan{p.switch_id}",
+            daemon=True,
+        ).start()
+
+    def _plan_and_vote(self, p: Prepare) -> None:
         with self._cond:
             started = self._cond.wait_for(lambda: self._last_step is not None, p.timeout_s)
         t0 = time.perf_counter()
@@ -305,7 +371,7 @@ class Participant:
             plan, error = None, f"{type(e).__name__}: {e}"
         prepare_s = time.perf_counter() - t0
         with self._cond:
-            last = self._last_step
+            last, step_s = self._last_step, self._step_s
             voted = on_planned(
                 self._state,
                 self._ledger,
@@ -315,12 +381,15 @@ class Participant:
                 error=error,
                 last_step=last,
                 prepare_s=prepare_s,
+                step_s=step_s,
             )
             self._apply(voted, last)
+        if voted.send is None:
+            return  # decided while planning: the plan was dropped
         if inject(self._faults, "vote", rank=self.rank, switch_id=p.switch_id):
             self._say.warning("vote dropped (injected fault)", **self._where(last))
             return
-        self._send(self._rx, voted.send)
+        self._send(self._tx, voted.send)
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -363,12 +432,22 @@ class Participant:
         except Exception as e:  # noqa: BLE001 - status only; never fail a switch over it
             return f"unknown ({type(e).__name__}: {e})"
 
-    def _send(self, transport: Transport, msg: Message | AckDue | None, queue: str = INBOX) -> None:
+    def _send(
+        self, transport: Transport, msg: Message | AckDue | None, queue: str | None = None
+    ) -> None:
+        """Push to `queue` (default: upstream, to the coordinator) on the listener's connection
+        (from the listener) or on `_tx`, which the training thread (acks) and the planning thread
+        (votes) share under `_tx_lock`."""
         if msg is None:
             return
+        queue = queue or self._upstream
         if isinstance(msg, AckDue):
             msg = Ack(msg.switch_id, self.rank, msg.step, msg.ok, msg.error, self._key())
         try:
-            transport.push(queue, seal(msg, self._token))
+            if transport is self._tx:
+                with self._tx_lock:
+                    transport.push(queue, seal(msg, self._token))
+            else:
+                transport.push(queue, seal(msg, self._token))
         except TransportError as e:
             self._say.warning(f"could not send {msg.kind}: {e}", switch_id=self._ledger.newest)

@@ -8,8 +8,9 @@ lock, calls these, and does what the `Step` says; `Participant._set_state` check
 against `TRANSITIONS`.
 
     IDLE --Prepare--> PREPARING --yes--> VOTED --COMMIT--> COMMITTING --boundary S--> IDLE
-                                 \\--no--> IDLE    \\--ABORT--> IDLE
-                                                  \\--no decision in time--> GAVE_UP
+                                 \\--no, or ABORT--> IDLE   \\--ABORT--> IDLE
+                                                  \\--no decision by its hold step and in time-->
+                                                    GAVE_UP
     GAVE_UP --ABORT--> IDLE ;  GAVE_UP --next Prepare--> PREPARING
     COMMITTING --CancelPrepare, before S--> CANCEL_VOTED --cancelled--> IDLE (candidate dropped)
                                    \\--not cancelled, or no outcome by S + grace--> COMMITTING
@@ -33,6 +34,7 @@ from dist_quant.coordinator.protocol import (
     Message,
     Prepare,
     Vote,
+    hold_step,
 )
 
 
@@ -41,7 +43,7 @@ class RankPhase(Enum):
 
     IDLE = "idle"
     PREPARING = "preparing"  # the listener plans; the training thread does not wait
-    VOTED = "voted"  # voted YES; holds the candidate; waits at boundary v+1 for the decision
+    VOTED = "voted"  # voted YES; holds the candidate; waits at its hold step if still undecided
     COMMITTING = "committing"  # COMMIT known; publishes at boundary S
     CANCEL_VOTED = "cancel_voted"  # voted YES to cancel before S; holds its publish at S
     GAVE_UP = "gave_up"  # no decision in time; candidate dropped; a late COMMIT breaks the rank
@@ -92,7 +94,8 @@ class Voted:
     phase: ClassVar[RankPhase] = RankPhase.VOTED
     switch_id: int
     candidate: Any  # the ModelPlan voted for
-    vote_step: int  # the last step passed when voting: boundary vote_step + 1 waits
+    vote_step: int  # the last step passed when voting
+    hold_step: int  # boundaries before it pass undecided; from it on the rank waits (hold_step)
     give_up_at: float
 
 
@@ -224,15 +227,24 @@ def on_planned(
     error: str,
     last_step: int | None,
     prepare_s: float,
+    step_s: float = 0.0,
 ) -> Step:
-    """Planning for `p` ended (`plan` None: it failed with `error`): VOTED, or IDLE; the vote.
-    Only the listener leaves PREPARING, so the state is still `p`'s."""
+    """Planning for `p` ended (`plan` None: it failed with `error`): VOTED, or IDLE; the vote,
+    with the rank's seconds per step `step_s` (0: unknown). VOTED holds at `hold_step`, the step
+    the coordinator computes the same way from the vote. A plan that ends after its switch was
+    decided (aborted while this rank was still planning) is dropped, with no vote."""
     if not isinstance(state, Preparing) or state.switch_id != p.switch_id:
-        raise RuntimeError(f"participant bug: planned switch {p.switch_id} while {state}")
-    vote = Vote(p.switch_id, ledger.rank, plan is not None, digest, last_step, error, prepare_s)
+        note = Note(
+            "info", "planning ended after the switch was decided: plan dropped", p.switch_id
+        )
+        return Step(state, ledger, notes=(note,))
+    yes = plan is not None
+    vote = Vote(p.switch_id, ledger.rank, yes, digest, last_step, error, prepare_s, step_s)
     if plan is None or last_step is None:  # a plan needs a first boundary (it waited for one)
         return Step(Idle(), ledger, send=vote)
-    return Step(Voted(p.switch_id, plan, last_step, state.give_up_at), ledger, send=vote)
+    hold = hold_step(last_step, step_s, p.lead_s, p.at_step)
+    voted = Voted(p.switch_id, plan, last_step, hold, state.give_up_at)
+    return Step(voted, ledger, send=vote)
 
 
 def on_decision(state: State, ledger: Ledger, d: Decision) -> Step:
@@ -266,6 +278,11 @@ def on_decision(state: State, ledger: Ledger, d: Decision) -> Step:
         return Step(Idle(), ledger)
     if sid != ledger.newest:
         return Step(state, ledger, notes=(Note("info", "ignored decision of another switch", sid),))
+    if isinstance(state, Preparing) and state.switch_id == sid and not d.commit:
+        # aborted (this rank was late, or held up the switch) while it still plans: free for the
+        # next switch now; the plan is dropped when it ends
+        note = Note("warning", "aborted before this rank voted: stopped waiting for its plan", sid)
+        return Step(Idle(), ledger.deciding(sid, False, None), notes=(note,))
     if d.commit:
         # COMMIT for a switch this rank did not vote YES on: never sent by a correct coordinator;
         # continuing could run two recipes.
@@ -328,7 +345,7 @@ def on_boundary(state: State, ledger: Ledger, *, step: int, now: float) -> Step:
     changed or `wait_until` passed."""
     if isinstance(state, Broken):
         return Step(state, ledger, boundary=Boundary.RAISE)
-    if isinstance(state, Voted) and step > state.vote_step:
+    if isinstance(state, Voted) and step >= state.hold_step:
         if now < state.give_up_at:
             note = Note("info", "waiting for the decision")
             return Step(

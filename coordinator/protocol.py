@@ -8,7 +8,8 @@ Message flow of one switch (see README.md for the diagram):
 
     client      -> coordinator : SwitchRequest
     coordinator -> every rank  : Prepare
-    every rank  -> coordinator : Vote   (cast by the rank's background listener)
+    every rank  -> coordinator : Vote   (planned and cast off the training thread; while the
+                                         plan runs, Alive every BEAT_S)
     coordinator -> decision log: Decision (flushed and fsynced first)
     coordinator -> every rank  : Decision
     coordinator -> client      : Reply(result)
@@ -27,12 +28,14 @@ Cancelling a committed switch before its step (a second vote over the same ranks
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import types
 import typing
 from collections import Counter
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any, ClassVar, Union
 
@@ -99,7 +102,7 @@ class Message:
     kind: ClassVar[str] = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, **asdict(self)}
+        return {"kind": self.kind, **_fields_of(self)}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
@@ -112,17 +115,7 @@ class Message:
         cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
         if cls is None:
             raise ProtocolError(f"unknown message kind {kind!r}; known: {sorted(MESSAGE_TYPES)}")
-        hints = typing.get_type_hints(cls)
-        names = {f.name for f in fields(cls)}
-        extra = set(d) - names - {"kind"}
-        if extra:
-            raise ProtocolError(f"{kind}: unexpected fields {sorted(extra)}")
-        values = {}
-        for f in fields(cls):
-            if f.name not in d:
-                raise ProtocolError(f"{kind}: missing field {f.name!r}")
-            values[f.name] = _coerce(d[f.name], hints[f.name], f"{kind}.{f.name}")
-        return cls(**values)
+        return _decode(cls, d, kind)
 
     @staticmethod
     def from_json(text: str | bytes) -> Message:
@@ -133,49 +126,113 @@ class Message:
         return Message.from_dict(d)
 
 
-def _coerce(value: Any, hint: Any, where: str) -> Any:
-    """Check `value` (decoded JSON) against a field's type hint; converts dict keys to int."""
+_Check = Callable[[Any, str], Any]
+
+
+@functools.cache
+def _schema(cls: type) -> tuple[frozenset[str], tuple[tuple[str, _Check], ...]]:
+    """A dataclass's field names and one compiled check per field, built once per class: the
+    coordinator decodes a message per vote and ack, and resolving type hints costs ~100 us."""
+    hints = typing.get_type_hints(cls)
+    checks = tuple((f.name, _check_for(hints[f.name])) for f in fields(cls))
+    return frozenset(name for name, _ in checks), checks
+
+
+def _decode(cls: type, d: Mapping[str, Any], what: str, *, strict: bool = True) -> Any:
+    """`cls(**d)` with every field present and checked against its type hint; `strict`: and no
+    other keys but "kind" (messages are strict; results ignore keys a newer peer adds)."""
+    names, checks = _schema(cls)
+    extra = d.keys() - names - {"kind"}
+    if strict and extra:
+        raise ProtocolError(f"{what}: unexpected fields {sorted(extra)}")
+    values = {}
+    for name, check in checks:
+        if name not in d:
+            raise ProtocolError(f"{what}: missing field {name!r}")
+        values[name] = check(d[name], f"{what}.{name}")
+    return cls(**values)
+
+
+def _fields_of(obj: Any) -> dict[str, Any]:
+    """A dataclass's fields as a dict, its values shared, not copied (`dataclasses.asdict` deep
+    copies: a result carrying one entry per rank cost ~60 us per rank at 16k ranks). The values
+    are plain JSON data of a frozen object; callers build new dicts around them."""
+    return {name: getattr(obj, name) for name in _field_order(type(obj))}
+
+
+@functools.cache
+def _field_order(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))
+
+
+def _mismatch(value: Any, hint: Any, where: str) -> ProtocolError:
+    return ProtocolError(f"{where}: expected {getattr(hint, '__name__', hint)}, got {value!r}")
+
+
+@functools.cache
+def _check_for(hint: Any) -> _Check:
+    """The check (and conversion: JSON object keys to int) of decoded JSON against a type hint."""
     origin = typing.get_origin(hint)
     if origin in (Union, types.UnionType):
-        for option in typing.get_args(hint):
-            try:
-                return _coerce(value, option, where)
-            except ProtocolError:
-                continue
-        raise ProtocolError(f"{where}: {value!r} does not match {hint}")
-    if hint is type(None):
-        if value is None:
-            return None
-    elif hint is bool:
-        if isinstance(value, bool):
-            return value
-    elif hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif hint is str:
-        if isinstance(value, str):
-            return value
-    elif hint is dict or origin is dict:
-        if isinstance(value, dict):
-            if hint is dict:
-                return value
-            key_t, val_t = typing.get_args(hint)
+        options = tuple(_check_for(option) for option in typing.get_args(hint))
+
+        def check_union(value: Any, where: str) -> Any:
+            for option in options:
+                try:
+                    return option(value, where)
+                except ProtocolError:
+                    continue
+            raise ProtocolError(f"{where}: {value!r} does not match {hint}")
+
+        return check_union
+    if origin is dict:
+        key_t, val_t = typing.get_args(hint)
+        check_val = _check_for(val_t)
+
+        def check_dict(value: Any, where: str) -> Any:
+            if not isinstance(value, dict):
+                raise _mismatch(value, hint, where)
             out = {}
             for k, v in value.items():
                 try:
                     key = int(k) if key_t is int else k
                 except ValueError:
                     raise ProtocolError(f"{where}: key {k!r} is not an integer") from None
-                out[key] = _coerce(v, val_t, f"{where}[{k}]")
+                out[key] = check_val(v, f"{where}[{k}]")
             return out
-    elif origin is tuple:
-        if isinstance(value, (list, tuple)):
-            (item_t, _) = typing.get_args(hint)
-            return tuple(_coerce(v, item_t, f"{where}[]") for v in value)
-    raise ProtocolError(f"{where}: expected {getattr(hint, '__name__', hint)}, got {value!r}")
+
+        return check_dict
+    if origin is tuple:
+        (item_t, _) = typing.get_args(hint)
+        check_item = _check_for(item_t)
+
+        def check_tuple(value: Any, where: str) -> Any:
+            if not isinstance(value, (list, tuple)):
+                raise _mismatch(value, hint, where)
+            return tuple(check_item(v, f"{where}[]") for v in value)
+
+        return check_tuple
+    accept = _SCALARS.get(hint)
+    if accept is None:
+        raise TypeError(f"protocol bug: no wire check for type hint {hint!r}")
+
+    def check_scalar(value: Any, where: str) -> Any:
+        if not accept(value):
+            raise _mismatch(value, hint, where)
+        return float(value) if hint is float else value
+
+    return check_scalar
+
+
+# type hint -> does a decoded JSON value qualify (bools are not numbers on the wire)
+_SCALARS: dict[Any, Callable[[Any], bool]] = {
+    type(None): lambda v: v is None,
+    bool: lambda v: isinstance(v, bool),
+    int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+    float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    str: lambda v: isinstance(v, str),
+    dict: lambda v: isinstance(v, dict),
+}
 
 
 @dataclass(frozen=True)
@@ -215,11 +272,13 @@ class Prepare(Message):
     recipe: RecipePayload
     at_step: int | None
     timeout_s: float
+    lead_s: float = 0.0  # how long ahead of its vote a rank holds the commit step (`hold_step`)
 
 
 @dataclass(frozen=True)
 class Vote(Message):
-    """Rank -> coordinator. YES carries the plan digest and the last step the rank passed."""
+    """Rank -> coordinator. YES carries the plan digest, the last step the rank passed and its
+    measured seconds per step (0: not known yet)."""
 
     kind: ClassVar[str] = "vote"
     switch_id: int
@@ -229,6 +288,7 @@ class Vote(Message):
     last_step: int | None
     reason: str
     prepare_s: float
+    step_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -274,6 +334,47 @@ class Stop(Message):
 
     kind: ClassVar[str] = "stop"
     target: str
+
+
+@dataclass(frozen=True)
+class Alive(Message):
+    """Rank -> coordinator, every `BEAT_S` while the rank plans a switch it has not voted on yet:
+    the process is alive and its listener reads. A rank heard from neither this nor a vote for
+    `lease_s` is dead, stopped or cut off, and the switch aborts without waiting for its deadline."""
+
+    kind: ClassVar[str] = "alive"
+    switch_id: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class Bundle(Message):
+    """Node leader -> coordinator: the messages its node's ranks sent it (votes, acks, `Alive`,
+    hellos, cancel votes), each checked against the token by the leader, as one message: rank 0
+    reads O(nodes) messages, not O(ranks)."""
+
+    kind: ClassVar[str] = "bundle"
+    leader: int
+    items: tuple[dict, ...]
+
+
+@dataclass(frozen=True)
+class DecisionQuery(Message):
+    """Rank -> coordinator, straight (not through its node leader): the rank reached its hold
+    step without the decision of `switch_id`; the coordinator sends it again if it is logged."""
+
+    kind: ClassVar[str] = "decision_query"
+    switch_id: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class Mark(Message):
+    """Coordinator -> its own inbox: once it comes back out, every message pushed before it has
+    been read, so votes still missing at a deadline are really missing, not queued."""
+
+    kind: ClassVar[str] = "mark"
+    nonce: int
 
 
 @dataclass(frozen=True)
@@ -333,6 +434,10 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         Ack,
         Reply,
         Stop,
+        Alive,
+        Bundle,
+        DecisionQuery,
+        Mark,
         CancelRequest,
         CancelPrepare,
         CancelVote,
@@ -353,8 +458,9 @@ def decide(
     The switch stays open until every expected rank voted or the deadline passed. It commits only
     if every expected rank voted YES, digests agree within each tensor-parallel group, and (with a
     requested `at_step`) no rank has already passed that step. Votes from ranks that are not
-    expected are ignored. The commit step is the requested one, else one past the largest step any
-    rank reported, so every rank can still reach it.
+    expected are ignored. The commit step is the requested one, else the largest `hold_step` of
+    the votes (each rank's last step, plus the steps that fit in `prepare.lead_s` at its rate):
+    no rank passes its hold step undecided, so every rank can still reach the commit step.
     """
     missing = [r for r in expected_ranks if r not in votes]
     if missing and not deadline_passed:
@@ -381,8 +487,59 @@ def decide(
     if prepare.at_step is not None:
         step = prepare.at_step
     else:
-        step = max((s for s in yes_steps.values() if s is not None), default=-1) + 1
+        step = max(
+            hold_step(votes[r].last_step, votes[r].step_s, prepare.lead_s, None) for r in yes_steps
+        )
     return Decision(prepare.switch_id, True, step, {}, f"commit at step {step}")
+
+
+BEAT_S = 0.5  # a rank planning a switch says it is alive this often (`Alive`)
+LEASE_S = 2.0  # a rank silent this long while a vote is due is dead, stopped or cut off
+
+
+def silent_ranks(
+    voted: Mapping[int, Any], heard: Mapping[int, float], world_size: int, *, since: float,
+    drained_to: float, lease_s: float,
+) -> list[int]:  # fmt: skip
+    """Ranks that owe a vote and were heard from (vote, `Alive`; else since the Prepare went out
+    at `since`) no later than `lease_s` before `drained_to`, the time up to which every message
+    pushed to the coordinator has been read: so a message waiting in the queue never makes a live
+    rank look silent."""
+    cutoff = drained_to - lease_s
+    if since > cutoff:
+        return []
+    return [r for r in range(world_size) if r not in voted and heard.get(r, since) <= cutoff]
+
+
+MIN_LEAD_S = 0.05  # the commit step is booked at least this far ahead of the votes
+LEAD_PER_RANK_S = 100e-6  # before a first measurement: the coordinator's cost per rank
+MAX_LEAD_S = 10.0
+MAX_LEAD_STEPS = 10_000  # however short a step: a rank is never held further ahead than this
+
+
+def lead_time(world_size: int, last_latency_s: float | None) -> float:
+    """How long ahead of the votes the commit step is booked (`Prepare.lead_s`): twice the
+    request -> decision-sent time of the job's last committed switch, or before one, an estimate
+    from the number of ranks; clamped to [MIN_LEAD_S, MAX_LEAD_S]."""
+    if last_latency_s is None:
+        lead = MIN_LEAD_S + world_size * LEAD_PER_RANK_S
+    else:
+        lead = 2.0 * last_latency_s
+    return min(max(lead, MIN_LEAD_S), MAX_LEAD_S)
+
+
+def hold_step(last_step: int, step_s: float, lead_s: float, at_step: int | None) -> int:
+    """The first boundary a rank that voted YES after passing `last_step` may not pass without
+    the decision: the requested `at_step`, else one past `last_step` plus as many whole steps (of
+    `step_s` seconds, the rank's own rate) as fit in `lead_s`. The commit step is the largest of
+    these over every rank, so no rank can have passed it undecided, and a rank waits only if it
+    reaches its hold step before the decision arrives: a decision within `lead_s` of the vote
+    keeps it waiting less than one step. Whole steps, not rounded up: a switch that is decided
+    within a step still commits at the next boundary, as it would without a lead."""
+    if at_step is not None:
+        return at_step
+    ahead = math.floor(lead_s / step_s) if step_s > 0 and lead_s > 0 else 0
+    return last_step + 1 + min(ahead, MAX_LEAD_STEPS)
 
 
 def _digest_mismatches(
@@ -492,18 +649,11 @@ class CancelResult:
     summary: str
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return _fields_of(self)
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> CancelResult:
-        hints = typing.get_type_hints(CancelResult)
-        try:
-            values = {
-                f.name: _coerce(d[f.name], hints[f.name], f.name) for f in fields(CancelResult)
-            }
-        except KeyError as e:
-            raise ProtocolError(f"cancel result is missing field {e}") from None
-        return CancelResult(**values)
+        return _decode(CancelResult, d, "cancel result", strict=False)
 
 
 @dataclass(frozen=True)
@@ -519,15 +669,8 @@ class SwitchResult:
     summary: str = ""  # one line: "commit at step 12", or why it aborted
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return _fields_of(self)
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> SwitchResult:
-        hints = typing.get_type_hints(SwitchResult)
-        try:
-            values = {
-                f.name: _coerce(d[f.name], hints[f.name], f.name) for f in fields(SwitchResult)
-            }
-        except KeyError as e:
-            raise ProtocolError(f"switch result is missing field {e}") from None
-        return SwitchResult(**values)
+        return _decode(SwitchResult, d, "switch result", strict=False)

@@ -26,6 +26,16 @@ def rank_queue(rank: int) -> str:
     return f"rank/{rank}"
 
 
+def node_queue(leader: int) -> str:
+    """Mailbox of a node leader's relay: its node's ranks' messages for the coordinator."""
+    return f"node/{leader}"
+
+
+def node_down_queue(leader: int) -> str:
+    """Mailbox of a node leader's relay: the coordinator's messages for every rank of the node."""
+    return f"node/{leader}/down"
+
+
 def reply_queue(request_id: str) -> str:
     """Mailbox of one client request."""
     return f"reply/{request_id}"

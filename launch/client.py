@@ -149,10 +149,24 @@ def short_recipe_key(text: str) -> str:
     return f"{m.group(1)}:{hashlib.sha256(text.encode()).hexdigest()[:8]}"
 
 
+def rank_ranges(ranks: list[int]) -> str:
+    """Sorted ranks as runs: [0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
 def format_status(info: dict[str, Any]) -> list[str]:
     """Human-readable lines for a status reply (see `Coordinator._status` for its fields)."""
-    lines = [
-        f"state: {info.get('phase_text') or info.get('phase', '?')}",
+    lines = [f"state: {info.get('phase_text') or info.get('phase', '?')}"]
+    waiting = info.get("waiting_for") or []
+    if waiting:  # what holds the open switch up (votes, acks or cancel votes still due)
+        lines.append(f"waiting for {len(waiting)} rank(s): {rank_ranges(waiting)}")
+    lines += [
         f"ranks: {info.get('world_size', '?')}, TP groups: {info.get('tp_groups', '?')}",
         "recipe key per rank:",
     ]

@@ -326,3 +326,22 @@ def test_commit_logged_within_the_window_is_published(tmp_path):
         assert job.result("r1").body["committed"] is True
     finally:
         job.close()
+
+
+def test_the_commit_step_is_booked_ahead_by_the_lead_the_prepare_announced(job):
+    job.request("r1")
+    prepares = job.prepares()
+    lead = prepares[0].lead_s
+    assert lead == 0.05 + 2 * 100e-6  # no switch measured yet: the estimate for two ranks
+    assert all(p.lead_s == lead for p in prepares)
+    job.s.send(Vote(1, 0, True, "d", 10, "", 0.01, 0.01))
+    job.s.send(Vote(1, 1, True, "d", 9, "", 0.01, 0.02))
+    # rank 0: 10 + 1 + floor(0.0502 / 0.01) = 16; rank 1: 9 + 1 + floor(0.0502 / 0.02) = 12
+    assert job.result("r1").body["step"] == 16
+    assert [d.step for d in job.prepares()] == [16, 16]  # the Decision each rank reads
+    for r in range(2):
+        job.s.send(Ack(1, r, 16, True, "", "B"))
+    wait_for(lambda: job.coord.phase is Phase.PUBLISHED, 5, "published")
+    job.request("r2")
+    again = job.prepares()[0].lead_s
+    assert again >= 0.05 and again != lead  # from the first switch's measured latency

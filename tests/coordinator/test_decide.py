@@ -1,7 +1,7 @@
 """`decide()` as a table: vote sets -> outcome (commit step, or the ranks that block the switch)."""
 
 import pytest
-from dist_quant.coordinator.protocol import Prepare, Vote, decide
+from dist_quant.coordinator.protocol import Prepare, Vote, decide, hold_step, lead_time
 
 RANKS = (0, 1, 2, 3)
 TP = ((0, 1), (2, 3))
@@ -131,3 +131,65 @@ def test_rank_that_voted_no_does_not_count_toward_its_group_majority():
     vs = votes(yes(0, 4, "good"), no(1), yes(2, 4, "good"))
     d = decide(Prepare(7, "b", None, 1.0), vs, (0, 1, 2), groups, False)
     assert d.reasons == {1: "boom"}
+
+
+def paced(rank, step, step_s):
+    """A YES vote of a rank that reports `step_s` seconds per step."""
+    return Vote(7, rank, True, "d", step, "", 0.01, step_s)
+
+
+# (name, votes, lead_s, at_step, commit step): the step is booked `lead_s` ahead of each vote at
+# that rank's own pace, the furthest of them; worked out by hand: last + 1 + floor(lead / step_s)
+LEAD_CASES = [
+    ("no lead: one past the largest step", [paced(r, 10, 0.1) for r in RANKS], 0.0, None, 11),
+    ("0.5 s ahead at 0.1 s per step", [paced(r, 10, 0.1) for r in RANKS], 0.5, None, 16),
+    ("a partial step does not count", [paced(r, 10, 0.1) for r in RANKS], 0.55, None, 16),
+    (
+        "a lead shorter than a step: the next boundary",
+        [paced(r, 10, 0.1) for r in RANKS],
+        0.05,
+        None,
+        11,
+    ),
+    (
+        "the fastest rank books furthest",
+        [paced(0, 10, 0.1), paced(1, 10, 0.05), paced(2, 11, 0.1), paced(3, 10, 0.1)],
+        0.5,
+        None,
+        21,
+    ),
+    (
+        "a rank whose pace is unknown adds no steps",
+        [paced(0, 10, 0.0), paced(1, 8, 0.25), paced(2, 10, 0.0), paced(3, 10, 0.0)],
+        1.0,
+        None,
+        13,
+    ),
+    ("a requested step is kept as it is", [paced(r, 10, 0.1) for r in RANKS], 0.5, 12, 12),
+    ("a tiny step is capped", [paced(r, 10, 1e-9) for r in RANKS], 1.0, None, 10_011),
+]
+
+
+@pytest.mark.parametrize(
+    "vs, lead_s, at_step, step", [c[1:] for c in LEAD_CASES], ids=[c[0] for c in LEAD_CASES]
+)
+def test_the_commit_step_is_booked_lead_seconds_ahead_of_every_vote(vs, lead_s, at_step, step):
+    d = decide(Prepare(7, "b", at_step, 2.5, lead_s), votes(*vs), RANKS, TP, False)
+    assert (d.commit, d.step) == (True, step)
+    for v in vs:  # no rank is held beyond the commit step: it can always still reach it
+        assert hold_step(v.last_step, v.step_s, lead_s, at_step) <= step
+
+
+@pytest.mark.parametrize(
+    "world, latency, lead",
+    [
+        (4, None, 0.05 + 4 * 100e-6),
+        (16384, None, 0.05 + 16384 * 100e-6),
+        (4, 0.01, 0.05),  # twice the last latency, but never under the minimum
+        (4, 0.2, 0.4),
+        (16384, 0.2, 0.4),  # measured beats estimated
+        (4, 30.0, 10.0),  # capped
+    ],
+)
+def test_lead_time_is_twice_the_last_switch_latency_or_an_estimate_by_ranks(world, latency, lead):
+    assert lead_time(world, latency) == pytest.approx(lead, rel=1e-12)

@@ -1,6 +1,7 @@
 """The participant: votes from its listener, waits at v+1, publishes exactly at S, and refuses to
 continue half-switched. Ranks are threads; the coordinator is real or played by hand."""
 
+import math
 import threading
 import time
 
@@ -10,7 +11,7 @@ from dist_quant.coordinator import SwitchError, fail_at, request_switch
 from dist_quant.coordinator.coordinator import Coordinator
 from dist_quant.coordinator.log import DecisionLog
 from dist_quant.coordinator.participant import Participant
-from dist_quant.coordinator.protocol import Ack, Decision, Hello, Prepare
+from dist_quant.coordinator.protocol import Ack, Alive, Decision, Hello, Prepare, Vote
 from dist_quant.coordinator.transport_memory import MemoryHub, MemoryTransport
 from dist_quant.coordinator.wire import rank_queue
 from switch_harness import (
@@ -116,6 +117,69 @@ def test_commit_at_a_later_step_publishes_exactly_there(solo):
         seen.append((step, model.recipe))
     assert seen == [(4, "A"), (5, "A"), (6, "B"), (7, "B"), (8, "B")]
     assert model.publishes == ["B"]
+
+
+def test_with_a_requested_step_the_rank_trains_on_undecided_until_that_step(solo):
+    coord, model, p = solo
+    p.step_boundary(3)
+    assert vote_after_prepare(coord, p, 1, at_step=20).yes
+    for step in range(4, 20):  # none of these waits: the decision is not needed before 20
+        p.step_boundary(step)
+    assert (p.state, model.recipe) == ("voted", "A")
+    t, box = run_boundary(p, 20)
+    t.join(0.2)
+    assert t.is_alive() and model.recipe == "A"  # at 20 undecided: waits
+    coord.send(Decision(1, True, 20, {}, ""), rank_queue(0))
+    t.join(5)
+    assert box == ["ok"] and model.publishes == ["B"]
+
+
+def test_without_a_requested_step_the_rank_trains_on_undecided_until_its_hold_step(solo):
+    coord, model, p = solo
+    for step in range(3):
+        p.step_boundary(step)
+        time.sleep(0.01)  # a measured pace of at least 10 ms per step
+    coord.send(Prepare(1, {"name": "B"}, None, 5.0, 0.5), rank_queue(0))
+    vote = coord.recv()
+    assert vote.yes and vote.last_step == 2 and vote.step_s >= 0.01
+    hold = 2 + 1 + math.floor(0.5 / vote.step_s)  # what the coordinator books, worked by hand
+    assert hold > 3, vote.step_s
+    for step in range(3, hold):
+        p.step_boundary(step)
+    assert (p.state, model.recipe) == ("voted", "A")
+    t, box = run_boundary(p, hold)
+    t.join(0.2)
+    assert t.is_alive() and model.recipe == "A"
+    coord.send(Decision(1, True, hold, {}, ""), rank_queue(0))
+    t.join(5)
+    assert box == ["ok"] and model.publishes == ["B"]
+
+
+def test_a_rank_planning_slowly_says_it_is_alive_until_it_votes(solo):
+    coord, model, p = solo
+    p.step_boundary(0)
+    slow = {"name": "B", "sleep_rank": 0, "sleep_s": 1.2}  # more than two beats of 0.5 s
+    coord.send(Prepare(1, slow, None, 5.0), rank_queue(0))
+    heard = [coord.recv()]
+    while not isinstance(heard[-1], Vote):
+        heard.append(coord.recv())
+    assert heard[0] == Alive(1, 0) and set(heard[:-1]) == {Alive(1, 0)}
+    assert heard[-1].yes and heard[-1].switch_id == 1
+    assert coord.silent(wait=0.7)  # voted: no more beats
+
+
+def test_an_abort_while_the_rank_still_plans_frees_it_and_the_late_plan_is_dropped(solo):
+    coord, model, p = solo
+    p.step_boundary(0)
+    coord.send(Prepare(1, {"name": "B", "sleep_rank": 0, "sleep_s": 1.0}, None, 5.0), rank_queue(0))
+    coord.send(Decision(1, False, None, {0: "too slow"}, ""), rank_queue(0))
+    wait_for(lambda: p.state == "idle", 5, "the abort to free the rank")
+    vote = vote_after_prepare(coord, p, 2, recipe={"name": "C"})
+    assert (vote.switch_id, vote.yes) == (2, True)
+    assert coord.silent(wait=1.5)  # the plan of switch 1 ended meanwhile: no vote for it
+    coord.send(Decision(2, True, 1, {}, ""), rank_queue(0))
+    p.step_boundary(1)
+    assert model.publishes == ["C"]
 
 
 def test_abort_drops_the_candidate(solo):
@@ -310,3 +374,15 @@ def test_four_ranks_in_lockstep_publish_at_the_same_step(tmp_path):
         first_b = logs[r].index("B")
         assert first_b == result.step, (r, first_b, result.step)
         assert set(logs[r][:first_b]) == {"A"} and set(logs[r][first_b:]) == {"B"}
+
+
+def test_the_pace_a_vote_reports_counts_only_consecutive_boundaries(solo):
+    coord, model, p = solo
+    for step in (0, 1, 2):
+        p.step_boundary(step)
+        time.sleep(0.02)
+    for _ in range(5):
+        p.step_boundary(2)  # a repeated boundary (a retried step) is not a fast step
+    p.step_boundary(7)  # nor is a jump
+    vote = vote_after_prepare(coord, p, 1)
+    assert vote.step_s >= 0.02

@@ -53,7 +53,8 @@ def ledger(newest=3, decided=None, given_up=(), cancel_given_up=()):
     )
 
 
-VOTED = Voted(3, PLAN, 5, 10.0)  # voted YES at step 5; gives up at t=10
+VOTED = Voted(3, PLAN, 5, 6, 10.0)  # voted YES at step 5; gives up at t=10
+HOLDING = Voted(3, PLAN, 5, 9, 10.0)  # the same, its commit booked ahead: holds step 9
 COMMITTING = Committing(3, PLAN, 8)  # publishes at step 8
 CANCEL_VOTED = CancelVoted(3, PLAN, 8, 10.0)
 BROKEN = Broken("an earlier reason")
@@ -84,6 +85,15 @@ def abort(switch_id=3):
 # (name, state, ledger, decision, expected state, expected ledger, expected send): a state given as
 # a string is a Broken state whose reason contains it.
 DECISION_CASES = [
+    (
+        "ABORT while the rank still plans frees it for the next switch",
+        Preparing(3, 10.0),
+        ledger(),
+        abort(),
+        Idle(),
+        ledger(decided={3: (False, None)}),
+        None,
+    ),
     (
         "COMMIT after a YES -> committing for its step",
         VOTED,
@@ -176,7 +186,7 @@ DECISION_CASES = [
     ),
     (
         "a late COMMIT of a given-up switch breaks a rank voting on the next",
-        Voted(4, PLAN, 6, 20.0),
+        Voted(4, PLAN, 6, 7, 20.0),
         ledger(newest=4, given_up={3}),
         commit(),
         "gave up waiting for switch 3",
@@ -272,6 +282,39 @@ BOUNDARY_CASES = [
         VOTED,
         ledger(),
         6,
+        10.0,
+        GaveUp(3),
+        ledger(given_up={3}),
+        Boundary.PASS,
+        0.0,
+    ),
+    (
+        "voted, holding step 9: boundary 8 trains on undecided",
+        HOLDING,
+        ledger(),
+        8,
+        9.0,
+        HOLDING,
+        ledger(),
+        Boundary.PASS,
+        0.0,
+    ),
+    (
+        "voted, holding step 9: boundary 9 waits for the decision",
+        HOLDING,
+        ledger(),
+        9,
+        9.0,
+        HOLDING,
+        ledger(),
+        Boundary.WAIT,
+        10.0,
+    ),
+    (
+        "voted, holding step 9: boundary 9 past the give-up time drops the candidate",
+        HOLDING,
+        ledger(),
+        9,
         10.0,
         GaveUp(3),
         ledger(given_up={3}),
@@ -416,8 +459,45 @@ def test_on_planned_votes_yes_with_the_digest_and_the_step_it_votes_at():
         last_step=7,
         prepare_s=0.25,
     )
-    assert step.state == Voted(4, PLAN, 7, 106.0)
+    assert step.state == Voted(4, PLAN, 7, 8, 106.0)
     assert step.send == Vote(4, RANK, True, "abc", 7, "", 0.25)
+
+
+@pytest.mark.parametrize(
+    "at_step, lead_s, step_s, hold",
+    [
+        (None, 0.0, 0.1, 8),  # no lead: hold the next boundary
+        (None, 0.5, 0.1, 13),  # 7 + 1 + 0.5 s / 0.1 s
+        (None, 0.5, 0.0, 8),  # pace not measured yet: the next boundary
+        (30, 0.5, 0.1, 30),  # a requested step: trains on undecided up to it
+    ],
+)
+def test_on_planned_holds_the_step_the_lead_reaches_at_the_rank_pace(at_step, lead_s, step_s, hold):
+    prepare = Prepare(4, "current", at_step, 5.0, lead_s)
+    step = on_planned(
+        Preparing(4, 106.0),
+        ledger(newest=4),
+        prepare,
+        plan=PLAN,
+        digest="abc",
+        error="",
+        last_step=7,
+        prepare_s=0.25,
+        step_s=step_s,
+    )
+    assert step.state == Voted(4, PLAN, 7, hold, 106.0)
+    assert step.send == Vote(4, RANK, True, "abc", 7, "", 0.25, step_s)
+
+
+@pytest.mark.parametrize(
+    "state", [Idle(), Preparing(5, 106.0)], ids=["aborted meanwhile", "next switch preparing"]
+)
+def test_on_planned_after_the_switch_was_decided_drops_the_plan_without_a_vote(state):
+    book = ledger(newest=5, decided={4: (False, None)})
+    step = on_planned(
+        state, book, PREPARE, plan=PLAN, digest="abc", error="", last_step=7, prepare_s=9.0
+    )
+    assert (step.state, step.ledger, step.send) == (state, book, None)
 
 
 def test_on_planned_failure_votes_no_with_the_error_and_goes_idle():

@@ -4,13 +4,15 @@
 gloo, default `attach(model)` (run dir from $DIST_QUANT_RUN_DIR), one step every `step_s`.
 Each rank writes its pid to `<run_dir>/pid.rank<r>` once attached, and at the end
 `<run_dir>/rank<r>.json`: the recipe key per step and the participant's final state. Training
-stops when `stop_file` exists (agreed by an all-reduce, so both ranks stop at one step). A rank
+stops when `stop_file` exists, from the step written in it on (agreed by an all-reduce, so
+both ranks stop at one step). A rank
 whose peer died (its collective raised) keeps stepping alone until the stop file, as a survivor
 does while the launcher decides what to do, so the test can watch its switch abort.
 
 CONFIG: stop_file, step_s, max_steps, plan_delay_rank (that rank's planning sleeps 60 s, so the
-test can kill it while it votes), host (attach's `host=`). An attach that fails writes its error to
-`<run_dir>/attach_error.rank<r>`.
+test can kill it while it votes), exit_at (`[rank, phase]`: that rank's process exits there, e.g.
+a node leader at "vote" or at "relay"), host (attach's `host=`). An attach that fails writes its
+error to `<run_dir>/attach_error.rank<r>`.
 """
 
 import json
@@ -38,6 +40,15 @@ def _publish(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _stop_now(stop_file: str, step: int) -> bool:
+    """The stop file exists and this step is at or past the step written in it (empty: any)."""
+    try:
+        text = Path(stop_file).read_text().strip()
+    except FileNotFoundError:
+        return False
+    return step >= int(text or 0)
+
+
 def main() -> None:
     cfg = json.loads(Path(sys.argv[1]).read_text())
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))
@@ -52,6 +63,9 @@ def main() -> None:
         faults = (
             fail_at(rank=cfg["plan_delay_rank"], phase="prepare", action="delay", seconds=60),
         )
+    if cfg.get("exit_at") is not None:
+        who, phase = cfg["exit_at"]
+        faults = (*faults, fail_at(rank=who, phase=phase, action="exit"))
     try:
         participant = attach(model, faults=faults, decision_grace_s=0.5, host=cfg.get("host"))
     except TransportError as e:
@@ -65,7 +79,7 @@ def main() -> None:
         participant.step_boundary(step)
         keys.append(repr(recipe_key_of(model)))
         x = torch.randn(8, 16)
-        stop = os.path.exists(cfg["stop_file"])
+        stop = _stop_now(cfg["stop_file"], step)
         if peer_lost_at is None:
             try:
                 with dq.autocast():

@@ -112,7 +112,7 @@ def fault_worker(rank: int, world: int, cfg: dict) -> dict:
             record["twin_equal"].append(same_bits(loss, twin_loss))
             record["kinds"].append(type(model[0].quant_binding.runtime.fwd_quantizers[0]).__name__)
             if step == 0:
-                (run_dir / f"ready{rank}").touch()
+                (run_dir / f"ready{rank}").write_text(str(os.getpid()))  # tests may stop it
             stop = Path(cfg["stop_file"])
             if stop_after is None and stop.exists():
                 stop_after = max(int(stop.read_text() or 0), step + 3)

@@ -221,3 +221,12 @@ def test_switch_sends_a_policy_file_as_the_recipe_the_ranks_build(tmp_path) -> N
         "rules": [{"modules": "output", "recipe": "bf16"}],
     }
     assert policy_of(recipe_from_dict(payload)).rules[0].name == "rules[0]"
+
+
+def test_status_names_the_ranks_an_open_switch_waits_for_as_runs() -> None:
+    from dist_quant.launch.client import format_status
+
+    info = {"phase_text": "switch 4: ranks are voting", "waiting_for": [7, 0, 1, 2, 5, 8]}
+    lines = format_status(info)
+    assert lines[:2] == ["state: switch 4: ranks are voting", "waiting for 6 rank(s): 0-2, 5, 7-8"]
+    assert not any(line.startswith("waiting") for line in format_status({"waiting_for": []}))

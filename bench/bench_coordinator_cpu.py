@@ -1,0 +1,122 @@
+"""The coordinator's own CPU per switch against N instant voters, in one process.
+
+    python bench/bench_coordinator_cpu.py [--ranks 1024,4096,16384] [--per-node 8] [--json]
+
+A real `Coordinator` (memory transport, a real fsynced decision log in a temp dir) runs one switch
+for N ranks whose votes and acks are sealed beforehand and pushed the moment the Prepare is out,
+so what is timed is the coordinator: unsealing, counting, deciding, logging, fanning out.
+Printed per N: request -> decision (wall), decision -> every ack counted (wall), and the process
+CPU over the whole switch (the coordinator's threads; the voters only push ready bytes).
+With `--per-node K` the ranks sit in nodes of K behind node relays (node_relay.py): the votes and
+acks arrive as one ready Bundle per node, the Prepare and the decision go out once per node, which
+is what rank 0 does in a job across hosts (the relays' own work runs on the other hosts).
+The end-to-end scale benchmark with real participants is bench/bench_switch_scale.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from dist_quant.coordinator.coordinator import Coordinator
+from dist_quant.coordinator.log import DecisionLog
+from dist_quant.coordinator.protocol import Ack, Bundle, StatusQuery, SwitchRequest, Vote
+from dist_quant.coordinator.transport_memory import MemoryHub, MemoryTransport
+from dist_quant.coordinator.wire import INBOX, reply_queue, seal, unseal
+
+TOKEN = "bench-token"
+LAST_STEP = 10
+
+
+def _reply(hub: MemoryHub, request_id: str, limit_s: float = 600.0):
+    """Polls (rather than blocking in `pop`) so that this thread is not woken by every push."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        data = hub.pop(reply_queue(request_id), 0)
+        if data is not None:
+            return unseal(data, TOKEN)
+        time.sleep(0.001)
+    raise TimeoutError(f"no reply to {request_id} within {limit_s} s")
+
+
+def _batched(msgs: list, per_node: int) -> list[bytes]:
+    """Each message sealed on its own, or (`per_node` > 1) one sealed Bundle per node."""
+    if per_node <= 1:
+        return [seal(m, TOKEN) for m in msgs]
+    return [
+        seal(Bundle(i, tuple(m.to_dict() for m in msgs[i : i + per_node])), TOKEN)
+        for i in range(0, len(msgs), per_node)
+    ]
+
+
+def one_switch(ranks: int, tmp: Path, per_node: int = 1) -> dict[str, float]:
+    hub = MemoryHub()
+    nodes = [range(i, i + per_node) for i in range(0, ranks, per_node)] if per_node > 1 else []
+    coord = Coordinator(
+        MemoryTransport(hub),
+        token=TOKEN,
+        world_size=ranks,
+        tp_groups=[(r, r + 1) for r in range(0, ranks, 2)],
+        log=DecisionLog(tmp / f"decisions-{ranks}-{per_node}.jsonl"),
+        relayed_nodes=nodes,
+    )
+    coord.start()
+    vote_msgs = [Vote(1, r, True, "digest", LAST_STEP, "", 0.001) for r in range(ranks)]
+    votes = _batched(vote_msgs, per_node)
+    try:
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        hub.push(INBOX, seal(SwitchRequest("req", {"name": "B"}, None, 600.0), TOKEN))
+        accepted = _reply(hub, "req")
+        if accepted.status != "accepted":
+            raise RuntimeError(f"request refused: {accepted.error}")
+        for data in votes:
+            hub.push(INBOX, data)
+        result = _reply(hub, "req").body
+        t_decided = time.perf_counter()
+        if not result["committed"]:
+            raise RuntimeError(f"switch aborted: {result['summary']}")
+        step = result["step"]
+        for data in _batched([Ack(1, r, step, True, "", "B") for r in range(ranks)], per_node):
+            hub.push(INBOX, data)
+        hub.push(INBOX, seal(StatusQuery("after-acks"), TOKEN))
+        phase = _reply(hub, "after-acks").body["phase"]
+        t_acked, cpu1 = time.perf_counter(), time.process_time()
+        if phase != "published":
+            raise RuntimeError(f"after every ack the coordinator is {phase}, not published")
+    finally:
+        coord.stop()
+    return {
+        "ranks": ranks,
+        "per_node": per_node,
+        "decision_ms": (t_decided - t0) * 1e3,
+        "acks_ms": (t_acked - t_decided) * 1e3,
+        "cpu_ms": (cpu1 - cpu0) * 1e3,
+        "cpu_us_per_rank": (cpu1 - cpu0) * 1e6 / ranks,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", default="1024,4096,16384")
+    ap.add_argument("--per-node", type=int, default=1, help="ranks per node relay (1: none)")
+    ap.add_argument("--json", action="store_true", help="one JSON object per line")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in (int(x) for x in args.ranks.split(",")):
+            row = one_switch(n, Path(tmp), args.per_node)
+            if args.json:
+                print(json.dumps(row), flush=True)
+            else:
+                print(
+                    f"{n:>6} ranks: request->decision {row['decision_ms']:9.1f} ms, "
+                    f"acks {row['acks_ms']:8.1f} ms, CPU {row['cpu_ms']:9.1f} ms "
+                    f"({row['cpu_us_per_rank']:.1f} us/rank)",
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""The coordinator judges deadlines and silence only after draining its inbox: votes queued behind
+a slow reader are counted, a rank that keeps saying it is alive is waited for, a silent one aborts
+the switch at its lease. Hand-played ranks on a memory transport."""
+
+import threading
+import time
+
+import pytest
+from dist_quant.coordinator.protocol import Alive, StatusQuery, Vote
+from dist_quant.coordinator.transport_memory import MemoryHub, MemoryTransport
+from dist_quant.coordinator.wire import INBOX, reply_queue, seal
+from test_coordinator import TOKEN, Job
+
+SILENT = "no vote and no sign of life for 2 s: dead, stopped or cut off"
+
+
+class SlowInbox(MemoryTransport):
+    """The coordinator's reading connection takes 2 ms per message, as a busy rank 0 would."""
+
+    def pop(self, queue, timeout=None):
+        data = super().pop(queue, timeout)
+        if data is not None and queue == INBOX:
+            time.sleep(0.002)
+        return data
+
+    def clone(self):
+        return SlowInbox(self.hub)
+
+
+def test_votes_pushed_before_the_deadline_but_still_queued_are_counted(tmp_path):
+    world = 100  # 100 votes at 2 ms each: the last is read 0.2 s after the 0.05 s deadline
+    hub = MemoryHub()
+    job = Job(tmp_path, world=world, hub=hub, transport=SlowInbox(hub), commit_window_s=5.0)
+    try:
+        assert job.request("r1", timeout_s=0.05).status == "accepted"
+        job.vote_all_yes(1)  # all pushed at once, well before the deadline passes
+        body = job.result("r1").body
+        assert body["committed"] is True, body["summary"]
+        assert body["reasons"] == {}
+    finally:
+        job.close()
+
+
+@pytest.fixture
+def job(tmp_path):
+    j = Job(tmp_path)
+    yield j
+    j.close()
+
+
+def test_a_rank_silent_for_the_lease_aborts_the_switch_long_before_its_deadline(job):
+    job.request("r1", timeout_s=60.0)
+    job.prepares()
+    job.s.send(Vote(1, 0, True, "d", 3, "", 0.0, 0.01))
+    job.s.send(StatusQuery("q"))
+    assert job.s.recv(reply_queue("q")).body["waiting_for"] == [1]
+    body = job.result("r1").body
+    assert body["committed"] is False and body["reasons"] == {"1": SILENT}
+    assert body["summary"] == f"rank 1: {SILENT}"
+
+
+def test_a_rank_that_keeps_saying_it_is_alive_is_waited_for(job):
+    job.request("r1", timeout_s=60.0)
+    job.prepares()
+    job.s.send(Vote(1, 0, True, "d", 3, "", 0.0, 0.01))
+    stop = threading.Event()
+
+    def beat():  # rank 1 plans for 3 s, longer than the lease, saying it is alive
+        while not stop.wait(0.5):
+            job.s.tx.push(INBOX, seal(Alive(1, 1), TOKEN))
+
+    beats = threading.Thread(target=beat, daemon=True)
+    beats.start()
+    try:
+        time.sleep(3.0)
+        assert job.s.silent(reply_queue("r1"), wait=0.0)  # still open
+        job.s.send(Vote(1, 1, True, "d", 3, "", 0.0, 0.01))
+        body = job.result("r1").body
+    finally:
+        stop.set()
+        beats.join()
+    assert body["committed"] is True, body["summary"]
