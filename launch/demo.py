@@ -50,6 +50,7 @@ from dist_quant.launch.demo_schedule import Schedule, load_schedule_file, resolv
 from dist_quant.launch.demo_switches import StepWatch, SwitchDriver
 from dist_quant.launch.errors import CliError
 from dist_quant.launch.ray import RAY_INSTALL_HINT
+from dist_quant.launch.stop_signals import deferred
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -200,12 +201,14 @@ def run_demo(opts: DemoOptions) -> int:
     )
     console.print("schedule: " + ", ".join(f"{p.label} @ {p.start}" for p in schedule.phases))
     watch = StepWatch(rank_log_path(out, 0), since=launched_at)
-    driver = SwitchDriver(schedule.switches, out, _stale_token(out), opts.switch_timeout_s, watch)
+    stale = _stale_token(out)
+    driver = SwitchDriver(schedule.switches, out, stale, opts.switch_timeout_s, watch)
     runner: Any = None
     finished = False
     try:
         with console.status(f"starting {opts.nproc} ranks with {opts.launcher}..."):
-            runner = _runner_class(opts.launcher)(cfg, out)
+            with deferred():  # a stop signal during the spawn must find `runner` to stop
+                runner = _runner_class(opts.launcher)(cfg, out)
             driver.start()
             while driver.token is None and driver.is_alive():
                 if runner.finished():  # raises CliError naming the failure
@@ -233,10 +236,12 @@ def run_demo(opts: DemoOptions) -> int:
         finished = True
     finally:
         driver.stop_event.set()
-        if runner is not None:
-            runner.stop()
-        if not finished and driver.token is not None:
-            remove_endpoint(out, driver.token)  # the ranks are gone; clients must not wait
+        with deferred():  # a second stop signal must not cut the stop short
+            if runner is not None:
+                runner.stop()
+            left = _stale_token(out)  # this run's, even if the driver has not seen it yet
+            if not finished and left is not None and left != stale:
+                remove_endpoint(out, left)  # the ranks are gone; clients must not wait
     driver.join(timeout=30)
 
     logs = {r: read_rank_log(rank_log_path(out, r)) for r in range(opts.nproc)}
