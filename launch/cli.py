@@ -68,8 +68,9 @@ def parse_recipe_arg(text: str) -> str | dict[str, Any]:
         try:
             value = yaml.safe_load(Path(stripped).read_text())
         except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError) as e:
-            first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise CliError(f"recipe file {stripped!r} is not valid JSON/YAML: {first}", 2) from e
+            raise CliError(
+                f"recipe file {stripped!r} is not valid JSON/YAML: {_parse_problem(e)}", 2
+            ) from e
         where = f"recipe file {stripped!r}"
     elif Path(stripped).suffix.lower() in (".json", ".yaml", ".yml"):
         raise CliError(f"recipe file {stripped!r} does not exist", 2)
@@ -80,6 +81,16 @@ def parse_recipe_arg(text: str) -> str | dict[str, Any]:
             f"{where} holds a {type(value).__name__}; a recipe is an object or a built-in name", 2
         )
     return value
+
+
+def _parse_problem(e: BaseException) -> str:
+    """What is wrong with a recipe file, and where: YAML's own problem text at its line and
+    column (1-based, as editors count) where the parser knows them."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None)
+    if mark is not None and problem:
+        return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
 def _is_file(text: str) -> bool:
