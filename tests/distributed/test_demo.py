@@ -290,9 +290,13 @@ def test_ctrl_c_stops_the_demo_and_leaves_no_endpoint_behind(tmp_path, sig) -> N
             demo.send_signal(signal.Signals[sig])
             assert demo.wait(timeout=120) == 128 + signal.Signals[sig]
         finally:
-            if demo.poll() is None:
-                demo.kill()
-                demo.wait(60)
+            if demo.poll() is None:  # a failed wait: SIGTERM stops the ranks too, SIGKILL not
+                demo.terminate()
+                try:
+                    demo.wait(60)
+                except subprocess.TimeoutExpired:
+                    demo.kill()
+                    demo.wait(60)
     assert not (out / "coordinator.json").exists()
     status = subprocess.run(
         [sys.executable, "-m", "dist_quant.launch.cli", "status", "--run-dir", str(out)],
