@@ -68,7 +68,16 @@ def plot_stats_heatmap(
     """The heat map of `<run_dir>/fp8_stats.jsonl`; None (nothing written) without stats.
     `unquantized`: [first, end) step ranges that ran in bf16 (nothing cast, so nothing to count):
     shaded and labelled, where the colour scale alone would read "0 saturated"."""
-    run_dir = Path(run_dir)
+    fig = stats_heatmap_figure(Path(run_dir), unquantized)
+    if fig is None:
+        return None
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    return out
+
+
+def stats_heatmap_figure(run_dir: Path, unquantized: Sequence[tuple[int, int]] = ()) -> Any:
+    """The heat map's matplotlib Figure (see `plot_stats_heatmap`); None without stats."""
     stats_path = run_dir / STATS_FILE
     records = read_jsonl(stats_path) if stats_path.is_file() else []
     if not records:
@@ -111,9 +120,7 @@ def plot_stats_heatmap(
         axes[-1].text(step, bottom, f" {label}", color="#2ecc71", fontsize=7, va="bottom",
                       bbox={"facecolor": "black", "alpha": 0.6, "lw": 0, "pad": 1})  # fmt: skip
     axes[-1].set_xlabel("step")
-    out = Path(path)
-    fig.savefig(out, dpi=110)
-    return out
+    return fig
 
 
 def committed_guard_switches(run_dir: Path) -> list[dict[str, Any]]:
