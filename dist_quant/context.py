@@ -80,6 +80,12 @@ def _plan_modules_as_called(region: AmaxRegion) -> RemovableHandle | None:
     handle: RemovableHandle | None = None
 
     def hook(module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            # Dynamo traces global hooks into the graph, and planning mutates module-keyed
+            # tables (a crash under fullgraph once any unplanned module lives elsewhere). A
+            # compiled module is planned before tracing: torch calls global hooks on the
+            # OptimizedModule itself eagerly, and that call plans its whole subtree.
+            return
         ctx = current_context()
         if ctx is None or ctx.region is not region:
             return  # another thread's region, whose own hook plans its modules

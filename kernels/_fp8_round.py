@@ -31,8 +31,7 @@ import struct
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
+from dist_quant.kernels._triton import tl, triton
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from dist_quant.kernels._triton import driver, knobs
 from torch.library import wrap_triton
-from triton import knobs
-from triton.runtime.driver import driver
 
 _I32_MIN, _I32_END = -(2**31), 2**31
 

@@ -12,8 +12,6 @@ Each program loads a ``[BM, NB, 128]`` tile with the 128-element axis explicit; 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 from dist_quant.kernels._fp8_round import (
     abs_bits,
     amax_from_bits,
@@ -28,6 +26,7 @@ from dist_quant.kernels._fp8_round import (
     scale_from_amax,
 )
 from dist_quant.kernels._launch import FastLaunch
+from dist_quant.kernels._triton import tl, triton
 
 FLOAT8_BLOCK = 128
 

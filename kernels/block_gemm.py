@@ -30,10 +30,9 @@ fp32, so this is the same computation with fp32 summation inside a step.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 from dist_quant.kernels._fp8_round import _INTERPRETED, fp8_decode, fp8_spec, is_gpu, to_bf16_bits
 from dist_quant.kernels._launch import FastLaunch
+from dist_quant.kernels._triton import tl, triton
 
 K_BLOCK = 128  # the Float8 block-scaling tile width: one scale per operand row per K step
 

@@ -22,8 +22,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-import triton
-import triton.language as tl
 from dist_quant.kernels._fp8_round import (
     Fp8Spec,
     abs_bits,
@@ -48,6 +46,7 @@ from dist_quant.kernels._launch import (
     launch_config,
     remember,
 )
+from dist_quant.kernels._triton import tl, triton
 
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -17,8 +17,6 @@ import functools
 from typing import Any, NamedTuple
 
 import torch
-import triton
-import triton.language as tl
 from dist_quant.kernels._fp8_round import (
     abs_bits,
     amax_from_bits,
@@ -38,6 +36,7 @@ from dist_quant.kernels._launch import (
     launch_config,
     remember,
 )
+from dist_quant.kernels._triton import tl, triton
 from dist_quant.kernels.cast import AmaxPartials, cast_args, launch_cast
 
 # GPU amax pass: BLOCK elements per loop step, PROGRAMS_PER_SM persistent programs per SM

@@ -24,10 +24,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
-import triton
-import triton.language as tl
 from dist_quant.kernels._fp8_round import f32_bits, is_finite, is_inf, next_pow2
 from dist_quant.kernels._launch import FastLaunch, LaunchConfig, PreparedLaunch, launch_config
+from dist_quant.kernels._triton import tl, triton
 
 _ALGOS = {"max": 0, "most_recent": 1}
 _FIELDS = 14  # int64 table columns, in the order the kernel reads them

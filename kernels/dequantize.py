@@ -13,8 +13,6 @@ row ``r`` using scale row ``r // ROW_GROUP`` (1 for rowwise blocks, 128 for 128x
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 from dist_quant.kernels._fp8_round import (
     flat_pair,
     fp8_decode,
@@ -25,6 +23,7 @@ from dist_quant.kernels._fp8_round import (
     to_bf16_bits,
 )
 from dist_quant.kernels._launch import FastLaunch
+from dist_quant.kernels._triton import tl, triton
 
 _OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 

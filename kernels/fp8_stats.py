@@ -19,8 +19,6 @@ sums them with torch on the device, so the counts are exact and deterministic wi
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 from dist_quant.kernels import reference
 from dist_quant.kernels._fp8_round import (
     abs_bits,
@@ -30,6 +28,7 @@ from dist_quant.kernels._fp8_round import (
     is_gpu,
     scalar_fp32,
 )
+from dist_quant.kernels._triton import tl, triton
 
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # GPU: BLOCK elements per loop step, PROGRAMS_PER_SM persistent programs per SM (the amax pass's

@@ -15,8 +15,6 @@ from __future__ import annotations
 import struct
 
 import torch
-import triton
-import triton.language as tl
 from dist_quant.kernels._fp8_round import (
     abs_bits,
     amax_from_bits,
@@ -27,6 +25,7 @@ from dist_quant.kernels._fp8_round import (
     rows_cols,
 )
 from dist_quant.kernels._launch import FastLaunch
+from dist_quant.kernels._triton import tl, triton
 
 MXFP8_BLOCK = 32
 

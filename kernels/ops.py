@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 from dist_quant.kernels import reference
+from dist_quant.kernels._triton import HAVE_TRITON
 from dist_quant.kernels.cast import cast_to_fp8_triton, cast_transpose_triton, delayed_cast_triton
 from dist_quant.kernels.current import (
     amax_triton,
@@ -98,7 +99,7 @@ def register_op(
         op.register_kernel("cuda")(cuda)
     op.register_fake(fake)
     inlined = None
-    if cuda is not None and traceable:
+    if cuda is not None and traceable and HAVE_TRITON:  # without Triton no CUDA kernel runs
         inlined = triton_op(f"dist_quant::{name}_triton", cuda, mutates_args=mutates_args)
     return Op(op, default, cuda, inlined)
 

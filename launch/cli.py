@@ -12,6 +12,7 @@ get the traceback of an unexpected error). Exit codes:
        `roles`: the recipe does not fit the model
     2  usage errors (bad flags, unparseable recipe JSON/YAML, bad model spec) and connection
        errors (no job in the run directory, coordinator unreachable, wrong token)
+  128+N  `run` and `demo` stopped by signal N (130: Ctrl-C, 143: SIGTERM), every rank stopped
 
 A recipe that parses but is not a valid recipe (unknown type or field, bad value) is sent to the
 job like any other: every rank votes no with the reason, `switch` exits 1 and training goes on
@@ -32,6 +33,7 @@ import yaml
 from dist_quant.launch.client import cancel, status, switch
 from dist_quant.launch.errors import CliError
 from dist_quant.launch.stats import add_stats_parser, run_stats
+from dist_quant.launch.stop_signals import StopRequested, stop_on_signals
 from dist_quant.launch.torchrun import run_script
 
 
@@ -66,8 +68,9 @@ def parse_recipe_arg(text: str) -> str | dict[str, Any]:
         try:
             value = yaml.safe_load(Path(stripped).read_text())
         except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError) as e:
-            first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise CliError(f"recipe file {stripped!r} is not valid JSON/YAML: {first}", 2) from e
+            raise CliError(
+                f"recipe file {stripped!r} is not valid JSON/YAML: {_parse_problem(e)}", 2
+            ) from e
         where = f"recipe file {stripped!r}"
     elif Path(stripped).suffix.lower() in (".json", ".yaml", ".yml"):
         raise CliError(f"recipe file {stripped!r} does not exist", 2)
@@ -78,6 +81,16 @@ def parse_recipe_arg(text: str) -> str | dict[str, Any]:
             f"{where} holds a {type(value).__name__}; a recipe is an object or a built-in name", 2
         )
     return value
+
+
+def _parse_problem(e: BaseException) -> str:
+    """What is wrong with a recipe file, and where: YAML's own problem text at its line and
+    column (1-based, as editors count) where the parser knows them."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None)
+    if mark is not None and problem:
+        return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
 def _is_file(text: str) -> bool:
@@ -310,6 +323,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ---- handlers --------------------------------------------------------------------------------
 def _cmd_demo(args: argparse.Namespace) -> int:
+    with stop_on_signals():  # before torch's import: a stop from now on stops the job cleanly
+        return _run_demo(args)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
     from dist_quant.launch.demo import DemoOptions, run_demo  # torch: only `demo` needs it
 
     return run_demo(
@@ -332,9 +350,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     try:
-        rc = run_script(
-            args.nproc, args.script, args.args, module=args.module, run_dir=args.run_dir
-        )
+        with stop_on_signals():
+            rc = run_script(
+                args.nproc,
+                args.script,
+                args.args,
+                module=args.module,
+                run_dir=args.run_dir,
+                announce=sys.stderr,
+            )
     except FileNotFoundError as e:
         raise CliError(str(e), 2) from e
     if rc != 0:
@@ -410,6 +434,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("dist-quant: interrupted", file=sys.stderr)
         return 130
+    except StopRequested as e:  # `run` and `demo` have stopped every rank by now
+        print(f"dist-quant: {e}; every rank has stopped", file=sys.stderr)
+        return e.exit_code
     except Exception as e:
         if os.environ.get("DIST_QUANT_DEBUG"):
             raise

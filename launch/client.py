@@ -56,10 +56,7 @@ def switch(
             if not wait or time.monotonic() + _BUSY_RETRY_S > give_up_at:
                 raise CliError(f"switch refused: {e}", 1) from e
             if not told:
-                print(
-                    f"dist-quant: {e}; waiting for it (up to {timeout_s:g} s, Ctrl-C to stop)",
-                    file=sys.stderr,
-                )
+                print(f"dist-quant: {_waiting_message(e, timeout_s)}", file=sys.stderr)
                 told = True
             time.sleep(_BUSY_RETRY_S)
         except SwitchRequestError as e:
@@ -78,6 +75,13 @@ def switch(
     if not result.reasons and result.summary:
         print(f"  {result.summary}")
     return 1
+
+
+def _waiting_message(busy: SwitchBusyError, timeout_s: float) -> str:
+    """The coordinator's refusal says "retry after it ends" (right for `--no-wait`); a waiting
+    `switch` says it waits instead, keeping what is open and how to cancel it."""
+    what, _, hint = str(busy).partition("; retry after it ends")
+    return f"{what}; waiting for it to end (up to {timeout_s:g} s, Ctrl-C to stop){hint}"
 
 
 def cancel(
@@ -126,7 +130,15 @@ def status(
     # the guard's decisions live in the decision log beside the coordinator's
     guard = last_guard_decision(Path(info["log"]).parent) if info.get("log") else None
     if as_json:
-        print(json.dumps({**info, "last_guard_decision": guard}, indent=1, sort_keys=True))
+        raw = info.get("recipe_keys") or {}
+        shown = {
+            **info,
+            # the form the text prints; the exact key (a Python repr) stays beside it
+            "recipe_keys": {r: short_recipe_key(k) for r, k in raw.items()},
+            "recipe_key_reprs": raw,
+            "last_guard_decision": guard,
+        }
+        print(json.dumps(shown, indent=1, sort_keys=True))
         return 0
     for line in format_status(info):
         print(line)
@@ -162,12 +174,17 @@ def rank_ranges(ranks: list[int]) -> str:
 
 def format_status(info: dict[str, Any]) -> list[str]:
     """Human-readable lines for a status reply (see `Coordinator._status` for its fields)."""
+    groups = info.get("tp_groups")
+    if isinstance(groups, list) and all(len(g) == 1 for g in groups):
+        parallel = "no tensor parallelism"  # each rank its own group: data parallel only
+    else:
+        parallel = f"TP groups: {groups if groups is not None else '?'}"
     lines = [f"state: {info.get('phase_text') or info.get('phase', '?')}"]
     waiting = info.get("waiting_for") or []
     if waiting:  # what holds the open switch up (votes, acks or cancel votes still due)
         lines.append(f"waiting for {len(waiting)} rank(s): {rank_ranges(waiting)}")
     lines += [
-        f"ranks: {info.get('world_size', '?')}, TP groups: {info.get('tp_groups', '?')}",
+        f"ranks: {info.get('world_size', '?')}, {parallel}",
         "recipe key per rank:",
     ]
     keys = info.get("recipe_keys") or {}

@@ -34,7 +34,11 @@ import torch
 # threads at once can be seen half-initialised (an ImportError seen once on a GPU host).
 from dist_quant.coordinator.endpoint import read_endpoint, remove_endpoint
 from dist_quant.launch.demo_data import MarkovTask
-from dist_quant.launch.demo_guard import HEATMAP_FILE, plot_stats_heatmap
+from dist_quant.launch.demo_guard import (
+    HEATMAP_FILE,
+    committed_guard_switches,
+    plot_stats_heatmap,
+)
 from dist_quant.launch.demo_model import parse_gpt_spec
 from dist_quant.launch.demo_report import (
     plot_loss,
@@ -50,6 +54,7 @@ from dist_quant.launch.demo_schedule import Schedule, load_schedule_file, resolv
 from dist_quant.launch.demo_switches import StepWatch, SwitchDriver
 from dist_quant.launch.errors import CliError
 from dist_quant.launch.ray import RAY_INSTALL_HINT
+from dist_quant.launch.stop_signals import deferred
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -134,6 +139,32 @@ def _resolve(opts: DemoOptions) -> tuple[dict[str, Any], Schedule]:
     return cfg, schedule
 
 
+def spike_note(schedule: Schedule, spike_at: int | None, steps: int) -> str | None:
+    """Why `--spike-at` will show the guard nothing, if it will not: a step past the run (a
+    usage error, CliError 2), or one in a bf16 phase, where nothing is cast to FP8, so nothing
+    saturates (a note: a loss spike there is still the user's to try)."""
+    if spike_at is None:
+        return None
+    if spike_at >= steps:
+        raise CliError(f"demo: --spike-at {spike_at} is past the last step ({steps - 1})", 2)
+    precision_of = _precision_classifier()
+    ends = [p.start for p in schedule.phases[1:]] + [steps]
+    spans = list(zip(schedule.phases, ends, strict=True))
+    phase, end = next((p, e) for p, e in reversed(spans) if p.start <= spike_at)
+    if precision_of(short_key(recipe_from_dict(phase.recipe))) != "bf16":
+        return None
+    fp8 = ", ".join(
+        f"{p.start}-{e - 1}"
+        for p, e in spans
+        if e > p.start and precision_of(short_key(recipe_from_dict(p.recipe))) != "bf16"
+    )
+    return (
+        f"note: --spike-at {spike_at} lands in '{phase.label}' (steps {phase.start}-{end - 1}), "
+        "which casts nothing to FP8: the guard will see no saturation"
+        + (f"; FP8 runs at steps {fp8}" if fp8 else "")
+    )
+
+
 def _runner_class(launcher: str) -> Any:
     if launcher == "ray-train":
         from dist_quant.launch.ray_train import DemoRunner  # Ray Train is imported only here
@@ -188,6 +219,7 @@ def _console() -> Any:
 def run_demo(opts: DemoOptions) -> int:
     """Run the demo end to end; returns the exit code (CliError for failures)."""
     cfg, schedule = _resolve(opts)
+    note = spike_note(schedule, opts.spike_at, opts.steps)
     cfg["nproc"] = opts.nproc
     out = Path(cfg["run_dir"])
     out.mkdir(parents=True, exist_ok=True)
@@ -199,13 +231,17 @@ def run_demo(opts: DemoOptions) -> int:
         f"{cfg['device']}, {opts.launcher}), {opts.steps} steps; run dir {out}"
     )
     console.print("schedule: " + ", ".join(f"{p.label} @ {p.start}" for p in schedule.phases))
+    if note is not None:
+        console.print(f"[yellow]{note}[/]")
     watch = StepWatch(rank_log_path(out, 0), since=launched_at)
-    driver = SwitchDriver(schedule.switches, out, _stale_token(out), opts.switch_timeout_s, watch)
+    stale = _stale_token(out)
+    driver = SwitchDriver(schedule.switches, out, stale, opts.switch_timeout_s, watch)
     runner: Any = None
     finished = False
     try:
         with console.status(f"starting {opts.nproc} ranks with {opts.launcher}..."):
-            runner = _runner_class(opts.launcher)(cfg, out)
+            with deferred():  # a stop signal during the spawn must find `runner` to stop
+                runner = _runner_class(opts.launcher)(cfg, out)
             driver.start()
             while driver.token is None and driver.is_alive():
                 if runner.finished():  # raises CliError naming the failure
@@ -233,10 +269,12 @@ def run_demo(opts: DemoOptions) -> int:
         finished = True
     finally:
         driver.stop_event.set()
-        if runner is not None:
-            runner.stop()
-        if not finished and driver.token is not None:
-            remove_endpoint(out, driver.token)  # the ranks are gone; clients must not wait
+        with deferred():  # a second stop signal must not cut the stop short
+            if runner is not None:
+                runner.stop()
+            left = _stale_token(out)  # this run's, even if the driver has not seen it yet
+            if not finished and left is not None and left != stale:
+                remove_endpoint(out, left)  # the ranks are gone; clients must not wait
     driver.join(timeout=30)
 
     logs = {r: read_rank_log(rank_log_path(out, r)) for r in range(opts.nproc)}
@@ -248,6 +286,7 @@ def run_demo(opts: DemoOptions) -> int:
         schedule_keys=schedule_keys,
         entropy_floor=task.entropy_rate(),
         precision_of=_precision_classifier(),
+        guard_switches=committed_guard_switches(out),
     )
     summary["config"] = {k: v for k, v in cfg.items() if k != "run_dir"} | {
         "launcher": opts.launcher
@@ -260,7 +299,12 @@ def run_demo(opts: DemoOptions) -> int:
         for table in tables:
             text_console.print(table)
     plot_loss(summary, out / "loss.png")
-    if plot_stats_heatmap(out, out / HEATMAP_FILE):
+    bf16_steps = [
+        (ph["start"], ph["start"] + ph["steps"])
+        for ph in summary["phases"]
+        if ph["precision"] == "bf16"
+    ]
+    if plot_stats_heatmap(out, out / HEATMAP_FILE, bf16_steps):
         console.print(f"FP8 heat map: {out / HEATMAP_FILE}")
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     console.print(f"loss curve: {out / 'loss.png'}   summary: {out / 'summary.json'}")

@@ -5,18 +5,22 @@
 - `ActivationSpike`: multiplies the input of one layer's attention output projection by
   `SPIKE_FACTOR` at one step (forward only: the gradient passes unscaled), the outlier a real run
   sees when one layer's activations blow up;
-- `plot_stats_heatmap(run_dir, path)`: modules x steps, saturated and underflowed fractions (the
-  worst slot of each module), with each committed guard switch marked; written beside loss.png.
+- `plot_stats_heatmap(run_dir, path, unquantized=...)`: modules x steps, saturated and
+  underflowed fractions (the worst slot of each module), with each committed guard switch marked
+  and the steps that ran without FP8 (bf16) shaded, not drawn as "0 saturated"; beside loss.png;
+- `committed_guard_switches(run_dir)`: the guard's committed switches from `decisions.jsonl`.
 
 The launcher process only plots: torch is imported where a rank needs it (`ActivationSpike`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from dist_quant.coordinator.guard import PrecisionGuard
+from dist_quant.launch.demo_report import guard_label
 from dist_quant.launch.stats import GUARD_RECORD, LOG_FILE, STATS_FILE, read_jsonl
 
 SPIKE_FACTOR = 1e4
@@ -58,9 +62,22 @@ class ActivationSpike:
         return (h + h.detach() * (SPIKE_FACTOR - 1), *args[1:])
 
 
-def plot_stats_heatmap(run_dir: str | Path, path: str | Path) -> Path | None:
-    """The heat map of `<run_dir>/fp8_stats.jsonl`; None (nothing written) without stats."""
-    run_dir = Path(run_dir)
+def plot_stats_heatmap(
+    run_dir: str | Path, path: str | Path, unquantized: Sequence[tuple[int, int]] = ()
+) -> Path | None:
+    """The heat map of `<run_dir>/fp8_stats.jsonl`; None (nothing written) without stats.
+    `unquantized`: [first, end) step ranges that ran in bf16 (nothing cast, so nothing to count):
+    shaded and labelled, where the colour scale alone would read "0 saturated"."""
+    fig = stats_heatmap_figure(Path(run_dir), unquantized)
+    if fig is None:
+        return None
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    return out
+
+
+def stats_heatmap_figure(run_dir: Path, unquantized: Sequence[tuple[int, int]] = ()) -> Any:
+    """The heat map's matplotlib Figure (see `plot_stats_heatmap`); None without stats."""
     stats_path = run_dir / STATS_FILE
     records = read_jsonl(stats_path) if stats_path.is_file() else []
     if not records:
@@ -79,35 +96,42 @@ def plot_stats_heatmap(run_dir: str | Path, path: str | Path) -> Path | None:
             for s in rec.get("slots", []):
                 i = row[s["module"]]
                 grid[i][j] = max(grid[i][j], s.get(name, 0.0), floor)
-    switches = _committed_guard_switches(run_dir)
+    switches = [(g["commit_step"], guard_label(g)) for g in committed_guard_switches(run_dir)]
     fig = Figure(figsize=(10, 1.5 + 0.45 * len(modules) * 2), layout="constrained")
     axes = fig.subplots(2, 1, sharex=True)
+    bottom = len(modules) - 0.5  # the image's lowest edge, in data units (rows go downwards)
     for ax, (name, grid) in zip(axes, grids.items()):
         image = ax.imshow(
             grid, aspect="auto", interpolation="nearest", norm=LogNorm(floor, 1.0), cmap="magma",
-            extent=(steps[0] - 0.5, steps[-1] + 0.5, len(modules) - 0.5, -0.5),
+            extent=(steps[0] - 0.5, steps[-1] + 0.5, bottom, -0.5),
         )  # fmt: skip
         ax.set_yticks(range(len(modules)), modules, fontsize=7)
         ax.set_title(name.replace("_", " ") + " (worst slot of each module)", fontsize=9)
         fig.colorbar(image, ax=ax, fraction=0.03)
-        for step, label in switches:
+        for first, end in unquantized:
+            ax.axvspan(first - 0.5, end - 0.5, facecolor="#7f8c8d", alpha=0.85, hatch="//",
+                       edgecolor="#bdc3c7", lw=0)  # fmt: skip
+            ax.text((first + end - 1) / 2, (bottom - 0.5) / 2, "bf16: no FP8 casts",
+                    ha="center", va="center", fontsize=7, color="white")  # fmt: skip
+        for step, _ in switches:
             ax.axvline(step - 0.5, color="#2ecc71", ls="--", lw=1)
-            ax.text(step, -0.5, f" guard: {label}", color="#2ecc71", fontsize=7, va="bottom")
+    # inside the lower axes, above its bottom edge: clear of both subplot titles
+    for step, label in switches:
+        axes[-1].text(step, bottom, f" {label}", color="#2ecc71", fontsize=7, va="bottom",
+                      bbox={"facecolor": "black", "alpha": 0.6, "lw": 0, "pad": 1})  # fmt: skip
     axes[-1].set_xlabel("step")
-    out = Path(path)
-    fig.savefig(out, dpi=110)
-    return out
+    return fig
 
 
-def _committed_guard_switches(run_dir: Path) -> list[tuple[int, str]]:
+def committed_guard_switches(run_dir: Path) -> list[dict[str, Any]]:
+    """The guard's committed switches, as it logged them in `decisions.jsonl`."""
     log = run_dir / LOG_FILE
     if not log.is_file():
         return []
     return [
-        (
-            r["commit_step"],
-            f"{r.get('trigger')} -> {', '.join(r.get('layers') or []) or r.get('target')}",
-        )
+        r
         for r in read_jsonl(log)
-        if r.get("event") == GUARD_RECORD and r.get("outcome") == "committed"
+        if r.get("event") == GUARD_RECORD
+        and r.get("outcome") == "committed"
+        and isinstance(r.get("commit_step"), int)
     ]

@@ -16,6 +16,7 @@ are means of up to 5 steps at each end of the phase (`_EDGE`), as is the progres
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,20 @@ def recent_loss(records: Sequence[Mapping[str, Any]]) -> float:
     return _mean([r["loss"] for r in records[-_EDGE:]])
 
 
+def guard_label(record: Mapping[str, Any]) -> str:
+    """A guard switch as the tables and plots name it: what it moved and why, e.g.
+    `guard: layers.1.self_attention.proj -> current (saturation)`."""
+    trigger = str(record.get("trigger", "?")).replace("_", " ")
+    layers = record.get("layers") or []
+    if record.get("action") == "undo":
+        what = "back to the base recipe"
+    elif layers:
+        what = f"{', '.join(layers)} -> {record.get('target')}"
+    else:
+        what = f"model -> {record.get('target')}"
+    return f"guard: {what} ({trigger})"
+
+
 def summarize(
     logs: Mapping[int, list[dict[str, Any]]],
     switches: Sequence[Mapping[str, Any]],
@@ -71,20 +86,24 @@ def summarize(
     schedule_keys: Sequence[tuple[str, str]],
     entropy_floor: float,
     precision_of: Callable[[str], str] | None = None,
+    guard_switches: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
     """Phases, switch outcomes and consistency checks from every rank's step log.
 
     `switches`: the launcher's record of each requested switch (`label`, `requested_step`,
     `committed`, `step`, `latency_s`, `reasons`). `schedule_keys`: (short key, label) of each
     scheduled phase in order. A phase that starts at a scheduled switch's commit step takes that
-    switch's label, the first phase the first scheduled label; any other recipe change was made
-    by hand and is labelled `by hand: <recipe key>`. `precision_of(key)` names a phase's
-    precision ("bf16", "fp8", ...) for the plot's shading.
+    switch's label, the first phase the first scheduled label. `guard_switches`: the precision
+    guard's committed switches (its `decisions.jsonl` records); a phase starting at one's commit
+    step is the guard's, labelled with what it moved and why (`guard_label`). Any other recipe
+    change was made by hand and is labelled `by hand: <recipe key>`. `precision_of(key)` names a
+    phase's precision ("bf16", "fp8", ...) for the plot's shading.
     """
     rank0 = logs.get(0, [])
     if not rank0:
         raise ValueError("rank 0 logged no step: the job did not train")
     committed_at = {s["step"]: s for s in switches if s.get("committed")}
+    guard_at = {g["commit_step"]: g for g in guard_switches}
     phases: list[dict[str, Any]] = []
     for rec in rank0:
         if not phases or phases[-1]["recipe"] != rec["recipe"]:
@@ -94,6 +113,8 @@ def summarize(
                 label = schedule_keys[0][1]
             elif sw is not None:
                 label = sw["label"]
+            elif start in guard_at:
+                label = guard_label(guard_at[start])
             else:
                 label = f"by hand: {rec['recipe']}"
             phases.append(
@@ -126,7 +147,12 @@ def summarize(
         else:
             ph["first_step_s"] = None if prev_end_t is None else times[0] - prev_end_t
         n = len(times) - 1  # steady state: the steps after the first
-        ph["steady_s"] = times[-1] - times[0]
+        # training time only: a step's `dt` excludes the launcher's --step-delay sleep, which
+        # the gaps between step ends include (older logs have no `dt`: the gaps then)
+        if all(d is not None for d in durations):
+            ph["steady_s"] = math.fsum(durations[1:])
+        else:
+            ph["steady_s"] = times[-1] - times[0]
         ph["steps_per_s"] = n / ph["steady_s"] if n > 0 and ph["steady_s"] > 0 else None
         ph["keys_by_rank"] = {
             r: sorted(
@@ -145,12 +171,16 @@ def summarize(
             by_step.setdefault(rec["step"], {})[r] = rec["recipe"]
     mismatched = sorted(s for s, keys in by_step.items() if len(set(keys.values())) > 1)
     losses = [rec["loss"] for rec in rank0]
-    total_s = rank0[-1]["t"] - rank0[0]["t"]
+    if all(rec.get("dt") is not None for rec in rank0):
+        total_s = math.fsum(rec["dt"] for rec in rank0[1:])
+    else:
+        total_s = rank0[-1]["t"] - rank0[0]["t"]
     steady_steps = sum(ph["steps"] - 1 for ph in phases)
     steady_s = sum(ph["steady_s"] for ph in phases)
     return {
         "phases": phases,
         "switches": [dict(s) for s in switches],
+        "guard_switches": [dict(g) | {"label": guard_label(g)} for g in guard_switches],
         "steps": len(rank0),
         "ranks": sorted(logs),
         "steps_logged_by_rank": {r: len(log) for r, log in sorted(logs.items())},
@@ -201,7 +231,8 @@ def render_tables(summary: Mapping[str, Any]) -> list[Any]:
         f"best possible {summary['entropy_floor']:.3f}); "
         f"{_fmt(summary['steady_steps_per_s'], '.1f')} steps/s after warm-up, "
         f"{_fmt(summary['steps_per_s'], '.1f')} overall with "
-        f"{summary['warmup_s']:.1f} s in first steps (kernel compilation, caches)"
+        f"{summary['warmup_s']:.1f} s in first steps (kernel compilation, caches); "
+        "steps/s count training time only, --step-delay excluded"
     )
     keys = Table(title="recipe key per rank and phase", title_justify="left")
     keys.add_column("rank", justify="right")

@@ -9,6 +9,7 @@ so wide that it lets an FP8 model load a bf16 checkpoint.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 
 import pytest
@@ -132,3 +133,30 @@ def test_a_job_whose_last_commit_was_the_old_bf16_resumes_on_bf16(tmp_path):
     dq.apply_recipe(fresh, dq.Float8CurrentScaling())
     with pytest.raises(ValueError, match="last committed switch"):
         coordinator.restore_job_state(state, run_dir=tmp_path / "c", model=fresh)
+
+
+def test_a_save_killed_half_way_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):
+    """A scheduler's SIGTERM can land inside `save`: the name keeps the last whole checkpoint."""
+    torch.manual_seed(0)
+    model = nn.Sequential(dq.Linear(16, 16))
+    dq.apply_recipe(model, dq.recipe_from_dict("bf16"))
+    path = tmp_path / "ckpt.pt"
+    ckpt.save(path, model, extra={"step": 7})
+    before = path.read_bytes()
+    real_save = torch.save
+
+    def killed_half_way(obj, f, *args, **kw):
+        buf = io.BytesIO()
+        real_save(obj, buf)
+        f.write(buf.getvalue()[: len(buf.getvalue()) // 2])
+        raise KeyboardInterrupt  # what the signal's exception does to the write
+
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    monkeypatch.setattr(torch, "save", killed_half_way)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save(path, model, extra={"step": 8})
+    monkeypatch.setattr(torch, "save", real_save)
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
+    fresh = nn.Sequential(dq.Linear(16, 16))
+    assert ckpt.load(path, fresh)["extra"] == {"step": 7}

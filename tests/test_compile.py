@@ -131,6 +131,28 @@ def test_compiled_model_whose_input_needs_no_gradient_matches_eager_bit_for_bit(
         assert all(torch.equal(buf_e[k], buf_c[k]) for k in buf_e), f"step {step}"
 
 
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_fullgraph_compile_with_an_unplanned_copy_alive_matches_eager_bit_for_bit(recipe) -> None:
+    """An EMA copy of the model (`copy.deepcopy`, never called: unplanned) keeps autocast's global
+    planning hook installed in every region; dynamo must not trace that hook into the compiled
+    model's graph (it once crashed the trace under fullgraph)."""
+    from dist_quant import binding
+
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(dq.Linear(HIDDEN, 48), torch.nn.GELU(), dq.Linear(48, HIDDEN))
+    compiled_src = copy.deepcopy(eager)
+    for m in (eager, compiled_src):
+        dq.apply_recipe(m, dq.recipe_from_dict(recipe))
+    ema = copy.deepcopy(compiled_src)
+    compiled = torch.compile(compiled_src, backend="aot_eager", fullgraph=True)
+    for step in range(STEPS):
+        x_e, x_c = _input("linear", step), _input("linear", step)
+        y_e, y_c = _step(eager, x_e), _step(compiled, x_c)
+        _compare(eager, compiled_src, x_e, x_c, y_e, y_c, exact=True, step=step)
+    assert binding.any_unplanned()  # the hook stayed installed through every compiled step
+    del ema
+
+
 @dq.quantizer_factory(key="tests.compile.mxfp8_attention.v1")
 def mxfp8_attention(role):
     """MXFP8 on attention's own roles, current scaling on the GEMMs."""

@@ -12,6 +12,7 @@ torch.distributed.checkpoint. See docs/checkpoint.md.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -150,17 +151,33 @@ def save(
 ) -> None:
     """`torch.save` of the model (with its dist-quant state), the optimizer, `job` (the switch
     protocol's plain data: `dist_quant.coordinator.job_state(...)`) and `extra` (plain data: step,
-    RNG states...); `load` reads it back."""
-    torch.save(
-        {
-            "format": CHECKPOINT_FORMAT,
-            "model": model.state_dict(),
-            "optimizer": None if optimizer is None else optimizer.state_dict(),
-            "job": None if job is None else dict(job),
-            "extra": None if extra is None else dict(extra),
-        },
-        f,
-    )
+    RNG states...); `load` reads it back.
+
+    To a path the write is atomic (a temporary file beside it, fsynced, then renamed): a rank
+    killed while saving (SIGTERM from a scheduler lands at any time) leaves the previous
+    checkpoint under the name, never a torn file that the resumed job cannot load."""
+    obj = {
+        "format": CHECKPOINT_FORMAT,
+        "model": model.state_dict(),
+        "optimizer": None if optimizer is None else optimizer.state_dict(),
+        "job": None if job is None else dict(job),
+        "extra": None if extra is None else dict(extra),
+    }
+    if not isinstance(f, str | os.PathLike):
+        torch.save(obj, f)
+        return
+    path = os.fspath(f)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "wb") as out:
+            torch.save(obj, out)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
 
 
 def load(

@@ -168,6 +168,7 @@ def test_tp_group_claims_must_agree(claims, error):
             check_tp_groups(claims)
 
 
+@pytest.mark.ray  # without Ray the CLI says it needs Ray, before any address
 def test_a_client_of_a_ray_job_whose_cluster_is_gone_exits_2_naming_the_cluster(tmp_path):
     """coordinator.json of a Ray job whose cluster ended: the CLI gives up at once (nothing listens
     at the GCS address), exit code 2, instead of ray.init retrying for tens of seconds."""

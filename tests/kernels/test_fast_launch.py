@@ -5,7 +5,9 @@ followed by the constexprs in the kernel's parameter order, read from the call's
 a constexpr missing from the config makes it fall back to Triton's slow JIT path for good,
 silently. The interpreter (CPU) never takes that path, so this pins the calling convention on the
 CPU: each launcher is run once on small inputs and every call it made is checked against its
-kernel's signature. Every `FastLaunch` of the kernels package must have been called.
+kernel's signature. Every `FastLaunch` of the kernels package must have been called. Where CUDA is
+available the inputs are CUDA tensors: Triton's JIT (no interpreter there) cannot read CPU
+memory, and the compiled launch path is then exercised as well.
 """
 
 from __future__ import annotations
@@ -28,15 +30,18 @@ def _constexprs(kernel) -> list[str]:
     return [p.name for p in params if p.annotation in ("tl.constexpr", "constexpr")]
 
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _run_every_launcher() -> None:
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(96, 160, generator=g).to(torch.bfloat16)
-    scale, slot = torch.tensor([0.5]), torch.zeros(1)
+    x = torch.randn(96, 160, generator=g).to(DEVICE, torch.bfloat16)
+    scale, slot = torch.tensor([0.5], device=DEVICE), torch.zeros(1, device=DEVICE)
     cast.cast_to_fp8_triton(x, scale, E4M3, amax_out=slot)
     cast.delayed_cast_triton(x, scale, E4M3, slot, transpose=True)
     current.current_scaling_cast_triton(x, E4M3, transpose=True)
     current.amax_triton(x)
-    current.current_scale_triton(torch.tensor([3.0]), E4M3)
+    current.current_scale_triton(torch.tensor([3.0], device=DEVICE), E4M3)
     q_mx, e_mx = mxfp8.mxfp8_cast_triton(x, E4M3)
     mxfp8.mxfp8_cast_triton(x, E4M3, columnwise=True)
     q_b, s_b = block.block_cast_triton(x.float(), E4M3, block_dim=1)
@@ -45,8 +50,9 @@ def _run_every_launcher() -> None:
     dequantize.mxfp8_dequantize_triton(q_mx, e_mx, dtype=torch.bfloat16)
     dequantize.block_dequantize_triton(q_b, s_b, block_dim=1, dtype=torch.bfloat16)
     block_gemm.block_scaled_gemm_triton(q_b, s_b, 1, w_b, ws_b, 2, out_dtype=torch.float32)
-    history = torch.rand(4, 3, generator=g)
-    delayed_update.delayed_scaling_update_groups_triton([(history, torch.ones(3), 448.0, 0, "max")])
+    history = torch.rand(4, 3, generator=g).to(DEVICE)
+    scales = torch.ones(3, device=DEVICE)
+    delayed_update.delayed_scaling_update_groups_triton([(history, scales, 448.0, 0, "max")])
 
 
 def test_every_fast_launch_passes_runtime_arguments_then_every_constexpr(monkeypatch) -> None:

@@ -230,3 +230,82 @@ def test_status_names_the_ranks_an_open_switch_waits_for_as_runs() -> None:
     lines = format_status(info)
     assert lines[:2] == ["state: switch 4: ranks are voting", "waiting for 6 rank(s): 0-2, 5, 7-8"]
     assert not any(line.startswith("waiting") for line in format_status({"waiting_for": []}))
+
+
+def _fake_status(monkeypatch, tp_groups: list[list[int]]) -> str:
+    """A status reply of a 2-rank job on current scaling, as the coordinator sends it; returns
+    the key repr the ranks reported."""
+    from dist_quant.launch import client
+
+    import dist_quant as dq
+
+    key = repr(dq.recipe_from_dict("current").key())
+    info = {
+        "phase": "idle",
+        "phase_text": "idle: no switch requested yet",
+        "world_size": 2,
+        "tp_groups": tp_groups,
+        "recipe_keys": {"0": key, "1": key},
+        "decisions": [],
+    }
+    monkeypatch.setattr(client, "query", lambda **kw: dict(info))
+    return key
+
+
+def test_status_json_gives_recipe_keys_in_the_form_the_text_prints(monkeypatch, capsys) -> None:
+    import dist_quant as dq
+
+    key = _fake_status(monkeypatch, [[0, 1]])
+    short = f"Float8CurrentScaling:{dq.recipe_from_dict('current').digest()[:8]}"
+    assert main(["status", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["recipe_keys"] == {"0": short, "1": short}
+    assert got["recipe_key_reprs"] == {"0": key, "1": key}
+    assert main(["status"]) == 0
+    text = capsys.readouterr().out
+    assert f"  rank 0: {short}" in text and "ranks: 2, TP groups: [[0, 1]]" in text
+
+
+def test_status_of_a_data_parallel_job_shows_no_tp_groups(monkeypatch, capsys) -> None:
+    _fake_status(monkeypatch, [[0], [1]])
+    assert main(["status"]) == 0
+    text = capsys.readouterr().out
+    assert "ranks: 2, no tensor parallelism" in text and "TP groups" not in text
+
+
+def test_malformed_yaml_recipe_names_its_line_and_column(tmp_path) -> None:
+    path = tmp_path / "r.yaml"
+    path.write_text("type: DelayedScaling\nmargin: [1, 2\namax_history_len: 4\n")
+    with pytest.raises(CliError) as info:
+        parse_recipe_arg(str(path))
+    assert info.value.code == 2
+    # the flow sequence opened on line 2 meets the mapping colon of line 3, column 17
+    assert str(info.value).endswith("expected ',' or ']', but got ':' at line 3, column 17")
+
+
+def test_a_switch_waiting_behind_an_open_one_says_it_waits_not_to_retry(monkeypatch, capsys):
+    from dist_quant.coordinator.client import SwitchResult
+    from dist_quant.coordinator.errors import SwitchBusyError
+    from dist_quant.launch import client
+
+    replies = [
+        SwitchBusyError(
+            "switch 3 is still open (committed for step 90); retry after it ends; "
+            "`dist-quant cancel 3` cancels it",
+            3,
+        )
+    ]
+
+    def request(*args, **kw):
+        if replies:
+            raise replies.pop()
+        return SwitchResult(switch_id=4, committed=True, step=91, reasons={}, timings={})
+
+    monkeypatch.setattr(client, "request_switch", request)
+    monkeypatch.setattr(client, "_BUSY_RETRY_S", 0.0)
+    assert main(["switch", "current", "--timeout", "5"]) == 0
+    err = capsys.readouterr().err
+    assert err == (
+        "dist-quant: switch 3 is still open (committed for step 90); waiting for it to end "
+        "(up to 5 s, Ctrl-C to stop); `dist-quant cancel 3` cancels it\n"
+    )

@@ -89,6 +89,45 @@ def test_a_hand_switch_to_a_scheduled_recipe_is_not_taken_for_the_scheduled_phas
     ]
 
 
+def test_a_guard_switch_is_labelled_with_the_layers_it_moved_and_why() -> None:
+    """A guard's switch (its decisions.jsonl record) is not mistaken for a switch by hand."""
+    keys = ["A"] * 6 + ["C"] * 6
+    guard = {
+        "event": "guard",
+        "trigger": "saturation",
+        "action": "layers",
+        "layers": ["layers.1.self_attention.proj"],
+        "target": "current",
+        "outcome": "committed",
+        "commit_step": 6,
+    }
+    s = summarize(
+        {0: _log(keys, LOSSES[:12])},
+        [],
+        schedule_keys=[("A", "warm-up")],
+        entropy_floor=0.5,
+        guard_switches=[guard],
+    )
+    label = "guard: layers.1.self_attention.proj -> current (saturation)"
+    assert [p["label"] for p in s["phases"]] == ["warm-up", label]
+    assert s["guard_switches"] == [guard | {"label": label}]
+    out = io.StringIO()
+    for table in render_tables(s):
+        Console(file=out, width=200, color_system=None).print(table)
+    assert label in out.getvalue() and "by hand" not in out.getvalue()
+
+
+def test_steps_per_second_count_training_time_not_the_step_delay() -> None:
+    """--step-delay sleeps after each step: the gaps between step ends hold it, `dt` does not."""
+    log = _log(KEYS, LOSSES, dt=1.5)  # steps end 1.5 s apart...
+    for rec in log:
+        rec["dt"] = 0.5  # ...of which 0.5 s is training and 1.0 s the delay
+    s = summarize({0: log}, SWITCHES, schedule_keys=SCHEDULE, entropy_floor=0.5)
+    assert [p["steps_per_s"] for p in s["phases"]] == pytest.approx([2.0, 2.0, 2.0])
+    assert s["steady_steps_per_s"] == pytest.approx(2.0)
+    assert s["steps_per_s"] == pytest.approx(2.0)
+
+
 def test_the_first_step_of_each_phase_is_reported_apart_from_the_steady_state_rate() -> None:
     log = _log(KEYS, LOSSES)
     for rec in log:

@@ -4,7 +4,9 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
+from dist_quant.launch import torchrun
 from dist_quant.launch.cli import main
 from dist_quant.launch.torchrun import TorchrunJob, torchrun_command
 
@@ -30,8 +32,11 @@ dist.destroy_process_group()
 
 
 def test_command_is_torch_distributed_run_standalone() -> None:
+    """The child is torch's torchrun main behind a `__main__` that only quiets its stop."""
     argv = torchrun_command(4, ["train.py", "--lr", "1"])
-    assert argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert argv[:3] == [sys.executable, "-m", "dist_quant.launch.torchrun"]
+    source = Path(torchrun.__file__).read_text()
+    assert "from torch.distributed.run import main as _torchrun_main" in source
     assert argv[3:] == [
         "--standalone",
         "--nnodes",
