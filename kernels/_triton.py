@@ -63,8 +63,9 @@ except ImportError:
         language = _Language()
 
         @staticmethod
-        def jit(fn: Callable[..., Any]) -> _AbsentKernel:
-            return _AbsentKernel(fn)
+        def jit(fn: Callable[..., Any] | None = None, **options: Any) -> Any:
+            # `@triton.jit` and `@triton.jit(do_not_specialize=...)` both
+            return _AbsentKernel if fn is None else _AbsentKernel(fn)
 
         def __getattr__(self, name: str) -> Any:
             raise RuntimeError(f"triton.{name}: {MISSING}")

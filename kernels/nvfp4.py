@@ -35,8 +35,6 @@ offset must not compile a new kernel).
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 from dist_quant.kernels import reference_nvfp4 as ref
 from dist_quant.kernels._fp8_round import (
     abs_bits,
@@ -50,6 +48,7 @@ from dist_quant.kernels._fp8_round import (
     reciprocal,
 )
 from dist_quant.kernels._launch import FastLaunch
+from dist_quant.kernels._triton import tl, triton
 from dist_quant.kernels.ops import register_op
 from torch import Tensor
 

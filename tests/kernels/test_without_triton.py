@@ -18,7 +18,7 @@ import torch
 
 import dist_quant as dq
 
-RECIPES = ["delayed", "current", "mxfp8", "block", "bf16"]
+RECIPES = ["delayed", "current", "mxfp8", "block", "nvfp4", "bf16"]
 
 # None in sys.modules is Python's own "not importable": `import triton` raises
 # ModuleNotFoundError and `importlib.util.find_spec("triton")` answers None, as without the package
@@ -39,7 +39,7 @@ def digests(recipe):
     torch.manual_seed(0)
     model = torch.nn.Sequential(dq.Linear(32, 48), dq.LayerNormMLP(48, 64))
     dq.apply_recipe(model, dq.recipe_from_dict(recipe))
-    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
     with dq.autocast():
         y = model(x)
     y.float().square().sum().backward()
@@ -66,7 +66,7 @@ def _digests(recipe: str) -> list[str]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(dq.Linear(32, 48), dq.LayerNormMLP(48, 64))
     dq.apply_recipe(model, dq.recipe_from_dict(recipe))
-    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
     with dq.autocast():
         y = model(x)
     y.float().square().sum().backward()
