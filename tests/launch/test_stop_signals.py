@@ -182,6 +182,7 @@ def test_ctrl_c_of_run_stops_every_rank_without_a_traceback_even_with_sigint_ign
 
 def test_a_stop_signal_inside_deferred_is_raised_when_the_block_ends() -> None:
     done = []
+    before = signal.getsignal(signal.SIGTERM)  # not always SIG_DFL: ray.init installs its own
     with stop_on_signals():
         with pytest.raises(StopRequested) as stop:
             with deferred():
@@ -191,7 +192,7 @@ def test_a_stop_signal_inside_deferred_is_raised_when_the_block_ends() -> None:
         assert done == ["spawned and stored"] and stop.value.exit_code == 143
         os.kill(os.getpid(), signal.SIGINT)  # only the first stop raises: cleanup goes on
         time.sleep(0.01)
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler in place before is back
 
 
 def test_a_stop_signal_during_the_spawn_still_stops_torchrun(tmp_path, monkeypatch) -> None:
