@@ -66,6 +66,15 @@ _ALGO = {"kind": "algo"}  # one of AMAX_COMPUTE_ALGOS or a callable
 _OVERRIDE = {"keyed_when_set": True}  # a per-pass override, added after the first recipes
 
 
+def recipe_fields(recipe: Any) -> tuple[dataclasses.Field, ...]:
+    """A recipe's fields in the order its key, dict and messages list them: the recipe's own,
+    then the ones added later (`keyed_when_set`, inherited from `PassOverrides` first in
+    `dataclasses.fields`), so keys and dicts keep the order they were first written in."""
+    fields = dataclasses.fields(recipe)
+    later = tuple(f for f in fields if f.metadata.get("keyed_when_set"))
+    return tuple(f for f in fields if f not in later) + later
+
+
 def _check_fp8_attention(owner: str, fp8_dpa: object, fp8_mha: object) -> None:
     check_bool(owner, "fp8_dpa", fp8_dpa)
     check_bool(owner, "fp8_mha", fp8_mha)
@@ -119,7 +128,7 @@ class Recipe:
         except AttributeError:  # the first call
             pass
         values = []
-        for f in dataclasses.fields(self):
+        for f in recipe_fields(self):
             value = getattr(self, f.name)
             if not f.metadata.get("keyed_when_set"):
                 values.append(self._key_value(f.name, value))
@@ -153,7 +162,7 @@ class Recipe:
         (lambda, closure, bound method, partial) raises ValueError.
         """
         out: dict[str, Any] = {"type": self.name}
-        for f in dataclasses.fields(self):
+        for f in recipe_fields(self):
             value = getattr(self, f.name)
             if f.metadata.get("keyed_when_set") and value == f.default:
                 continue  # as in the key: the dict an older version wrote, byte for byte
@@ -170,7 +179,24 @@ class Recipe:
 
 
 @dataclasses.dataclass(frozen=True)
-class DelayedScaling(Recipe):
+class PassOverrides(Recipe):
+    """The per-pass overrides every quantizing recipe takes, keyword only (Transformer Engine's
+    `backward_override` and its forward twin); checked by `checks.check_overrides` in each
+    recipe's `__post_init__`."""
+
+    forward_override: str | None = dataclasses.field(default=None, kw_only=True, metadata=_OVERRIDE)
+    """None: the forward quantizes; "high_precision": the forward's GEMMs run on the original
+    operands (which the backward then quantizes as the recipe says)."""
+    backward_override: str | None = dataclasses.field(
+        default=None, kw_only=True, metadata=_OVERRIDE
+    )
+    """None: the backward quantizes; "high_precision": its GEMMs run on the original operands and
+    gradient (exactly an unconverted model's backward); "dequantized": on the forward's quantized
+    operands, dequantized, and the unquantized gradient."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedScaling(PassOverrides):
     """Per-tensor FP8 with scales from an amax history (Transformer Engine's default recipe)."""
 
     margin: int = 0
@@ -191,13 +217,6 @@ class DelayedScaling(Recipe):
     """Run dot-product attention in FP8."""
     fp8_mha: bool = False
     """Keep FP8 across the attention block's projections (needs fp8_dpa)."""
-    forward_override: str | None = dataclasses.field(default=None, metadata=_OVERRIDE)
-    """None: the forward quantizes; "high_precision": the forward's GEMMs run on the original
-    operands (which the backward then quantizes as the recipe says)."""
-    backward_override: str | None = dataclasses.field(default=None, metadata=_OVERRIDE)
-    """None: the backward quantizes; "high_precision": its GEMMs run on the original operands and
-    gradient (exactly an unconverted model's backward); "dequantized": on the forward's quantized
-    operands, dequantized, and the unquantized gradient."""
 
     def __post_init__(self) -> None:
         owner = "DelayedScaling"
@@ -218,7 +237,7 @@ class DelayedScaling(Recipe):
 
 
 @dataclasses.dataclass(frozen=True)
-class Float8CurrentScaling(Recipe):
+class Float8CurrentScaling(PassOverrides):
     """Per-tensor FP8 with the scale computed from each tensor's own amax."""
 
     fp8_format: Format = dataclasses.field(default=Format.HYBRID, metadata=_FORMAT)
@@ -231,13 +250,6 @@ class Float8CurrentScaling(Recipe):
     """Run dot-product attention in FP8."""
     fp8_mha: bool = False
     """Keep FP8 across the attention block's projections (needs fp8_dpa)."""
-    forward_override: str | None = dataclasses.field(default=None, metadata=_OVERRIDE)
-    """None: the forward quantizes; "high_precision": the forward's GEMMs run on the original
-    operands (which the backward then quantizes as the recipe says)."""
-    backward_override: str | None = dataclasses.field(default=None, metadata=_OVERRIDE)
-    """None: the backward quantizes; "high_precision": its GEMMs run on the original operands and
-    gradient (exactly an unconverted model's backward); "dequantized": on the forward's quantized
-    operands, dequantized, and the unquantized gradient."""
 
     def __post_init__(self) -> None:
         owner = "Float8CurrentScaling"
@@ -251,18 +263,11 @@ class Float8CurrentScaling(Recipe):
 
 
 @dataclasses.dataclass(frozen=True)
-class MXFP8BlockScaling(Recipe):
+class MXFP8BlockScaling(PassOverrides):
     """MXFP8: blocks of 32 elements sharing a power-of-two E8M0 scale."""
 
     fp8_format: Format = dataclasses.field(default=Format.E4M3, metadata=_FORMAT)
     """E4M3 only (as in Transformer Engine), forward and backward."""
-    forward_override: str | None = dataclasses.field(default=None, metadata=_OVERRIDE)
-    """None: the forward quantizes; "high_precision": the forward's GEMMs run on the original
-    operands (which the backward then quantizes as the recipe says)."""
-    backward_override: str | None = dataclasses.field(default=None, metadata=_OVERRIDE)
-    """None: the backward quantizes; "high_precision": its GEMMs run on the original operands and
-    gradient (exactly an unconverted model's backward); "dequantized": on the forward's quantized
-    operands, dequantized, and the unquantized gradient."""
 
     def __post_init__(self) -> None:
         check_format("MXFP8BlockScaling", "fp8_format", self.fp8_format, (Format.E4M3,), _E4M3_ONLY)
@@ -270,20 +275,13 @@ class MXFP8BlockScaling(Recipe):
 
 
 @dataclasses.dataclass(frozen=True)
-class Float8BlockScaling(Recipe):
+class Float8BlockScaling(PassOverrides):
     """FP8 with one fp32 scale per 1x128 tile (activations, gradients) or 128x128 block (weight)."""
 
     fp8_format: Format = dataclasses.field(default=Format.E4M3, metadata=_FORMAT)
     """E4M3 only (as in Transformer Engine), forward and backward."""
     use_power_2_scales: bool = True
     """Round each tile scale down to a power of two."""
-    forward_override: str | None = dataclasses.field(default=None, metadata=_OVERRIDE)
-    """None: the forward quantizes; "high_precision": the forward's GEMMs run on the original
-    operands (which the backward then quantizes as the recipe says)."""
-    backward_override: str | None = dataclasses.field(default=None, metadata=_OVERRIDE)
-    """None: the backward quantizes; "high_precision": its GEMMs run on the original operands and
-    gradient (exactly an unconverted model's backward); "dequantized": on the forward's quantized
-    operands, dequantized, and the unquantized gradient."""
 
     def __post_init__(self) -> None:
         owner = "Float8BlockScaling"
@@ -293,7 +291,7 @@ class Float8BlockScaling(Recipe):
 
 
 @dataclasses.dataclass(frozen=True)
-class NVFP4BlockScaling(Recipe):
+class NVFP4BlockScaling(PassOverrides):
     """NVFP4, Transformer Engine's contract: E2M1 values (two per byte), an E4M3 decode scale per
     16 consecutive elements (16x16 blocks for weights with `weight_2d`) and an fp32 global scale
     per tensor and direction, from that copy's own amax. Defaults follow Transformer Engine: a
@@ -320,13 +318,6 @@ class NVFP4BlockScaling(Recipe):
     """Max-reduce each global amax over the tensor-parallel group wherever a rank holds a shard
     of the tensor (sequence-parallel and feature-sharded operands), so the ranks quantize with
     the global scale a single rank would use; False: every shard with its own."""
-    forward_override: str | None = dataclasses.field(default=None, metadata=_OVERRIDE)
-    """None: the forward quantizes; "high_precision": the forward's GEMMs run on the original
-    operands (which the backward then quantizes as the recipe says)."""
-    backward_override: str | None = dataclasses.field(default=None, metadata=_OVERRIDE)
-    """None: the backward quantizes; "high_precision": its GEMMs run on the original operands and
-    gradient (exactly an unconverted model's backward); "dequantized": on the forward's quantized
-    operands, dequantized, and the unquantized gradient."""
 
     def __post_init__(self) -> None:
         owner = "NVFP4BlockScaling"
@@ -338,7 +329,7 @@ class NVFP4BlockScaling(Recipe):
 
 
 @dataclasses.dataclass(frozen=True)
-class CustomRecipe(Recipe):
+class CustomRecipe(PassOverrides):
     """Per-slot choice: `qfactory(role)` returns a quantizer or a `DelayedScalingRequest`.
 
     The factory's key is `qfactory_key` when given, else its `@quantizer_factory(key=...)`, else a
@@ -355,13 +346,6 @@ class CustomRecipe(Recipe):
     """Run dot-product attention in FP8."""
     fp8_mha: bool = False
     """Keep FP8 across the attention block's projections (needs fp8_dpa)."""
-    forward_override: str | None = dataclasses.field(default=None, metadata=_OVERRIDE)
-    """None: the forward quantizes; "high_precision": the forward's GEMMs run on the original
-    operands (which the backward then quantizes as the recipe says)."""
-    backward_override: str | None = dataclasses.field(default=None, metadata=_OVERRIDE)
-    """None: the backward quantizes; "high_precision": its GEMMs run on the original operands and
-    gradient (exactly an unconverted model's backward); "dequantized": on the forward's quantized
-    operands, dequantized, and the unquantized gradient."""
 
     def __post_init__(self) -> None:
         owner = "CustomRecipe"
@@ -455,7 +439,7 @@ def recipe_from_dict(d: Mapping[str, Any] | str) -> Recipe:
     cls = _RECIPE_TYPES.get(d["type"]) if isinstance(d["type"], str) else None
     if cls is None:
         raise ValueError(f"unknown recipe type {d['type']!r}; valid types: {valid_types}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in recipe_fields(cls)}
     unknown = sorted(set(d) - set(fields) - {"type"}, key=str)
     if unknown:
         raise ValueError(
