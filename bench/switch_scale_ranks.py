@@ -27,6 +27,7 @@ class StubModel:
 class StubPlan:
     def __init__(self, model: StubModel, name: str) -> None:
         self.model, self.name, self.digest = model, name, name
+        self.part_digests: dict[str, str] = {}
 
     def publish(self) -> None:
         self.model.recipe = self.name

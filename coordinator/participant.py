@@ -360,13 +360,13 @@ class Participant:
         with self._cond:
             started = self._cond.wait_for(lambda: self._last_step is not None, p.timeout_s)
         t0 = time.perf_counter()
-        plan, digest, error = None, "", ""
+        plan, digest, parts, error = None, "", {}, ""
         try:
             if not started:
                 raise RuntimeError("training has not called step_boundary yet")
             inject(self._faults, "prepare", rank=self.rank, switch_id=p.switch_id)
             plan = self._planner(self._model, self._loader(p.recipe))
-            digest = str(plan.digest)
+            digest, parts = str(plan.digest), dict(plan.part_digests)
         except Exception as e:  # noqa: BLE001 - any planning failure is this rank's NO
             plan, error = None, f"{type(e).__name__}: {e}"
         prepare_s = time.perf_counter() - t0
@@ -378,6 +378,7 @@ class Participant:
                 p,
                 plan=plan,
                 digest=digest,
+                part_digests=parts,
                 error=error,
                 last_step=last,
                 prepare_s=prepare_s,

@@ -228,6 +228,7 @@ def on_planned(
     last_step: int | None,
     prepare_s: float,
     step_s: float = 0.0,
+    part_digests: dict[str, str] | None = None,
 ) -> Step:
     """Planning for `p` ended (`plan` None: it failed with `error`): VOTED, or IDLE; the vote,
     with the rank's seconds per step `step_s` (0: unknown). VOTED holds at `hold_step`, the step
@@ -239,7 +240,8 @@ def on_planned(
         )
         return Step(state, ledger, notes=(note,))
     yes = plan is not None
-    vote = Vote(p.switch_id, ledger.rank, yes, digest, last_step, error, prepare_s, step_s)
+    parts = dict(part_digests or {})
+    vote = Vote(p.switch_id, ledger.rank, yes, digest, last_step, error, prepare_s, step_s, parts)
     if plan is None or last_step is None:  # a plan needs a first boundary (it waited for one)
         return Step(Idle(), ledger, send=vote)
     hold = hold_step(last_step, step_s, p.lead_s, p.at_step)

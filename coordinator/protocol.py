@@ -277,8 +277,8 @@ class Prepare(Message):
 
 @dataclass(frozen=True)
 class Vote(Message):
-    """Rank -> coordinator. YES carries the plan digest, the last step the rank passed and its
-    measured seconds per step (0: not known yet)."""
+    """Rank -> coordinator. YES carries the plan digest (and its parts' digests), the last step
+    the rank passed and its measured seconds per step (0: not known yet)."""
 
     kind: ClassVar[str] = "vote"
     switch_id: int
@@ -289,6 +289,9 @@ class Vote(Message):
     reason: str
     prepare_s: float
     step_s: float = 0.0
+    part_digests: dict[str, str] = field(default_factory=dict)
+    """Digest of each named part of the plan (a policy's rules: `ModelPlan.part_digests`), so a
+    TP group whose digests differ is told which rules answer its ranks differently."""
 
 
 @dataclass(frozen=True)
@@ -545,22 +548,35 @@ def hold_step(last_step: int, step_s: float, lead_s: float, at_step: int | None)
 def _digest_mismatches(
     group: Sequence[int], votes: Mapping[int, Vote], reasons: Mapping[int, str]
 ) -> dict[int, str]:
-    """Ranks of a TP group whose YES digest differs from the group's strict majority."""
-    yes = {r: votes[r].digest for r in group if r in votes and r not in reasons}
-    if len(set(yes.values())) <= 1:
+    """Ranks of a TP group whose YES digest differs from the group's strict majority, each with
+    the plan parts (policy rules) that answer it differently."""
+    yes = {r: votes[r] for r in group if r in votes and r not in reasons}
+    if len({v.digest for v in yes.values()}) <= 1:
         return {}
-    top, count = Counter(yes.values()).most_common(1)[0]
+    top, count = Counter(v.digest for v in yes.values()).most_common(1)[0]
     members = sorted(group)
     if count * 2 > len(yes):
+        majority = next(v for v in yes.values() if v.digest == top)
         return {
-            r: f"plan digest {d[:12]} differs from TP group {members} majority {top[:12]}"
-            for r, d in yes.items()
-            if d != top
+            r: f"plan digest {v.digest[:12]} differs from TP group {members} majority {top[:12]}"
+            + _differing_parts([v, majority])
+            for r, v in yes.items()
+            if v.digest != top
         }
     return {
-        r: f"plan digests disagree within TP group {members} with no majority (this rank: {d[:12]})"
-        for r, d in yes.items()
+        r: f"plan digests disagree within TP group {members} with no majority (this rank: "
+        f"{v.digest[:12]})" + _differing_parts(list(yes.values()))
+        for r, v in yes.items()
     }
+
+
+def _differing_parts(votes: Sequence[Vote]) -> str:
+    """The named parts (policy rules) whose digests are not the same in all of `votes`."""
+    names = sorted({name for v in votes for name in v.part_digests})
+    differ = [n for n in names if len({v.part_digests.get(n) for v in votes}) > 1]
+    if not differ:
+        return ""
+    return f"; the rules answering differently: {', '.join(map(repr, differ))}"
 
 
 def decide_cancel(

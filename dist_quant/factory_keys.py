@@ -242,3 +242,24 @@ def built_by(path: str, params: dict[str, Any]) -> Callable[[F], F]:
 def builder_of(fn: Callable) -> tuple[str, dict[str, Any]] | None:
     """`(path, params)` of a factory marked with `built_by`, else None."""
     return getattr(fn, BUILDER_ATTRIBUTE, None)
+
+
+PARTS_ATTRIBUTE = "__quantizer_factory_parts__"
+"""Where `answered_by_parts` stores the function naming the part that answers a slot."""
+
+
+def answered_by_parts(part_of: Callable[[Any], str]) -> Callable[[F], F]:
+    """Mark a factory whose answers come from named parts (a policy's rules): `part_of(role)`
+    names the part answering a slot. A plan digests each part's slots apart, so when the ranks of
+    a tensor-parallel group disagree, the coordinator names the parts that differ."""
+
+    def mark(fn: F) -> F:
+        setattr(fn, PARTS_ATTRIBUTE, part_of)
+        return fn
+
+    return mark
+
+
+def parts_of(fn: Callable) -> Callable[[Any], str] | None:
+    """The part-naming function of a factory marked with `answered_by_parts`, else None."""
+    return getattr(fn, PARTS_ATTRIBUTE, None)

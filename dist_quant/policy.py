@@ -29,7 +29,10 @@ first and exceptions after them. `recipe` and `default` take a built-in name ("d
 "current", "mxfp8", "block", "bf16", or any other that `recipe_from_dict` knows) or a recipe dict
 with its settings. Bad input (unknown recipe, malformed glob, unknown tensor type, "last K"
 without num_layers, a layer outside num_layers) raises ValueError naming the rule; at a switch
-that is a rank voting no, so nothing is published.
+that is a rank voting no, so nothing is published. A rule whose recipe answers the ranks of a
+tensor-parallel group differently (a factory that looks at its rank, say) passes each rank's
+checks but not the group's: a plan digests each rule's slots apart (`ModelPlan.part_digests`), so
+the coordinator aborts the switch naming the rules that differ.
 
 The policy becomes a `CustomRecipe` whose factory answers each slot as its rule's recipe would
 (`factories.slot_factory`). Its `to_dict()` is `{"builder": "dist_quant.policy:policy", ...}`
@@ -52,7 +55,7 @@ from typing import Any
 import yaml
 
 from dist_quant.factories import layer_index, slot_factory
-from dist_quant.factory_keys import builder_of, built_by, quantizer_factory
+from dist_quant.factory_keys import answered_by_parts, builder_of, built_by, quantizer_factory
 from dist_quant.recipes import CustomRecipe, Recipe, recipe_from_dict
 from dist_quant.roles import QuantizerRole
 
@@ -268,6 +271,7 @@ def policy(**spec: Any) -> Callable[[QuantizerRole | None], Any]:
 
     @built_by(POLICY_BUILDER, parsed.params())
     @quantizer_factory(key=key)
+    @answered_by_parts(parsed.rule_name)
     def factory(role: QuantizerRole | None) -> Any:
         return answers[parsed.rule_name(role)](role)
 

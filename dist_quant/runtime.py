@@ -29,7 +29,8 @@ from torch import nn
 
 from dist_quant import context as _context
 from dist_quant.binding import BoundModule, ForwardPlan, assign_role_names, binding_of
-from dist_quant.recipes import Recipe
+from dist_quant.factory_keys import parts_of
+from dist_quant.recipes import CustomRecipe, Recipe
 from dist_quant.roles import QuantizerRole
 from dist_quant.state import RecipeState
 
@@ -288,6 +289,9 @@ class ModelPlan:
     recipe_key: Hashable
     candidates: list[ModuleCandidate]
     digest: str
+    part_digests: dict[str, str] = field(default_factory=dict)
+    """For a factory answering by named parts (a policy's rules), the digest of each part's
+    slots: what names the rule when a TP group's digests differ. Empty for other recipes."""
 
     def publish(self, *, pin: bool = True) -> UpdateReport:
         report = publish_candidates(self.candidates, self.recipe_key)
@@ -307,6 +311,25 @@ def quantizers_fingerprint(candidates: list[ModuleCandidate]) -> str:
         described = [q.describe() for q in (*rt.fwd_quantizers, *rt.bwd_quantizers)]
         h.update(repr(described).encode())
     return h.hexdigest()
+
+
+def part_fingerprints(recipe: Recipe, candidates: list[ModuleCandidate]) -> dict[str, str]:
+    """Digest of each named part's slots (`factory_keys.answered_by_parts`): role and quantizer
+    of every slot the part answers, so a part that answers one rank differently from another
+    changes that part's digest only."""
+    part_of = parts_of(recipe.qfactory) if isinstance(recipe, CustomRecipe) else None
+    if part_of is None:
+        return {}
+    slots: dict[str, list] = {}
+    for c in candidates:
+        rt = c.runtime
+        for fwd, quantizers in ((True, rt.fwd_quantizers), (False, rt.bwd_quantizers)):
+            for role, q in zip(_roles_of(c.module, fwd), quantizers):
+                slots.setdefault(part_of(role), []).append((repr(role), q.describe()))
+    return {
+        part: hashlib.sha256(repr(described).encode()).hexdigest()
+        for part, described in sorted(slots.items())
+    }
 
 
 def roles_fingerprint(modules: list[BoundModule]) -> str:
@@ -341,7 +364,8 @@ def plan_model(model: nn.Module, recipe: Recipe) -> ModelPlan:
         + roles_fingerprint(modules).encode()
         + quantizers_fingerprint(candidates).encode()
     ).hexdigest()
-    return ModelPlan(model, recipe, recipe_key, candidates, digest)
+    parts = part_fingerprints(recipe, candidates)
+    return ModelPlan(model, recipe, recipe_key, candidates, digest, parts)
 
 
 def apply_recipe(model: nn.Module, recipe: Recipe) -> UpdateReport:

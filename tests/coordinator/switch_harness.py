@@ -32,6 +32,7 @@ class FakeModel:
 class FakePlan:
     def __init__(self, model: FakeModel, recipe: str, digest: str) -> None:
         self.model, self.recipe, self.digest = model, recipe, digest
+        self.part_digests: dict[str, str] = {}
 
     def publish(self) -> str:
         self.model.recipe = self.recipe

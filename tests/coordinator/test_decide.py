@@ -126,6 +126,26 @@ def test_majority_digest_names_only_the_odd_rank():
     assert "differs from TP group [0, 1, 2] majority good" in d.reasons[2]
 
 
+def test_a_digest_mismatch_names_the_policy_rules_that_answer_the_ranks_differently():
+    def ruled(rank, digest, parts):
+        return Vote(7, rank, True, digest, 4, "", 0.01, 0.0, parts)
+
+    same = {"default": "d0", "edges": "e0"}
+    vs = votes(
+        ruled(0, "good", {**same, "attention": "a0"}),
+        ruled(1, "good", {**same, "attention": "a0"}),
+        ruled(2, "odd", {**same, "attention": "a1"}),
+        ruled(3, "x", {"default": "d0", "edges": "e1", "attention": "a0"}),
+        ruled(4, "y", {"default": "d0", "edges": "e0", "attention": "a0"}),
+    )
+    d = decide(Prepare(7, "b", None, 1.0), vs, range(5), ((0, 1, 2), (3, 4)), False)
+    assert d.commit is False
+    assert d.reasons[2].endswith("; the rules answering differently: 'attention'")
+    assert "majority good" in d.reasons[2] and 0 not in d.reasons
+    for rank in (3, 4):  # no majority in a group of two: both named, with the rule
+        assert d.reasons[rank].endswith("; the rules answering differently: 'edges'")
+
+
 def test_rank_that_voted_no_does_not_count_toward_its_group_majority():
     groups = ((0, 1, 2),)
     vs = votes(yes(0, 4, "good"), no(1), yes(2, 4, "good"))
