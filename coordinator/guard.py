@@ -23,11 +23,14 @@ spike's loss does not enter the window, so one spike does not widen the band the
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
-FALLBACKS = ("current", "mxfp8", "bf16")
+from dist_quant.recipe_files import read_recipe_spec
+from dist_quant.recipes import FALLBACK_TARGETS, recipe_from_dict
 
 
 class Trigger(str, Enum):
@@ -56,13 +59,20 @@ class PrecisionGuard:
     """A module's saturation fraction (largest over its slots) above this counts as bad."""
     saturation_intervals: int = 2
     """Consecutive bad stats steps before the module is switched."""
-    fallback: str = "current"
+    fallback: str | Mapping[str, Any] = "current"
     """What offending modules switch to: "current" (current scaling), "mxfp8" (the gentler
-    step for an NVFP4 model) or "bf16"."""
+    step for an NVFP4 model), "bf16", or a recipe given as its dict or as the path of a YAML/JSON
+    policy file (read once, here): a declarative policy then says what each offending module's
+    slots run, and a whole-model fallback switches to the policy."""
     undo_after_steps: int | None = None
     """Trigger-free steps after a committed switch before switching back; None never undoes."""
     switch_timeout_s: float = 30.0
     """Vote deadline of the guard's switch requests."""
+    fallback_label: str = field(init=False, compare=False)
+    """The fallback as decisions, logs and reports name it: the name, "policy <file>", or
+    "<recipe type> <digest>" for a dict."""
+    fallback_recipe: str | dict[str, Any] = field(init=False, compare=False, repr=False)
+    """The fallback as a switch request sends it: the name, or the recipe's dict."""
 
     def __post_init__(self) -> None:
         _check_int("loss_window", self.loss_window, 2)
@@ -73,13 +83,46 @@ class PrecisionGuard:
                 f"{self.saturation_threshold!r}"
             )
         _check_int("saturation_intervals", self.saturation_intervals, 1)
-        if self.fallback not in FALLBACKS:
-            raise ValueError(
-                f"PrecisionGuard.fallback must be one of {FALLBACKS}, got {self.fallback!r}"
-            )
+        label, recipe = _fallback(self.fallback)
+        object.__setattr__(self, "fallback_label", label)  # derived once: the file is read here
+        object.__setattr__(self, "fallback_recipe", recipe)
         if self.undo_after_steps is not None:
             _check_int("undo_after_steps", self.undo_after_steps, 1)
         _check_positive("switch_timeout_s", self.switch_timeout_s)
+
+    def request_for(self, target: str) -> str | dict[str, Any]:
+        """What a decision's `target` asks the coordinator for: the fallback's recipe for the
+        fallback's label, else the named target itself ("bf16", "base")."""
+        return self.fallback_recipe if target == self.fallback_label else target
+
+
+def _fallback(value: Any) -> tuple[str, str | dict[str, Any]]:
+    """(label, request) of a `PrecisionGuard.fallback`; ValueError naming what is wrong. A
+    recipe is built here once, so a bad policy is refused when the guard is made."""
+    if isinstance(value, str) and value in FALLBACK_TARGETS:
+        return value, value
+    where = "PrecisionGuard.fallback"
+    spec = dict(value) if isinstance(value, Mapping) else value
+    if isinstance(value, str):
+        try:
+            spec = read_recipe_spec(value)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from e
+        where = f"{where}: recipe file {value!r}"
+    if not isinstance(spec, dict):
+        raise ValueError(
+            f"PrecisionGuard.fallback must be one of {FALLBACK_TARGETS}, a recipe dict or the path "
+            f"of a recipe or policy file (JSON/YAML), got {value!r}"
+        )
+    try:
+        recipe = recipe_from_dict(spec)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{where}: {e}") from e
+    kind = "policy" if spec.get("type") == "policy" else type(recipe).__name__
+    name = (
+        f"{kind} {Path(value).name}" if isinstance(value, str) else f"{kind} {recipe.digest()[:8]}"
+    )
+    return name, recipe.to_dict()
 
 
 def _is_number(v: Any) -> bool:
@@ -221,16 +264,18 @@ def _choose(
         }
         layers = tuple(sorted({*state.switched, *bad}))
         return GuardDecision(
-            obs.step, Trigger.SATURATION, Action.LAYERS, layers, policy.fallback, stat
+            obs.step, Trigger.SATURATION, Action.LAYERS, layers, policy.fallback_label, stat
         )
     if spike is not None:
         offenders = [m for m in state.last_saturated if m not in state.switched]
         if offenders:
             layers = tuple(sorted({*state.switched, *offenders}))
             return GuardDecision(
-                obs.step, Trigger.LOSS_SPIKE, Action.LAYERS, layers, policy.fallback, spike
+                obs.step, Trigger.LOSS_SPIKE, Action.LAYERS, layers, policy.fallback_label, spike
             )
-        return GuardDecision(obs.step, Trigger.LOSS_SPIKE, Action.MODEL, (), policy.fallback, spike)
+        return GuardDecision(
+            obs.step, Trigger.LOSS_SPIKE, Action.MODEL, (), policy.fallback_label, spike
+        )
     return None
 
 

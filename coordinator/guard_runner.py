@@ -96,10 +96,11 @@ class GuardRunner:
         if base is None:
             recipe = current_recipe(self._model) or default_recipe()
             base = recipe.to_dict()  # raises for a factory that cannot be serialised
+        to = self.policy.request_for(d.target)
         if d.action is Action.LAYERS:
-            return CustomRecipe(fp8_fallback(d.layers, to=d.target, base=base)).to_dict(), base
+            return CustomRecipe(fp8_fallback(d.layers, to=to, base=base)).to_dict(), base
         if d.action is Action.MODEL:
-            return d.target, base
+            return to, base
         return base, base
 
     def _send(self, decision: GuardDecision) -> None:

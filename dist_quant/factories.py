@@ -34,6 +34,7 @@ from dist_quant.quantizers import (
     Quantizer,
 )
 from dist_quant.recipes import (
+    FALLBACK_TARGETS,
     CustomRecipe,
     DelayedScaling,
     Float8BlockScaling,
@@ -174,35 +175,41 @@ def attention_current_linear_block(role: QuantizerRole | None) -> Quantizer:
     return high_precision(role)
 
 
-FALLBACK_TARGETS = ("current", "mxfp8", "bf16")
-"""What `fp8_fallback` runs the named modules with: current scaling, MXFP8 (a gentler step for
-layers of a 4-bit recipe), or high precision."""
-
-
 def fp8_fallback(
-    layers: Sequence[str], to: str = "current", base: dict[str, Any] | str = "delayed"
+    layers: Sequence[str],
+    to: str | dict[str, Any] = "current",
+    base: dict[str, Any] | str = "delayed",
 ) -> Callable[[QuantizerRole | None], Quantizer | DelayedScalingRequest]:
     """`base` everywhere except the modules named in `layers`, which run `to`.
 
     A role belongs to a listed module when its name equals it or lies below it (`layers.1`
     covers `layers.1.mlp.fc1`); a slot the base keeps in high precision stays there (a fallback
-    never lowers precision). `base` is a recipe dict or built-in name (delayed, current,
-    mxfp8, block, bf16 or a CustomRecipe), answered slot by slot as that recipe would. The precision
-    guard builds this to move offending layers off FP8 trouble; it serialises through its
-    parameters (`CustomRecipe(fp8_fallback(...)).to_dict()` round-trips), and its key names them.
+    never lowers precision). `to` is a name in `FALLBACK_TARGETS` or a recipe dict (a declarative
+    policy included: each listed module's slots then run what the policy gives them); `base` is
+    a recipe dict or built-in name (delayed, current, mxfp8, block, bf16 or a CustomRecipe). Both
+    are answered slot by slot as that recipe would. The precision guard builds this to move
+    offending layers off FP8 trouble; it serialises through its parameters
+    (`CustomRecipe(fp8_fallback(...)).to_dict()` round-trips), and its key names them.
     """
     names = list(layers) if not isinstance(layers, str) else None
     if not names or not all(isinstance(n, str) and n for n in names):
         raise ValueError(
             f"fp8_fallback: layers must be a non-empty list of module names, got {layers!r}"
         )
-    if to not in FALLBACK_TARGETS:
-        raise ValueError(f"fp8_fallback: to must be one of {FALLBACK_TARGETS}, got {to!r}")
+    if isinstance(to, str):
+        if to not in FALLBACK_TARGETS:
+            raise ValueError(
+                f"fp8_fallback: to must be one of {FALLBACK_TARGETS} or a recipe dict, got {to!r}"
+            )
+        target = {"current": current_scaling, "mxfp8": mxfp8, "bf16": high_precision}[to]
+        to_param: str | dict[str, Any] = to
+    else:
+        target_recipe = recipe_from_dict(to)
+        target, to_param = slot_factory(target_recipe), target_recipe.to_dict()
     base_recipe = recipe_from_dict(base)
     base_factory = slot_factory(base_recipe)
     chosen = tuple(sorted(set(names)))
-    target = {"current": current_scaling, "mxfp8": mxfp8, "bf16": high_precision}[to]
-    params = {"layers": list(chosen), "to": to, "base": base_recipe.to_dict()}
+    params = {"layers": list(chosen), "to": to_param, "base": base_recipe.to_dict()}
     key = f"dist_quant.factories.fp8_fallback.v1({json.dumps(params, sort_keys=True)})"
 
     @built_by("dist_quant.factories:fp8_fallback", params)

@@ -52,10 +52,9 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from dist_quant.factories import layer_index, slot_factory
 from dist_quant.factory_keys import answered_by_parts, builder_of, built_by, quantizer_factory
+from dist_quant.recipe_files import read_recipe_file
 from dist_quant.recipes import CustomRecipe, Recipe, recipe_from_dict
 from dist_quant.roles import QuantizerRole
 
@@ -290,10 +289,7 @@ def policy_recipe(spec: Mapping[str, Any]) -> CustomRecipe:
 
 def load_policy(path: str | Path) -> CustomRecipe:
     """The policy recipe of a JSON/YAML file."""
-    try:
-        spec = yaml.safe_load(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        raise ValueError(f"policy file {str(path)!r}: cannot read it: {e}") from e
+    spec = read_recipe_file(path)
     try:
         return policy_recipe(spec)
     except ValueError as e:

@@ -395,6 +395,11 @@ _RECIPE_TYPES: dict[str, type[Recipe]] = {
 # whose `to_dict()` is the general `{"builder": ..., "params": ...}` form.
 _BUILT_TYPES: dict[str, str] = {"policy": "dist_quant.policy:policy"}
 
+FALLBACK_TARGETS = ("current", "mxfp8", "bf16")
+"""The built-in recipes a fallback moves modules to by name (`factories.fp8_fallback`, the
+precision guard): current scaling, MXFP8 (a gentler step for layers of a 4-bit recipe), or
+high precision. A recipe dict (a policy, say) is the other kind of target."""
+
 
 def builtin_recipe(name: str) -> Recipe:
     """ "delayed", "current", "mxfp8", "block", "nvfp4" (each with API defaults) or "bf16" (all identity)."""

@@ -22,19 +22,18 @@ unchanged.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, NoReturn
 
-import yaml
 from dist_quant.launch.client import cancel, status, switch
 from dist_quant.launch.errors import CliError
 from dist_quant.launch.stats import add_stats_parser, run_stats
 from dist_quant.launch.stop_signals import StopRequested, stop_on_signals
 from dist_quant.launch.torchrun import run_script
+
+from dist_quant.recipe_files import read_recipe_spec
 
 
 class _Parser(argparse.ArgumentParser):
@@ -44,61 +43,14 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_recipe_arg(text: str) -> str | dict[str, Any]:
-    """RECIPE as given on the command line -> the payload the coordinator sends to ranks.
-
-    Text starting with `{`, `[` or `"` is inline JSON (never taken for a file name); else a path to
-    an existing JSON/YAML file is read; anything else is a built-in name (`delayed`, `current`,
-    `mxfp8`, `block`, `bf16`). Unparseable input raises CliError (exit 2); whether the recipe
-    itself is valid is for the ranks (or `roles`) to say.
-    """
-    stripped = text.strip()
-    if not stripped:
-        raise CliError("RECIPE is empty: give a built-in name, a JSON object or a file", 2)
-    if stripped[0] in '{["':
-        # inline JSON, decided before any file check: a long recipe is no valid file name
-        # (ENAMETOOLONG), and nobody names a recipe file "{..."
-        try:
-            value = json.loads(stripped)
-        except json.JSONDecodeError as e:
-            raise CliError(f"RECIPE is not valid JSON: {e}", 2) from e
-        except RecursionError as e:  # json nests by recursion: deep input exhausts the stack
-            raise CliError("RECIPE is JSON nested too deeply to be a recipe", 2) from e
-        where = "RECIPE"
-    elif _is_file(stripped):
-        try:
-            value = yaml.safe_load(Path(stripped).read_text())
-        except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError) as e:
-            raise CliError(
-                f"recipe file {stripped!r} is not valid JSON/YAML: {_parse_problem(e)}", 2
-            ) from e
-        where = f"recipe file {stripped!r}"
-    elif Path(stripped).suffix.lower() in (".json", ".yaml", ".yml"):
-        raise CliError(f"recipe file {stripped!r} does not exist", 2)
-    else:
-        return stripped
-    if not isinstance(value, str | dict):
-        raise CliError(
-            f"{where} holds a {type(value).__name__}; a recipe is an object or a built-in name", 2
-        )
-    return value
-
-
-def _parse_problem(e: BaseException) -> str:
-    """What is wrong with a recipe file, and where: YAML's own problem text at its line and
-    column (1-based, as editors count) where the parser knows them."""
-    mark = getattr(e, "problem_mark", None)
-    problem = getattr(e, "problem", None)
-    if mark is not None and problem:
-        return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
-    return str(e).splitlines()[0] if str(e) else type(e).__name__
-
-
-def _is_file(text: str) -> bool:
-    """Whether `text` names an existing file; False where it cannot be a path at all (too long)."""
+    """RECIPE as given on the command line -> the payload the coordinator sends to ranks
+    (`recipe_files.read_recipe_spec`: inline JSON, a JSON/YAML file, or a built-in name).
+    Unparseable input raises CliError (exit 2); whether the recipe itself is valid is for the
+    ranks (or `roles`) to say."""
     try:
-        return Path(text).is_file()
-    except (OSError, ValueError):  # ENAMETOOLONG and the like; NUL bytes on older Pythons
-        return False
+        return read_recipe_spec(text)
+    except ValueError as e:
+        raise CliError(f"RECIPE: {e}", 2) from e
 
 
 def _int_at_least(minimum: int):

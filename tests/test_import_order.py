@@ -42,6 +42,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "dist_quant.factory_keys",
             "dist_quant.jsonl",
             "dist_quant.kinds",
+            "dist_quant.recipe_files",
         ),
     ),
     ("recipes", ("dist_quant.recipes",)),

@@ -29,14 +29,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import yaml
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torchtitan.components.quantization import QuantizationConverter
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
@@ -47,6 +44,7 @@ from dist_quant.checkpoint.model import EXTRA_STATE_SUFFIX
 from dist_quant.coordinator.attach import attach
 from dist_quant.integrations.hooks import quantize_forward
 from dist_quant.modules.linear import Linear
+from dist_quant.recipe_files import read_recipe_spec
 from dist_quant.recipes import Recipe, recipe_from_dict
 from dist_quant.recompute import activation_checkpoint
 
@@ -66,18 +64,7 @@ class DistQuantLinear(Linear, Module):
 
 def load_recipe(spec: str | dict) -> Recipe:
     """A recipe from a built-in name, a recipe dict, JSON text or a JSON/YAML file path."""
-    if isinstance(spec, dict):
-        return recipe_from_dict(spec)
-    text = spec.strip()
-    if text[:1] in '{["':
-        return recipe_from_dict(json.loads(text))
-    path = Path(text)
-    if path.suffix.lower() in (".json", ".yaml", ".yml"):
-        try:
-            return recipe_from_dict(yaml.safe_load(path.read_text()))
-        except OSError as e:
-            raise ValueError(f"recipe file {text!r}: cannot read it: {e}") from e
-    return recipe_from_dict(text)
+    return recipe_from_dict(spec if isinstance(spec, dict) else read_recipe_spec(spec))
 
 
 class DistQuantConverter(QuantizationConverter):
