@@ -2,7 +2,8 @@
 Hugging Face state-dict adapter that know dist-quant modules.
 
     from torchtitan.models.llama3 import model_registry
-    from dist_quant.integrations.torchtitan import DistQuantConverter, enable_dist_quant
+    from dist_quant.integrations.torchtitan import DistQuantConverter
+    from dist_quant.launch.torchtitan import enable_dist_quant
 
     config = llama3_debugmodel()  # a torchtitan Trainer.Config
     config.model_spec = model_registry(
@@ -18,11 +19,12 @@ Hugging Face state-dict adapter that know dist-quant modules.
   them) and dist-quant `Linear`s. The root module's forward runs inside `dq.autocast`
   (`integrations.hooks.quantize_forward`), and `recipe` (a built-in name, a recipe/policy JSON
   object or a JSON/YAML file) is published at the first forward.
-- `enable_dist_quant(config)` swaps torchtitan's `FullAC` / `SelectiveAC` for subclasses whose
-  checkpoint wrapper calls `dq.activation_checkpoint` (exact recompute of FP8 blocks), the
-  model's state-dict adapter for one that keeps `_extra_state` beside the HF weights, and, with
-  `attach_coordinator`, joins the job's switch protocol after the optimizers are built (a step
-  boundary after each optimizer step), so `dist-quant switch` reaches the trainer.
+- `exact_ac_config` swaps torchtitan's `FullAC` / `SelectiveAC` for subclasses whose checkpoint
+  wrapper calls `dq.activation_checkpoint` (exact recompute of FP8 blocks);
+  `extra_state_adapter` makes a model's state-dict adapter keep `_extra_state` beside the HF
+  weights. `dist_quant.launch.torchtitan.enable_dist_quant` applies both to a trainer config and,
+  with the converter's `attach_coordinator`, joins the job's switch protocol: the trainer-level
+  wiring lives with the other launchers, above the coordinator it attaches.
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ import logging
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torchtitan.components.quantization import QuantizationConverter
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
@@ -41,7 +42,6 @@ from torchtitan.models.common.linear import Linear as TitanLinear
 from torchtitan.protocols.module import Module
 
 from dist_quant.checkpoint.model import EXTRA_STATE_SUFFIX
-from dist_quant.coordinator.attach import attach
 from dist_quant.integrations.hooks import quantize_forward
 from dist_quant.modules.linear import Linear
 from dist_quant.recipe_files import read_recipe_spec
@@ -264,56 +264,6 @@ def extra_state_adapter(base: type) -> type:
     return _ADAPTERS[base]
 
 
-# ---- the trainer config -----------------------------------------------------------------------
-def enable_dist_quant(config: Any) -> Any:
-    """Adapt a torchtitan `Trainer.Config` whose model spec was converted by `DistQuantConverter`:
-    exact activation checkpointing, the HF state-dict adapter and, when the converter asks, the
-    coordinator (attached on every rank after the optimizers are built, a step boundary after
-    each optimizer step). Returns `config`, changed in place."""
-    spec = config.model_spec
-    converter = getattr(spec.model, _HOOK_FIELD, None)
-    if converter is None:
-        raise ValueError(
-            "enable_dist_quant: the model spec was not converted by DistQuantConverter; build it "
-            "with model_registry(..., converters=[DistQuantConverter.Config(...)])"
-        )
-    config.activation_checkpoint = exact_ac_config(config.activation_checkpoint)
-    if spec.state_dict_adapter is not None:
-        spec.state_dict_adapter = extra_state_adapter(spec.state_dict_adapter)
-    if converter.attach_coordinator:
-        spec.post_optimizer_build_fn = functools.partial(
-            _attach_after_optimizers, spec.post_optimizer_build_fn, converter
-        )
-    return config
-
-
-def _attach_after_optimizers(
-    previous: Any,
-    converter: DistQuantConverter.Config,
-    optimizers: Any,
-    model_parts: list,
-    parallel_dims: Any,
-) -> None:
-    if previous is not None:
-        previous(optimizers, model_parts, parallel_dims)
-    if len(model_parts) != 1:
-        raise NotImplementedError(
-            "dist-quant's coordinator attaches to one model part per rank; pipeline parallelism "
-            f"gives {len(model_parts)}"
-        )
-    if not dist.is_initialized():
-        raise ValueError("attach_coordinator needs torch.distributed initialised by the trainer")
-    model = model_parts[0]
-    tp_group = parallel_dims.get_mesh("tp").get_group() if parallel_dims.tp_enabled else None
-    participant = attach(
-        model, tp_group=tp_group, run_dir=converter.run_dir, stats_interval=converter.stats_interval
-    )
-    model._dist_quant_participant = participant
-    steps = [0]
-
-    def boundary(*_: Any) -> None:
-        steps[0] += 1
-        participant.step_boundary(steps[0])
-
-    participant.step_boundary(0)
-    optimizers.register_step_post_hook(boundary)
+def converter_config_of(model_spec: Any) -> DistQuantConverter.Config | None:
+    """The `DistQuantConverter.Config` a model spec was converted with, or None."""
+    return getattr(model_spec.model, _HOOK_FIELD, None)
