@@ -1,7 +1,7 @@
 """The cluster switch at scale: the real coordinator and transport against N simulated ranks.
 
     python bench/bench_switch_scale.py [--ranks 64 1024 4096 16384] [--ranks-per-node 8]
-        [--transport store|ray] [--json] [--timeout 600] [--at-step-ahead K]
+        [--transport store|ray] [--relays] [--json] [--timeout 600] [--at-step-ahead K]
 
 Real: `Coordinator`, its decision log (fsynced), the transport (`store`: a `StoreServer` in this
 process, every rank connected to it exactly as `attach` connects; `ray`: the coordinator actor's
@@ -66,6 +66,8 @@ class Bench:
         self.deadline = time.monotonic() + args.timeout
         rpn = args.ranks_per_node
         tp_groups = [tuple(range(g, min(g + rpn, world))) for g in range(0, world, rpn)]
+        # a node = a TP group; with --relays its lowest rank relays the node's messages
+        self.relayed = tuple(g for g in tp_groups if len(g) > 1) if args.relays else ()
         self.counts: dict[str, int] = {"sent": 0, "received": 0}
         # ray: every message crosses the actor once (a push in, or a pop out)
         self.gauge = {"now": 0, "peak": 0, "messages": 0}
@@ -89,6 +91,7 @@ class Bench:
                 tp_groups=tp_groups,
                 log=DecisionLog(tmp / "decisions.jsonl"),
                 commit_window_s=0.5,
+                relayed_nodes=self.relayed,
             )
             self.coordinator.start()
         else:
@@ -122,7 +125,15 @@ class Bench:
                 here, there = ctx.Pipe()
                 proc = ctx.Process(
                     target=worker,
-                    args=(lo, min(lo + per, self.world), self.endpoint, step_s, barrier, there),
+                    args=(
+                        lo,
+                        min(lo + per, self.world),
+                        self.endpoint,
+                        step_s,
+                        barrier,
+                        there,
+                        self.relayed,
+                    ),  # fmt: skip
                     daemon=True,
                 )
                 proc.start()
@@ -300,15 +311,22 @@ def main() -> None:
     parser.add_argument("--at-step-ahead", type=int, default=0,
                         help="request at_step = the ranks' step + this (0: no at_step)")  # fmt: skip
     parser.add_argument("--ranks-per-process", type=int, default=2048)
+    parser.add_argument("--relays", action="store_true",
+                        help="store: each node's lowest rank relays its node's messages, as "
+                        "attach sets up across hosts (rank 0 then handles O(nodes) messages)")  # fmt: skip
     args = parser.parse_args()
     if args.ranks_per_node < 1 or args.ranks_per_process < 1 or min(args.ranks) < 1:
         parser.error("--ranks, --ranks-per-node and --ranks-per-process must be >= 1")
+    if args.relays and (args.transport != "store" or args.ranks_per_process % args.ranks_per_node):
+        parser.error("--relays needs --transport store and whole nodes per process "
+                     "(--ranks-per-process a multiple of --ranks-per-node)")  # fmt: skip
 
     import torch
 
     if not args.json:
         print(f"{os.cpu_count()} CPU cores, torch {torch.__version__}, transport "
-              f"{args.transport}, {args.ranks_per_node} ranks per node (= TP group), "
+              f"{args.transport}, {args.ranks_per_node} ranks per node (= TP group"
+              f"{', relayed' if args.relays else ''}), "
               f"{args.step_ms:g} ms steps")  # fmt: skip
         print(f"{'ranks':>6} | {'decision ms':>11} | {'published ms':>12} | {'max stall ms':>12} |"
               f" {'coord CPU ms':>12} | {'rank0 msgs':>10} | {'rank0 conns':>11}")  # fmt: skip

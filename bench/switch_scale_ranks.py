@@ -149,9 +149,23 @@ class Ranks:
     """Participants for ranks [lo, hi) in this process, and the thread that trains them."""
 
     def __init__(
-        self, lo: int, hi: int, connect: Any, token: str, step_s: float, barrier: Any = None
+        self,
+        lo: int,
+        hi: int,
+        connect: Any,
+        token: str,
+        step_s: float,
+        barrier: Any = None,
+        relayed: tuple[tuple[int, ...], ...] = (),
     ) -> None:
+        """`relayed`: the job's nodes whose lowest rank runs a `NodeRelay` (as `attach` sets it
+        up across hosts): their ranks send upstream through it, its leader runs it."""
+        from dist_quant.coordinator.node_relay import NodeRelay
         from dist_quant.coordinator.participant import Participant
+        from dist_quant.coordinator.transport import PairedTransport
+        from dist_quant.coordinator.wire import INBOX, node_queue
+
+        node_of = {r: node for node in relayed for r in node}
 
         self.models: list[StubModel] = []
         self.parts: list[Any] = []
@@ -166,7 +180,12 @@ class Ranks:
         self.max_step_s = 0.0
         t0 = time.monotonic()
         for r in range(lo, hi):
+            node = node_of.get(r)
             try:
+                relay = None
+                if node is not None and r == node[0]:
+                    link = PairedTransport(connect(), connect())  # its up and down threads
+                    relay = NodeRelay(link, token=token, leader=r, ranks=node)
                 transport = connect()
                 model = StubModel()
                 part = Participant(
@@ -177,6 +196,8 @@ class Ranks:
                     planner=stub_planner,
                     recipe_loader=stub_loader,
                     describe=lambda m: m.recipe,
+                    upstream=INBOX if node is None else node_queue(node[0]),
+                    relay=relay,
                 )
             except Exception as e:  # noqa: BLE001 - counted and reported as attach failures
                 self.failures.append(f"rank {r}: {type(e).__name__}: {e}")
@@ -224,12 +245,21 @@ class Ranks:
         self._trainer.join(10)
 
 
-def worker(lo: int, hi: int, endpoint: dict, step_s: float, barrier: Any, conn: Any) -> None:
+def worker(
+    lo: int,
+    hi: int,
+    endpoint: dict,
+    step_s: float,
+    barrier: Any,
+    conn: Any,
+    relayed: tuple[tuple[int, ...], ...] = (),
+) -> None:
     """A process of simulated ranks, driven by `conn` (a Pipe): "measure", "report", "exit"."""
     threading.stack_size(THREAD_STACK)
     from dist_quant.coordinator.attach import connect_endpoint
 
-    ranks = Ranks(lo, hi, lambda: connect_endpoint(endpoint), endpoint["token"], step_s, barrier)
+    connect = lambda: connect_endpoint(endpoint)  # noqa: E731
+    ranks = Ranks(lo, hi, connect, endpoint["token"], step_s, barrier, relayed)
     ranks.started.wait(60)
     conn.send({"failures": ranks.failures, "connect_s": ranks.connect_s, "step": ranks.step})
     while True:
