@@ -25,13 +25,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from dist_quant.kernels import reference_nvfp4 as ref
 
 import dist_quant as dq
 import dist_quant.gemm as dq_gemm
 import dist_quant.modules.functional as dq_functional
 import dist_quant.nvfp4 as dq_nvfp4
 from dist_quant import kernels as K
-from dist_quant.kernels import reference_nvfp4 as ref
 from dist_quant.tensor import GemmOperand
 
 RECIPES = {
