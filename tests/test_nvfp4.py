@@ -191,6 +191,17 @@ def _grads(m: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, recipe) -> tup
     return y.detach(), x.grad, m.weight.grad, m.bias.grad
 
 
+def test_wgrad_with_only_the_output_gradient_transformed_is_the_exact_block_gemm():
+    # input_rht off, grad_output_rht on: the wgrad operands' transforms differ, and the GEMM is
+    # still the contract's (the input's E2M1 values transformed), not a device-ordered fp32 matmul
+    m, x, dy = _linear(), _x(15), _x(16, (T, OUT))
+    recipe = dq.NVFP4BlockScaling(input_rht=False, stochastic_rounding=False, weight_2d=False)
+    _, _, dw, _ = _grads(m, x, dy, recipe)
+    dy_t, x_t = _ref_cast(dy.t().contiguous(), rht=True), _ref_cast(x.t().contiguous())
+    want = reference_nvfp4.nvfp4_gemm((*dy_t, True), (*x_t, False))
+    assert torch.equal(dw, want)
+
+
 def test_backward_high_precision_is_the_unconverted_backward_given_the_same_output_grad():
     m, x, dy = _linear(), _x(5), _x(6, (T, OUT))
     y, dx, dw, db = _grads(m, x, dy, dq.NVFP4BlockScaling(backward_override="high_precision"))
