@@ -89,8 +89,8 @@ def nvfp4(role: QuantizerRole | None) -> Quantizer:
     16x16 weight blocks, the Hadamard transform on the input's and the output gradient's
     columnwise (wgrad) copies, stochastic rounding of the output gradient; other slots 1x16.
     The stochastic rounding seed is a digest of the role (so slots draw different streams, the
-    same on every rank); its offset starts at 0 for each quantizer the factory builds (a
-    recipe's own state checkpoints its offsets, a factory's quantizers do not)."""
+    same on every rank); the `CustomRecipe`'s state counts the casts of each such quantizer in a
+    buffer it checkpoints, as the recipe's own state does."""
     tensor_type = _tensor_type(role)
     grad = tensor_type == "grad_output"
     salt = zlib.crc32(repr(role).encode()) % 2**31

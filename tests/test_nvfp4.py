@@ -18,6 +18,7 @@ from dist_quant.kernels import reference, reference_nvfp4
 
 import dist_quant as dq
 from dist_quant import checkpoint as ckpt
+from dist_quant import factories
 from dist_quant.kinds import OperandLayout
 from dist_quant.nvfp4 import NVFP4Quantizer
 from dist_quant.recipes import recipe_from_dict
@@ -291,6 +292,68 @@ def test_a_fresh_model_resumes_an_nvfp4_checkpoint_with_its_rounding_stream():
 
     for got, want in zip(step(fresh), step(m)):
         assert torch.equal(got, want)
+
+
+def _two_layers(seed: int) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(dq.Linear(IN, IN), dq.Linear(IN, OUT))
+
+
+def _train(model: torch.nn.Module, batches: list) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)  # stateless: the model is the whole state
+    for x, dy in batches:
+        opt.zero_grad(set_to_none=True)
+        with dq.autocast():
+            model(x).backward(dy)
+        opt.step()
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        dq.NVFP4BlockScaling(seed=3),
+        dq.CustomRecipe(factories.nvfp4),
+        recipe_from_dict(
+            {
+                "type": "policy",
+                "default": "nvfp4",
+                "rules": [{"modules": ["1"], "recipe": {"type": "NVFP4BlockScaling", "seed": 7}}],
+            }
+        ),
+        dq.CustomRecipe(factories.fp8_fallback(["0"], to="mxfp8", base="nvfp4")),
+    ],
+    ids=["recipe", "factory", "policy", "fallback"],
+)
+def test_k_steps_checkpoint_fresh_model_n_minus_k_steps_is_n_steps_bit_for_bit(recipe):
+    """Every stochastically rounding NVFP4 quantizer, built by the recipe or by a factory, counts
+    its casts in its recipe state's checkpointed buffer: resuming continues its random stream."""
+    n, k = 3, 1
+    batches = [(_x(20 + i), _x(40 + i, (T, OUT))) for i in range(n)]
+    straight = _two_layers(seed=3)
+    dq.apply_recipe(straight, recipe)
+    _train(straight, batches)
+
+    first = _two_layers(seed=3)
+    dq.apply_recipe(first, recipe)
+    _train(first, batches[:k])
+    buf = io.BytesIO()
+    torch.save(first.state_dict(), buf)
+    buf.seek(0)
+    resumed = _two_layers(seed=99)
+    ckpt.load_state_dict(resumed, torch.load(buf, weights_only=True))
+    offsets = resumed[1].quant_binding.runtime.bwd_state.sr_offset
+    assert offsets.max().item() == 2 * k  # the output gradient's two copies per step
+    _train(resumed, batches[k:])
+    for (name, want), got in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        if isinstance(want, torch.Tensor):
+            assert torch.equal(got, want), name
+    # and the stream did matter: a model that restarts its offsets at 0 drifts
+    restarted = _two_layers(seed=99)
+    weights = {k: v for k, v in first.state_dict().items() if not k.endswith("_extra_state")}
+    restarted.load_state_dict(weights, strict=False)
+    dq.apply_recipe(restarted, recipe)
+    _train(restarted, batches[k:])
+    assert not torch.equal(restarted[0].weight, straight[0].weight)
 
 
 def test_fsdp2_fp8_all_gather_of_an_nvfp4_weight_is_refused_at_plan_time():
