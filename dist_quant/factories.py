@@ -15,6 +15,7 @@ keeps working.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import zlib
@@ -41,7 +42,9 @@ from dist_quant.recipes import (
     HighPrecision,
     MXFP8BlockScaling,
     NVFP4BlockScaling,
+    PassOverrides,
     Recipe,
+    builtin_recipe,
     recipe_from_dict,
 )
 from dist_quant.roles import DelayedScalingRequest, QuantizerRole
@@ -190,6 +193,7 @@ def fp8_fallback(
     mxfp8, block, bf16 or a CustomRecipe), answered slot by slot as that recipe would. The precision
     guard builds this to move offending layers off FP8 trouble; it serialises through its
     parameters (`CustomRecipe(fp8_fallback(...)).to_dict()` round-trips), and its key names them.
+    The base's per-pass overrides are recipe fields: `fallback_recipe` carries them.
     """
     names = list(layers) if not isinstance(layers, str) else None
     if not names or not all(isinstance(n, str) and n for n in names):
@@ -217,6 +221,31 @@ def fp8_fallback(
         return kept
 
     return factory
+
+
+def fallback_recipe(
+    base: dict[str, Any] | str, to: str, layers: Sequence[str] | None = None
+) -> Recipe:
+    """What the precision guard asks for instead of `base`: `to` for the modules in `layers`
+    (`CustomRecipe(fp8_fallback(layers, to, base))`), or for the whole model when `layers` is
+    None (the built-in `to`), carrying the base's per-pass overrides either way, so a run with
+    `backward_override="high_precision"` keeps its high-precision backward wherever the guard
+    does not move it to bf16 (which quantizes nothing, so takes none). The overrides are fields of
+    the recipe, so `to_dict` / `recipe_from_dict` carry them."""
+    base_recipe = recipe_from_dict(base)
+    overrides = {}
+    if isinstance(base_recipe, PassOverrides):
+        overrides = {
+            f.name: getattr(base_recipe, f.name)
+            for f in dataclasses.fields(PassOverrides)
+            if getattr(base_recipe, f.name) != f.default
+        }
+    if layers is not None:
+        return CustomRecipe(fp8_fallback(layers, to=to, base=base), **overrides)
+    if to not in FALLBACK_TARGETS:
+        raise ValueError(f"fallback_recipe: to must be one of {FALLBACK_TARGETS}, got {to!r}")
+    whole = builtin_recipe(to)
+    return whole if isinstance(whole, HighPrecision) else dataclasses.replace(whole, **overrides)
 
 
 def slot_factory(recipe: Recipe) -> Callable[[QuantizerRole | None], Any]:
@@ -262,8 +291,8 @@ def slot_factory(recipe: Recipe) -> Callable[[QuantizerRole | None], Any]:
 
 def _nvfp4_slot_factory(recipe: NVFP4BlockScaling) -> Callable[[QuantizerRole | None], Quantizer]:
     """The quantizer `recipe` gives a slot, for a fallback's untouched slots (seeded per role, as
-    `nvfp4` does). The base's overrides are not carried: a fallback recipe is a `CustomRecipe`,
-    which takes its own."""
+    `nvfp4` does). The base's per-pass overrides are recipe fields, not slot answers:
+    `fallback_recipe` puts them on the `CustomRecipe` it builds around this."""
 
     def factory(role: QuantizerRole | None) -> Quantizer:
         tensor_type = _tensor_type(role)
@@ -275,6 +304,7 @@ def _nvfp4_slot_factory(recipe: NVFP4BlockScaling) -> Callable[[QuantizerRole | 
             rht=rht,
             stochastic_rounding=recipe.stochastic_rounding and grad,
             seed=(recipe.seed * 0x9E3779B1 + salt) % 2**31,
+            reduce_amax=recipe.reduce_amax,
         )
 
     return factory
