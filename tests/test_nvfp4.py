@@ -241,20 +241,37 @@ def test_forward_high_precision_is_bf16s_forward_with_nvfp4s_backward():
 
 
 # ---- bad input --------------------------------------------------------------------------------
+def _plan_lazily(model: torch.nn.Module, recipe) -> None:
+    with dq.autocast(recipe=recipe):
+        model(_x(19))
+
+
+@pytest.mark.parametrize("plan", [dq.apply_recipe, _plan_lazily], ids=["apply", "autocast"])
 @pytest.mark.parametrize(
     "in_f, out_f, role", [(40, OUT, "linear/input"), (IN, 40, "linear/weight")]
 )
 def test_features_not_a_multiple_of_16_are_refused_at_plan_time_and_nothing_published(
-    in_f, out_f, role
+    in_f, out_f, role, plan
 ):
-    m = torch.nn.Sequential(_linear(in_f=IN, out_f=IN), _linear(in_f=in_f, out_f=out_f))
-    dq.apply_recipe(m, dq.MXFP8BlockScaling())
-    before = [layer.quant_binding.runtime for layer in m]
-    with pytest.raises(dq.RecipeUpdateError, match="module '1'.*multiple of 16") as info:
-        dq.apply_recipe(m, dq.NVFP4BlockScaling())
+    # a valid layer, then (through a plain nn.Linear, so the forward runs) the refused one
+    m = torch.nn.Sequential(_linear(), torch.nn.Linear(OUT, in_f), _linear(in_f=in_f, out_f=out_f))
+    layers = [m[0], m[2]]
+    plan(m, dq.MXFP8BlockScaling())
+    before = [layer.quant_binding.runtime for layer in layers]
+    with pytest.raises(dq.RecipeUpdateError, match="module '2'.*multiple of 16") as info:
+        plan(m, dq.NVFP4BlockScaling())
     assert role in str(info.value)
-    assert [layer.quant_binding.runtime for layer in m] == before
-    assert dq.current_recipe(m) == dq.MXFP8BlockScaling()
+    assert [layer.quant_binding.runtime for layer in layers] == before
+    assert [layer.quant_binding.recipe for layer in layers] == [dq.MXFP8BlockScaling()] * 2
+
+
+def test_the_transformed_copies_need_multiples_of_16_not_32():
+    # 48 features and 48 tokens under both transforms: planned, and the weight gradient is the
+    # reference GEMM of the reference casts
+    m, x, dy = _linear(in_f=48, out_f=48), _x(17, (48, 48)), _x(18, (48, 48))
+    _, _, dw, _ = _grads(m, x, dy, dq.NVFP4BlockScaling(stochastic_rounding=False))
+    dy_t, x_t = _ref_cast(dy.t().contiguous(), rht=True), _ref_cast(x.t().contiguous(), rht=True)
+    assert torch.equal(dw, reference_nvfp4.nvfp4_gemm((*dy_t, True), (*x_t, True)))
 
 
 def test_a_token_count_not_a_multiple_of_16_is_refused_naming_module_and_role():
