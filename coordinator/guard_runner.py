@@ -14,7 +14,8 @@ derived); in every case but a commit training goes on with the recipe it has.
 The recipe a decision asks for is derived from the base recipe: the one the model runs when the
 request is sent, or, while a guard switch is in force, the one that switch started from.
 Offending layers -> `CustomRecipe(fp8_fallback(layers, to=..., base=base))`; the whole model ->
-the built-in "bf16" or "current"; undo -> the base itself.
+the built-in "bf16", "current" or "mxfp8"; undo -> the base itself. Both fallbacks carry the base's
+per-pass overrides (`factories.fallback_recipe`; "bf16" quantizes nothing and takes none).
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ from dist_quant.coordinator.log import GUARD_RECORD, DecisionLog, DecisionLogErr
 from dist_quant.coordinator.logfmt import SwitchLog
 
 from dist_quant.context import default_recipe
-from dist_quant.factories import fp8_fallback
-from dist_quant.recipes import CustomRecipe
+from dist_quant.factories import fallback_recipe
+from dist_quant.recipes import builtin_recipe
 from dist_quant.runtime import current_recipe
 from dist_quant.telemetry import StatsRecord, Telemetry
 
@@ -98,9 +99,12 @@ class GuardRunner:
             base = recipe.to_dict()  # raises for a factory that cannot be serialised
         to = self.policy.request_for(d.target)
         if d.action is Action.LAYERS:
-            return CustomRecipe(fp8_fallback(d.layers, to=to, base=base)).to_dict(), base
+            return fallback_recipe(base, to, d.layers).to_dict(), base
         if d.action is Action.MODEL:
-            return to, base
+            whole = fallback_recipe(base, to)
+            # the built-in's name where the base had no overrides (the request it always sent)
+            named = isinstance(to, str) and whole == builtin_recipe(to)
+            return (to if named else whole.to_dict()), base
         return base, base
 
     def _send(self, decision: GuardDecision) -> None:

@@ -15,6 +15,7 @@ keeps working.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import zlib
@@ -42,7 +43,9 @@ from dist_quant.recipes import (
     HighPrecision,
     MXFP8BlockScaling,
     NVFP4BlockScaling,
+    PassOverrides,
     Recipe,
+    builtin_recipe,
     recipe_from_dict,
 )
 from dist_quant.roles import DelayedScalingRequest, QuantizerRole
@@ -90,8 +93,8 @@ def nvfp4(role: QuantizerRole | None) -> Quantizer:
     16x16 weight blocks, the Hadamard transform on the input's and the output gradient's
     columnwise (wgrad) copies, stochastic rounding of the output gradient; other slots 1x16.
     The stochastic rounding seed is a digest of the role (so slots draw different streams, the
-    same on every rank); its offset starts at 0 for each quantizer the factory builds (a
-    recipe's own state checkpoints its offsets, a factory's quantizers do not)."""
+    same on every rank); the `CustomRecipe`'s state counts the casts of each such quantizer in a
+    buffer it checkpoints, as the recipe's own state does."""
     tensor_type = _tensor_type(role)
     grad = tensor_type == "grad_output"
     salt = zlib.crc32(repr(role).encode()) % 2**31
@@ -189,7 +192,8 @@ def fp8_fallback(
     a recipe dict or built-in name (delayed, current, mxfp8, block, bf16 or a CustomRecipe). Both
     are answered slot by slot as that recipe would. The precision guard builds this to move
     offending layers off FP8 trouble; it serialises through its parameters
-    (`CustomRecipe(fp8_fallback(...)).to_dict()` round-trips), and its key names them.
+    (`CustomRecipe(fp8_fallback(...)).to_dict()` round-trips), and its key names them. The
+    base's per-pass overrides are recipe fields: `fallback_recipe` carries them.
     """
     names = list(layers) if not isinstance(layers, str) else None
     if not names or not all(isinstance(n, str) and n for n in names):
@@ -224,6 +228,34 @@ def fp8_fallback(
         return kept
 
     return factory
+
+
+def fallback_recipe(
+    base: dict[str, Any] | str, to: str | dict[str, Any], layers: Sequence[str] | None = None
+) -> Recipe:
+    """What the precision guard asks for instead of `base`: `to` for the modules in `layers`
+    (`CustomRecipe(fp8_fallback(layers, to, base))`), or for the whole model when `layers` is
+    None (the built-in `to`), carrying the base's per-pass overrides either way, so a run with
+    `backward_override="high_precision"` keeps its high-precision backward wherever the guard
+    does not move it to bf16 (which quantizes nothing, so takes none). The overrides are fields of
+    the recipe, so `to_dict` / `recipe_from_dict` carry them. A recipe dict as the whole model's
+    `to` (a policy, say) is taken as written, its own overrides included."""
+    base_recipe = recipe_from_dict(base)
+    overrides = {}
+    if isinstance(base_recipe, PassOverrides):
+        overrides = {
+            f.name: getattr(base_recipe, f.name)
+            for f in dataclasses.fields(PassOverrides)
+            if getattr(base_recipe, f.name) != f.default
+        }
+    if layers is not None:
+        return CustomRecipe(fp8_fallback(layers, to=to, base=base), **overrides)
+    if isinstance(to, dict):
+        return recipe_from_dict(to)
+    if to not in FALLBACK_TARGETS:
+        raise ValueError(f"fallback_recipe: to must be one of {FALLBACK_TARGETS}, got {to!r}")
+    whole = builtin_recipe(to)
+    return whole if isinstance(whole, HighPrecision) else dataclasses.replace(whole, **overrides)
 
 
 def slot_factory(recipe: Recipe) -> Callable[[QuantizerRole | None], Any]:
@@ -269,8 +301,8 @@ def slot_factory(recipe: Recipe) -> Callable[[QuantizerRole | None], Any]:
 
 def _nvfp4_slot_factory(recipe: NVFP4BlockScaling) -> Callable[[QuantizerRole | None], Quantizer]:
     """The quantizer `recipe` gives a slot, for a fallback's untouched slots (seeded per role, as
-    `nvfp4` does). The base's overrides are not carried: a fallback recipe is a `CustomRecipe`,
-    which takes its own."""
+    `nvfp4` does). The base's per-pass overrides are recipe fields, not slot answers:
+    `fallback_recipe` puts them on the `CustomRecipe` it builds around this."""
 
     def factory(role: QuantizerRole | None) -> Quantizer:
         tensor_type = _tensor_type(role)
@@ -282,6 +314,7 @@ def _nvfp4_slot_factory(recipe: NVFP4BlockScaling) -> Callable[[QuantizerRole | 
             rht=rht,
             stochastic_rounding=recipe.stochastic_rounding and grad,
             seed=(recipe.seed * 0x9E3779B1 + salt) % 2**31,
+            reduce_amax=recipe.reduce_amax,
         )
 
     return factory

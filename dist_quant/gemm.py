@@ -10,14 +10,15 @@ result ``(M, N)``. Paths, in order:
    the Triton block-scaled GEMM (``kernels/block_gemm.py``, as the ``dist_quant::block_scaled_gemm``
    op), which scales each 128-deep partial
    product of the FP8 tensor cores and accumulates in fp32;
-4. both operands NVFP4 with the same Hadamard transform (both or neither): ``nvfp4_gemm``, the
-   contract's GEMM emulated exactly (fp32 products per 16-element block scaled by both block
-   scales, fp32 accumulation, times ``alpha = amax_a * amax_b / (6^2 * 448^2)``), on CPUs and
-   on Hopper alike (no FP4 tensor cores before Blackwell); a transform applied to both wgrad
-   operands cancels in the product;
+4. both operands NVFP4: ``nvfp4_gemm``, the contract's GEMM emulated exactly (fp32 products per
+   16-element block scaled by both block scales, fp32 accumulation in block order, times
+   ``alpha = amax_a * amax_b / (6^2 * 448^2)``), on CPUs and on Hopper alike (no FP4 tensor cores
+   before Blackwell), the same bits on both; a transform applied to both wgrad operands cancels
+   in the product, and where only one went through it (``input_rht`` without
+   ``grad_output_rht``, or the reverse) the other's E2M1 values are transformed exactly first;
 5. otherwise the exact emulation: dequantize both to fp32 (an NVFP4 operand's transform undone),
    ``torch.matmul`` in fp32, cast to ``out_dtype``. This is what CPUs use, and MXFP8 or mixed
-   operands everywhere.
+   operands everywhere; its fp32 accumulation order is the device's.
 """
 
 from __future__ import annotations
@@ -63,7 +64,9 @@ def gemm(
         out = torch.matmul(a, b.t())
         return (out if bias is None else out + bias.to(out.dtype)).to(out_dtype)
     if _both_nvfp4(a, b):
-        out = nvfp4_gemm((a.data, a.scale_inv, a.amax), (b.data, b.scale_inv, b.amax))  # fp32
+        out = nvfp4_gemm(
+            (a.data, a.scale_inv, a.amax, a.rht), (b.data, b.scale_inv, b.amax, b.rht)
+        )  # fp32
         return (out if bias is None else out + bias.float()).to(out_dtype)
     if _can_use_block_gemm(a, b, out_dtype):
         return block_scaled_gemm(
@@ -179,7 +182,6 @@ def _both_nvfp4(a: Tensor | GemmOperand, b: Tensor | GemmOperand) -> bool:
         and isinstance(b, GemmOperand)
         and a.scaling is OperandLayout.NVFP4
         and b.scaling is OperandLayout.NVFP4
-        and a.rht == b.rht
     )
 
 

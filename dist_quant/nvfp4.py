@@ -7,8 +7,9 @@ high-precision tensor with its own global amax. Options, set per slot by the rec
 - `rht`: the columnwise (wgrad) copy goes through the 16x16 random Hadamard transform first, its
   amax taken after the transform;
 - `stochastic_rounding`: elements rounded stochastically from `(seed, offset)`, the offset a
-  1-element int64 counter owned by the recipe state (checkpointed with it) that advances by one
-  per copy cast, so a run and its resume draw the same bits;
+  1-element int64 counter that advances by one per copy cast, owned by the recipe state
+  (`count_sr_in`; checkpointed with it, whether the recipe or a factory built the quantizer), so
+  a run and its resume draw the same bits;
 - `amax_reduction_group`: both global amaxes max-reduced over the group (one all-reduce) before
   the casts, so shards of one tensor on tensor-parallel ranks quantize with the whole tensor's
   global scale; with `reduce_amax` (the default) tensor-parallel planning gives a sharded slot
@@ -59,19 +60,25 @@ class NVFP4Quantizer(Quantizer):
                 raise ValueError(f"NVFP4Quantizer: {name} must be True or False, got {flag!r}")
         if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
             raise ValueError(f"NVFP4Quantizer: seed must be an int >= 0, got {seed!r}")
-        if sr_offset is None:
-            sr_offset = torch.zeros(1, dtype=torch.int64)
-        if sr_offset.dtype != torch.int64 or sr_offset.numel() != 1 or sr_offset.is_cuda:
-            raise ValueError(
-                "NVFP4Quantizer: sr_offset must be a 1-element int64 CPU tensor, got "
-                f"{sr_offset.dtype} {tuple(sr_offset.shape)} on {sr_offset.device}"
-            )
         self.block_2d, self.rht, self.stochastic_rounding = block_2d, rht, stochastic_rounding
         self.seed = seed
-        self.sr_offset = sr_offset
+        self.sr_offset = torch.zeros(1, dtype=torch.int64)
+        if sr_offset is not None:
+            self.count_sr_in(sr_offset)
         self.amax_reduction_group = amax_reduction_group
         self.reduce_amax = bool(reduce_amax)
         """Tensor-parallel planning may give it the TP group where its tensor is sharded."""
+
+    def count_sr_in(self, counter: Tensor) -> None:
+        """Advance `counter` (a 1-element int64 CPU tensor) per stochastically rounded cast
+        instead of the quantizer's own: a recipe state hands each slot a view into a buffer it
+        owns, so a checkpoint of the state carries the rounding stream's position."""
+        if counter.dtype != torch.int64 or counter.numel() != 1 or counter.is_cuda:
+            raise ValueError(
+                f"{self._where()}: sr_offset must be a 1-element int64 CPU tensor, got "
+                f"{counter.dtype} {tuple(counter.shape)} on {counter.device}"
+            )
+        self.sr_offset = counter
 
     def describe(self) -> tuple:
         return (

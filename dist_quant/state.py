@@ -10,6 +10,7 @@ another state's buffers across a rebuild (`inherit_state_from`) so that no histo
 from __future__ import annotations
 
 import abc
+import copy
 import dataclasses
 import zlib
 from collections.abc import Callable, Sequence
@@ -397,6 +398,10 @@ class CustomRecipeState(RecipeState):
     answers serve the first `make_quantizers()`; each later call asks the factory again, so every
     call returns new objects. `DelayedScalingRequest` slots become `Float8Quantizer`s viewing one
     shared scale `(n_ds,)` / amax history `(L, n_ds)`; the requests must agree (see the class).
+    An NVFP4 quantizer that rounds stochastically counts its casts in a slot of this state's
+    `sr_offset` `(num_quantizers,)` int64 buffer (a copy of the factory's object gets the view, as
+    one object may serve several slots), checkpointed like the recipe state's own, so a resumed
+    run draws the same bits whichever factory (`factories.nvfp4`, a policy, a fallback) built it.
     """
 
     recipe: CustomRecipe
@@ -409,6 +414,10 @@ class CustomRecipeState(RecipeState):
             i: a for i, a in enumerate(answers) if isinstance(a, DelayedScalingRequest)
         }
         self._ds_index = {slot: j for j, slot in enumerate(self._requests)}
+        self._sr_slots = frozenset(i for i, a in enumerate(answers) if _rounds_stochastically(a))
+        self.sr_offset: Tensor | None = None
+        if self._sr_slots:
+            self.sr_offset = torch.zeros(self.num_quantizers, dtype=torch.int64)
         self.scale: Tensor | None = None
         self.amax_history: Tensor | None = None
         if not self._requests:
@@ -494,13 +503,24 @@ class CustomRecipeState(RecipeState):
                     f"{self._module_of(self.roles[slot])}, role {self._role(slot)}: the factory "
                     f"returned a quantizer when the state was built and {answer!r} now"
                 )
+            elif (slot in self._sr_slots) != _rounds_stochastically(answer):
+                raise ValueError(
+                    f"{self._module_of(self.roles[slot])}, role {self._role(slot)}: the factory "
+                    f"answered {'a' if slot in self._sr_slots else 'no'} stochastically rounding "
+                    f"NVFP4 quantizer when the state was built and {answer!r} now; a factory "
+                    "must answer the same kind for a role"
+                )
+            elif slot in self._sr_slots:
+                answer = copy.copy(answer)
+                answer.count_sr_in(self.sr_offset[slot : slot + 1])
             out.append(answer)
         return out
 
     def persistent_buffers(self) -> dict[str, Tensor]:
-        if self.scale is None:
-            return {}
-        return {"scale": self.scale, "amax_history": self.amax_history}
+        out = {} if self.sr_offset is None else {"sr_offset": self.sr_offset}
+        if self.scale is not None:
+            out.update(scale=self.scale, amax_history=self.amax_history)
+        return out
 
     def delayed_groups(self) -> list[DelayedGroup]:
         if self.scale is None:
@@ -517,6 +537,10 @@ class CustomRecipeState(RecipeState):
                 recipe=self.recipe,
             )
         ]
+
+
+def _rounds_stochastically(answer: object) -> bool:
+    return isinstance(answer, NVFP4Quantizer) and answer.stochastic_rounding
 
 
 _STATE_CLASSES: dict[type[Recipe], type[RecipeState]] = {

@@ -40,6 +40,13 @@ multiples of 1/4 below 36, a 16-term dot stays below 2**10; E4M3 products have 8
 bits), so the only roundings are the fp32 accumulation over the K/16 blocks and the final product by
 ``alpha = fp32(amax_a * amax_b) / 7225344`` (7225344 = 6**2 * 448**2). The reference accumulates
 in ascending block order; another accumulation order (a tensor-core GEMM) is the stated tolerance.
+When only one operand went through the RHT (``rht`` on one ``NVFP4Operand``), the other one's E2M1
+values go through the same transform before the block products: ``a' . (b M) = a . b`` for the
+orthogonal per-block ``M``, so the product is the one of the dequantized operands with the transform
+undone, and it stays exact: transformed E2M1 values are multiples of 1/8 below 24 (exact in fp32),
+a 16-term dot of them with E2M1 values a multiple of 1/16 below 2304 (16 significant bits), times an
+E4M3 scale product (8 bits) still exact in fp32, so the same ordered accumulation defines it on every
+device.
 """
 
 from __future__ import annotations
@@ -86,6 +93,7 @@ class NVFP4Operand(NamedTuple):
     data: Tensor  # uint8 (rows, K // 2)
     scales: Tensor  # float8_e4m3fn (rows, K // 16)
     amax: Tensor  # fp32, one element
+    rht: bool = False  # the values went through the random Hadamard transform along K
 
 
 def nvfp4_global_scales(amax: Tensor | float) -> tuple[Tensor, Tensor]:
@@ -201,7 +209,11 @@ def nvfp4_gemm(a: NVFP4Operand | tuple, b: NVFP4Operand | tuple, *, ordered: boo
     per block. ``ordered=False``: one fp32 matmul of the block-scaled values ``e2m1 * float(s_b)``
     (exact in fp32 and in TF32: at most 6 significant bits), the same exact products accumulated in
     the matmul's own order: the stated tolerance, at the cost of one GEMM (what an emulation on a
-    GPU without FP4 tensor cores runs)."""
+    GPU without FP4 tensor cores runs).
+
+    Operands whose ``rht`` differ: the untransformed one's E2M1 values are transformed first
+    (exactly; the module docstring), so either order still adds exact terms (with ``ordered=False``
+    a transformed value times its scale has up to 12 significant bits: exact in fp32, not TF32)."""
     a, b = NVFP4Operand(*a), NVFP4Operand(*b)
     m, k = _check_packed(a.data, a.scales, "nvfp4_gemm: a")
     n, kb = _check_packed(b.data, b.scales, "nvfp4_gemm: b")
@@ -211,8 +223,13 @@ def nvfp4_gemm(a: NVFP4Operand | tuple, b: NVFP4Operand | tuple, *, ordered: boo
     amax_a = _scalar_fp32(a.amax, "nvfp4_gemm: a.amax").to(dev)
     product = amax_a * _scalar_fp32(b.amax, "nvfp4_gemm: b.amax").to(dev)
     alpha = product / torch.full_like(product, ALPHA_DIVISOR)  # a tensor: IEEE division on CUDA
-    a_val = e2m1_decode(a.data).reshape(m, k // NVFP4_BLOCK, NVFP4_BLOCK)
-    b_val = e2m1_decode(b.data).reshape(n, k // NVFP4_BLOCK, NVFP4_BLOCK)
+    a_val, b_val = e2m1_decode(a.data), e2m1_decode(b.data)  # (M, K), (N, K)
+    if a.rht and not b.rht:
+        b_val = random_hadamard_transform(b_val)
+    elif b.rht and not a.rht:
+        a_val = random_hadamard_transform(a_val)
+    a_val = a_val.reshape(m, k // NVFP4_BLOCK, NVFP4_BLOCK)
+    b_val = b_val.reshape(n, k // NVFP4_BLOCK, NVFP4_BLOCK)
     sa, sb = a.scales.float(), b.scales.float()
     if not ordered:
         a_scaled = (a_val * sa.unsqueeze(-1)).reshape(m, k)

@@ -82,3 +82,17 @@ def test_a_builder_refusing_its_params_is_a_value_error_naming_the_field():
 def test_a_fallback_never_lowers_a_high_precision_slot():
     f = fp8_fallback(["fc"], to="current", base="bf16")
     assert isinstance(f(_role("fc")), dq.IdentityQuantizer)
+
+
+def test_an_nvfp4_bases_untouched_slots_keep_every_option_of_the_base():
+    base = dq.NVFP4BlockScaling(grad_output_rht=False, reduce_amax=False, seed=4)
+    f = fp8_fallback(["head"], to="mxfp8", base=base.to_dict())
+    inp, weight, grad = (f(_role("body", t)) for t in ("input", "weight", "grad_output"))
+    assert (inp.rht, weight.block_2d, grad.rht, grad.stochastic_rounding) == (
+        True,
+        True,
+        False,
+        True,
+    )
+    assert not any(q.reduce_amax for q in (inp, weight, grad))
+    assert isinstance(f(_role("head", "grad_output")), dq.MXFP8Quantizer)

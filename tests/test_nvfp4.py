@@ -18,6 +18,7 @@ from dist_quant.kernels import reference, reference_nvfp4
 
 import dist_quant as dq
 from dist_quant import checkpoint as ckpt
+from dist_quant import factories
 from dist_quant.kinds import OperandLayout
 from dist_quant.nvfp4 import NVFP4Quantizer
 from dist_quant.recipes import recipe_from_dict
@@ -191,6 +192,17 @@ def _grads(m: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, recipe) -> tup
     return y.detach(), x.grad, m.weight.grad, m.bias.grad
 
 
+def test_wgrad_with_only_the_output_gradient_transformed_is_the_exact_block_gemm():
+    # input_rht off, grad_output_rht on: the wgrad operands' transforms differ, and the GEMM is
+    # still the contract's (the input's E2M1 values transformed), not a device-ordered fp32 matmul
+    m, x, dy = _linear(), _x(15), _x(16, (T, OUT))
+    recipe = dq.NVFP4BlockScaling(input_rht=False, stochastic_rounding=False, weight_2d=False)
+    _, _, dw, _ = _grads(m, x, dy, recipe)
+    dy_t, x_t = _ref_cast(dy.t().contiguous(), rht=True), _ref_cast(x.t().contiguous())
+    want = reference_nvfp4.nvfp4_gemm((*dy_t, True), (*x_t, False))
+    assert torch.equal(dw, want)
+
+
 def test_backward_high_precision_is_the_unconverted_backward_given_the_same_output_grad():
     m, x, dy = _linear(), _x(5), _x(6, (T, OUT))
     y, dx, dw, db = _grads(m, x, dy, dq.NVFP4BlockScaling(backward_override="high_precision"))
@@ -229,20 +241,37 @@ def test_forward_high_precision_is_bf16s_forward_with_nvfp4s_backward():
 
 
 # ---- bad input --------------------------------------------------------------------------------
+def _plan_lazily(model: torch.nn.Module, recipe) -> None:
+    with dq.autocast(recipe=recipe):
+        model(_x(19))
+
+
+@pytest.mark.parametrize("plan", [dq.apply_recipe, _plan_lazily], ids=["apply", "autocast"])
 @pytest.mark.parametrize(
     "in_f, out_f, role", [(40, OUT, "linear/input"), (IN, 40, "linear/weight")]
 )
 def test_features_not_a_multiple_of_16_are_refused_at_plan_time_and_nothing_published(
-    in_f, out_f, role
+    in_f, out_f, role, plan
 ):
-    m = torch.nn.Sequential(_linear(in_f=IN, out_f=IN), _linear(in_f=in_f, out_f=out_f))
-    dq.apply_recipe(m, dq.MXFP8BlockScaling())
-    before = [layer.quant_binding.runtime for layer in m]
-    with pytest.raises(dq.RecipeUpdateError, match="module '1'.*multiple of 16") as info:
-        dq.apply_recipe(m, dq.NVFP4BlockScaling())
+    # a valid layer, then (through a plain nn.Linear, so the forward runs) the refused one
+    m = torch.nn.Sequential(_linear(), torch.nn.Linear(OUT, in_f), _linear(in_f=in_f, out_f=out_f))
+    layers = [m[0], m[2]]
+    plan(m, dq.MXFP8BlockScaling())
+    before = [layer.quant_binding.runtime for layer in layers]
+    with pytest.raises(dq.RecipeUpdateError, match="module '2'.*multiple of 16") as info:
+        plan(m, dq.NVFP4BlockScaling())
     assert role in str(info.value)
-    assert [layer.quant_binding.runtime for layer in m] == before
-    assert dq.current_recipe(m) == dq.MXFP8BlockScaling()
+    assert [layer.quant_binding.runtime for layer in layers] == before
+    assert [layer.quant_binding.recipe for layer in layers] == [dq.MXFP8BlockScaling()] * 2
+
+
+def test_the_transformed_copies_need_multiples_of_16_not_32():
+    # 48 features and 48 tokens under both transforms: planned, and the weight gradient is the
+    # reference GEMM of the reference casts
+    m, x, dy = _linear(in_f=48, out_f=48), _x(17, (48, 48)), _x(18, (48, 48))
+    _, _, dw, _ = _grads(m, x, dy, dq.NVFP4BlockScaling(stochastic_rounding=False))
+    dy_t, x_t = _ref_cast(dy.t().contiguous(), rht=True), _ref_cast(x.t().contiguous(), rht=True)
+    assert torch.equal(dw, reference_nvfp4.nvfp4_gemm((*dy_t, True), (*x_t, True)))
 
 
 def test_a_token_count_not_a_multiple_of_16_is_refused_naming_module_and_role():
@@ -280,6 +309,68 @@ def test_a_fresh_model_resumes_an_nvfp4_checkpoint_with_its_rounding_stream():
 
     for got, want in zip(step(fresh), step(m)):
         assert torch.equal(got, want)
+
+
+def _two_layers(seed: int) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(dq.Linear(IN, IN), dq.Linear(IN, OUT))
+
+
+def _train(model: torch.nn.Module, batches: list) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)  # stateless: the model is the whole state
+    for x, dy in batches:
+        opt.zero_grad(set_to_none=True)
+        with dq.autocast():
+            model(x).backward(dy)
+        opt.step()
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        dq.NVFP4BlockScaling(seed=3),
+        dq.CustomRecipe(factories.nvfp4),
+        recipe_from_dict(
+            {
+                "type": "policy",
+                "default": "nvfp4",
+                "rules": [{"modules": ["1"], "recipe": {"type": "NVFP4BlockScaling", "seed": 7}}],
+            }
+        ),
+        dq.CustomRecipe(factories.fp8_fallback(["0"], to="mxfp8", base="nvfp4")),
+    ],
+    ids=["recipe", "factory", "policy", "fallback"],
+)
+def test_k_steps_checkpoint_fresh_model_n_minus_k_steps_is_n_steps_bit_for_bit(recipe):
+    """Every stochastically rounding NVFP4 quantizer, built by the recipe or by a factory, counts
+    its casts in its recipe state's checkpointed buffer: resuming continues its random stream."""
+    n, k = 3, 1
+    batches = [(_x(20 + i), _x(40 + i, (T, OUT))) for i in range(n)]
+    straight = _two_layers(seed=3)
+    dq.apply_recipe(straight, recipe)
+    _train(straight, batches)
+
+    first = _two_layers(seed=3)
+    dq.apply_recipe(first, recipe)
+    _train(first, batches[:k])
+    buf = io.BytesIO()
+    torch.save(first.state_dict(), buf)
+    buf.seek(0)
+    resumed = _two_layers(seed=99)
+    ckpt.load_state_dict(resumed, torch.load(buf, weights_only=True))
+    offsets = resumed[1].quant_binding.runtime.bwd_state.sr_offset
+    assert offsets.max().item() == 2 * k  # the output gradient's two copies per step
+    _train(resumed, batches[k:])
+    for (name, want), got in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        if isinstance(want, torch.Tensor):
+            assert torch.equal(got, want), name
+    # and the stream did matter: a model that restarts its offsets at 0 drifts
+    restarted = _two_layers(seed=99)
+    weights = {k: v for k, v in first.state_dict().items() if not k.endswith("_extra_state")}
+    restarted.load_state_dict(weights, strict=False)
+    dq.apply_recipe(restarted, recipe)
+    _train(restarted, batches[k:])
+    assert not torch.equal(restarted[0].weight, straight[0].weight)
 
 
 def test_fsdp2_fp8_all_gather_of_an_nvfp4_weight_is_refused_at_plan_time():

@@ -42,19 +42,17 @@ def _step(m: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, recipe) -> list
     "recipe",
     [
         dq.NVFP4BlockScaling(),
-        pytest.param(
-            dq.NVFP4BlockScaling(input_rht=False, stochastic_rounding=False, weight_2d=False),
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="open (seen on the H200, torch 2.11, 2026-12-04): without the Hadamard "
-                "transform the weight gradient differs from the CPU's in a few elements, "
-                "deterministically for these inputs; the casts alone are bit-exact there",
-            ),
+        dq.NVFP4BlockScaling(
+            input_rht=False, grad_output_rht=False, stochastic_rounding=False, weight_2d=False
         ),
+        # only the output gradient's wgrad copy transformed: the GEMM transforms the input's
+        # E2M1 values (it once dequantized both and ran torch's fp32 matmul, whose order differs
+        # between CPU and CUDA: 3904 of 4608 dw elements on the H200)
+        dq.NVFP4BlockScaling(input_rht=False, stochastic_rounding=False, weight_2d=False),
         dq.NVFP4BlockScaling(backward_override="dequantized"),
         dq.NVFP4BlockScaling(forward_override="high_precision"),
     ],
-    ids=["default", "plain", "bwd-dequantized", "fwd-high-precision"],
+    ids=["default", "plain", "one-side-rht", "bwd-dequantized", "fwd-high-precision"],
 )
 def test_an_nvfp4_step_on_the_gpu_gives_the_cpu_steps_bits(recipe) -> None:
     torch.manual_seed(0)

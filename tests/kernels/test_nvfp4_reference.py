@@ -224,6 +224,32 @@ def test_gemm_is_exact_block_terms_accumulated_in_fp32_times_alpha(k):
     assert (np.abs(unordered.double().numpy() - exact * alpha) <= bound).all()
 
 
+@pytest.mark.parametrize("k", [16, 512])
+def test_gemm_of_one_transformed_operand_is_the_product_with_the_transform_undone(k):
+    # the input's wgrad copy without the transform, the output gradient's with it: the block
+    # terms of the dequantized operands (transform undone in float64) are exact in fp32, and the
+    # GEMM is their fp32 sum in block order, times alpha, bit for bit
+    a_hp = random_values((5, k), torch.float32, seed=k + 2)
+    b_hp = random_values((3, k), torch.float32, seed=k + 3)
+    a_t = ref.random_hadamard_transform(a_hp)
+    amax_a, amax_b = float(a_t.abs().max()), float(b_hp.abs().max())
+    a, b = ref.quantize_nvfp4(a_t, amax_a), ref.quantize_nvfp4(b_hp, amax_b)
+    av = ref.dequantize_nvfp4(a.data, a.scales, 1.0, dtype=torch.float64).numpy()
+    av = (av.reshape(-1, 16) @ _hadamard_signed()).reshape(5, -1, 16)  # the transform undone
+    bv = ref.dequantize_nvfp4(b.data, b.scales, 1.0, dtype=torch.float64).numpy()
+    terms = np.einsum("mbk,nbk->mnb", av, bv.reshape(3, -1, 16))
+    np.testing.assert_array_equal(r32(terms), terms)  # every term exact in fp32
+    acc = np.zeros((5, 3))
+    for blk in range(k // 16):
+        acc = r32(acc + terms[:, :, blk])
+    alpha = float(r32(float(r32(amax_a * amax_b)) / 7225344.0))
+    want = r32(acc * alpha)
+    out = K.nvfp4_gemm((a.data, a.scales, amax_a, True), (b.data, b.scales, amax_b, False))
+    np.testing.assert_array_equal(out.double().numpy(), want)
+    swapped = K.nvfp4_gemm((b.data, b.scales, amax_b, False), (a.data, a.scales, amax_a, True))
+    np.testing.assert_array_equal(swapped.double().numpy(), want.T)
+
+
 def test_bad_shapes_and_arguments_are_refused_naming_the_cause():
     with pytest.raises(ValueError, match=r"multiple of 16, got shape \(4, 24\)"):
         ref.quantize_nvfp4(torch.ones(4, 24), 1.0)
