@@ -14,8 +14,10 @@ derived); in every case but a commit training goes on with the recipe it has.
 The recipe a decision asks for is derived from the base recipe: the one the model runs when the
 request is sent, or, while a guard switch is in force, the one that switch started from.
 Offending layers -> `CustomRecipe(fp8_fallback(layers, to=..., base=base))`; the whole model ->
-the built-in "bf16", "current" or "mxfp8"; undo -> the base itself. Both fallbacks carry the base's
-per-pass overrides (`factories.fallback_recipe`; "bf16" quantizes nothing and takes none).
+the built-in "bf16", "current" or "mxfp8", or the guard's fallback policy; undo -> the base
+itself. Both fallbacks to a built-in carry the base's per-pass overrides
+(`factories.fallback_recipe`; "bf16" quantizes nothing and takes none); a policy is taken as
+written.
 """
 
 from __future__ import annotations
