@@ -7,9 +7,7 @@ import math
 from typing import Any
 
 from dist_quant.formats import Format
-
-AMAX_COMPUTE_ALGOS = ("max", "most_recent")
-"""Transformer Engine's names: max over the whole history, or the newest entry only."""
+from dist_quant.kinds_base import AmaxAlgo
 
 MAX_MARGIN = 127
 """Largest margin: scales are divided by 2**margin in fp32, where 2**128 is inf. A larger margin
@@ -67,9 +65,9 @@ def check_bool(owner: str, field: str, value: object) -> None:
 def check_amax_algo(owner: str, field: str, value: object) -> None:
     if callable(value):
         return
-    if value not in AMAX_COMPUTE_ALGOS:
+    if value not in tuple(AmaxAlgo):
         raise ValueError(
-            f"{owner}.{field} must be one of {', '.join(map(repr, AMAX_COMPUTE_ALGOS))} "
+            f"{owner}.{field} must be one of {', '.join(repr(a.value) for a in AmaxAlgo)} "
             f"or a callable(amax_history) -> amax, got {value!r}"
         )
 
