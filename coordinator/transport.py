@@ -16,6 +16,18 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from dist_quant.kinds_base import Kind
+
+
+class TransportKind(Kind):
+    """Which transport a job's endpoint serves (`coordinator.json`'s "transport"); `attach`'s
+    `transport="auto"` resolves to one of them."""
+
+    STORE = "store"
+    """A TCPStore server on rank 0 (torchrun); the coordinator is a thread of rank 0."""
+    RAY = "ray"
+    """A named Ray actor holding the queues and the coordinator."""
+
 
 class TransportError(ConnectionError):
     """The other side cannot be reached (server gone, connection lost)."""
