@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from dist_quant.coordinator.client import request_switch
 from dist_quant.coordinator.coordinator import Coordinator
+from dist_quant.coordinator.decision_log import DecisionLog, resume_schedule
 from dist_quant.coordinator.endpoint import (
     ENDPOINT_FILE,
     LOG_FILE,
@@ -43,10 +43,10 @@ from dist_quant.coordinator.faults import Fault
 from dist_quant.coordinator.guard import PrecisionGuard
 from dist_quant.coordinator.guard_runner import GuardRunner, StepMonitor
 from dist_quant.coordinator.locality import Locality, choose_host, here, local_leaders
-from dist_quant.coordinator.log import DecisionLog, resume_schedule
 from dist_quant.coordinator.node_relay import NodeRelay, relayed_nodes
 from dist_quant.coordinator.participant import Participant
 from dist_quant.coordinator.protocol import Stop
+from dist_quant.coordinator.switch_requests import request_switch
 from dist_quant.coordinator.transport import (
     PairedTransport,
     Transport,

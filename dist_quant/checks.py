@@ -7,7 +7,10 @@ import math
 from typing import Any
 
 from dist_quant.formats import Format
-from dist_quant.kinds_base import AmaxAlgo
+
+AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+"""The spellings of `kinds.AmaxAlgo` (strings here, as the overrides below: the recipes layer stays
+free of the kernels that define it; tests/test_kinds.py checks that they agree)."""
 
 MAX_MARGIN = 127
 """Largest margin: scales are divided by 2**margin in fp32, where 2**128 is inf. A larger margin
@@ -65,9 +68,9 @@ def check_bool(owner: str, field: str, value: object) -> None:
 def check_amax_algo(owner: str, field: str, value: object) -> None:
     if callable(value):
         return
-    if value not in tuple(AmaxAlgo):
+    if value not in AMAX_COMPUTE_ALGOS:
         raise ValueError(
-            f"{owner}.{field} must be one of {', '.join(repr(a.value) for a in AmaxAlgo)} "
+            f"{owner}.{field} must be one of {', '.join(map(repr, AMAX_COMPUTE_ALGOS))} "
             f"or a callable(amax_history) -> amax, got {value!r}"
         )
 

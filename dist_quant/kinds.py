@@ -1,7 +1,6 @@
 """The typed vocabulary of quantization: scaling kinds, GEMM operand layouts, directions, pass
 modes, tensor-parallel modes and amax algorithms (`AmaxAlgo` and the `Kind` base live in
-`kinds_base.py`, torch-free, so the kernels and the recipes can name them too; they are re-exported
-here).
+`kernels/kinds_base.py`, so that the kernels name them too; `AmaxAlgo` is re-exported here).
 
 Each kind is a `str`-valued enum (its value is the spelling JSON, the command line and telemetry
 use, and `ScalingKind.DELAYED == "delayed"` holds, so code comparing with strings keeps working)
@@ -13,13 +12,14 @@ keeping tables of strings. Strings become kinds on the first line that sees them
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import torch
 
 from dist_quant.formats import Format, bwd_dtype, fwd_dtype
+from dist_quant.kernels.kinds_base import AmaxAlgo as AmaxAlgo
+from dist_quant.kernels.kinds_base import Kind
 from dist_quant.kernels.reference import FLOAT8_BLOCK, MXFP8_BLOCK
-from dist_quant.kinds_base import AmaxAlgo as AmaxAlgo
-from dist_quant.kinds_base import Kind
-from dist_quant.kinds_base import parse_kind as parse_kind
 
 NVFP4_BLOCK = 16
 """Elements per NVFP4 scale block (1x16 along the contracted dim; 16x16 for 2D weights)."""
@@ -171,3 +171,16 @@ class PassMode(Kind):
             PassMode.of(getattr(recipe, "forward_override", None)),
             PassMode.of(getattr(recipe, "backward_override", None)),
         )
+
+
+_K = TypeVar("_K", bound=Kind)
+
+
+def parse_kind(kind: type[_K], value: object, where: str) -> _K:
+    """`value` as a member of `kind` (a member, or its string spelling); ValueError naming `where`
+    and the valid spellings otherwise."""
+    try:
+        return kind(value)
+    except ValueError:
+        valid = ", ".join(repr(k.value) for k in kind)
+        raise ValueError(f"{where} must be one of {valid}, got {value!r}") from None

@@ -27,6 +27,7 @@ from collections.abc import Callable, Hashable, Mapping
 from typing import Any, ClassVar
 
 from dist_quant.checks import (
+    AMAX_COMPUTE_ALGOS,
     check_amax_algo,
     check_bool,
     check_float,
@@ -39,6 +40,7 @@ from dist_quant.factory_keys import builder_of, callable_key, quantizer_factory
 from dist_quant.formats import Format
 
 __all__ = [
+    "AMAX_COMPUTE_ALGOS",
     "BUILTIN_RECIPE_NAMES",
     "CustomRecipe",
     "DelayedScaling",
@@ -60,7 +62,7 @@ BUILTIN_RECIPE_NAMES = ("delayed", "current", "mxfp8", "block", "nvfp4", "bf16")
 # Field kinds for (de)serialisation, kept in each field's metadata next to its default.
 _FORMAT = {"kind": "format"}
 _CALLABLE = {"kind": "callable"}  # a callable, written as "pkg.module:qualname"
-_ALGO = {"kind": "algo"}  # an AmaxAlgo spelling or a callable
+_ALGO = {"kind": "algo"}  # one of AMAX_COMPUTE_ALGOS or a callable
 _OVERRIDE = {"keyed_when_set": True}  # a per-pass override, added after the first recipes
 
 

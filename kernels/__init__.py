@@ -43,10 +43,9 @@ from dist_quant.kernels.cast import (
 from dist_quant.kernels.current import CurrentScalingCast, current_scaling_cast_triton
 from dist_quant.kernels.delayed_update import delayed_scaling_update_groups_triton
 from dist_quant.kernels.dequantize import dequantize_triton
+from dist_quant.kernels.kinds_base import AmaxAlgo, spellings
 from dist_quant.kernels.nvfp4 import nvfp4_cast_triton
 from torch import Tensor
-
-from dist_quant.kinds_base import AmaxAlgo, spellings
 
 # Constants and helpers of the reference, so this module is a drop-in for it.
 FP8_DTYPES = reference.FP8_DTYPES

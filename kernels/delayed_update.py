@@ -27,8 +27,7 @@ import torch
 from dist_quant.kernels._fp8_round import f32_bits, is_finite, is_inf, next_pow2
 from dist_quant.kernels._launch import FastLaunch, LaunchConfig, PreparedLaunch, launch_config
 from dist_quant.kernels._triton import tl, triton
-
-from dist_quant.kinds_base import AmaxAlgo, spellings
+from dist_quant.kernels.kinds_base import AmaxAlgo, spellings
 
 _FIELDS = 14  # int64 table columns, in the order the kernel reads them
 

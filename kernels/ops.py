@@ -43,10 +43,9 @@ from dist_quant.kernels.current import (
     current_scaling_cast_triton,
 )
 from dist_quant.kernels.delayed_update import delayed_scaling_update_groups_triton
+from dist_quant.kernels.kinds_base import AmaxAlgo
 from torch import Tensor
 from torch.library import custom_op, triton_op
-
-from dist_quant.kinds_base import AmaxAlgo
 
 
 class Op:

@@ -19,9 +19,8 @@ import math
 from typing import NamedTuple
 
 import torch
+from dist_quant.kernels.kinds_base import AmaxAlgo, spellings
 from torch import Tensor
-
-from dist_quant.kinds_base import AmaxAlgo, spellings
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FLT_MAX: float = torch.finfo(torch.float32).max

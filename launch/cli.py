@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import yaml
-from dist_quant.launch.client import cancel, status, switch
 from dist_quant.launch.errors import CliError
 from dist_quant.launch.stats import add_stats_parser, run_stats
 from dist_quant.launch.stop_signals import StopRequested, stop_on_signals
+from dist_quant.launch.switch_commands import cancel, status, switch
 from dist_quant.launch.torchrun import run_script
 
 

@@ -32,8 +32,6 @@ ROOTS = ("dist_quant", "dist_quant.kernels", "dist_quant.coordinator", "dist_qua
 # Lowest first. A file may import from its own layer and the ones above it in this table.
 # `pkg.*` patterns place every module of a package (at any depth).
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    # torch-free kinds that the kernels name too (AmaxAlgo) and the Kind base of every kind
-    ("kinds base", ("dist_quant.kinds_base",)),
     ("kernels", ("dist_quant.kernels", "dist_quant.kernels.*")),
     (
         "values",

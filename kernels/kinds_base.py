@@ -1,16 +1,13 @@
-"""The bottom of the typed vocabulary: the `Kind` base of every kind, and the kinds that the kernels
-themselves name.
+"""The base of the typed vocabulary (`Kind`) and the kind the kernels themselves name (`AmaxAlgo`).
 
-It imports nothing of the package and no torch, so both the kernels (the lowest layer of the
-package) and the recipes layer (kept free of the kernels, whose import loads Triton and registers
-the custom ops) can import it. `dist_quant.kinds` re-exports what it holds, beside the kinds that
-need torch.
+Here, in the lowest layer, so that the kernels validate and encode the same names the rest of the
+package uses; `dist_quant.kinds` builds its kinds on `Kind` and re-exports `AmaxAlgo`. It needs no
+torch.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import TypeVar
 
 
 class Kind(str, enum.Enum):
@@ -44,18 +41,6 @@ class AmaxAlgo(Kind):
 # the delayed-update kernel branches on these numbers (0: max over the history, 1: row 0)
 _AMAX_ALGO_CODES = {AmaxAlgo.MAX: 0, AmaxAlgo.MOST_RECENT: 1}
 _AMAX_ALGO_BY_CODE = {code: algo for algo, code in _AMAX_ALGO_CODES.items()}
-
-_K = TypeVar("_K", bound=Kind)
-
-
-def parse_kind(kind: type[_K], value: object, where: str) -> _K:
-    """`value` as a member of `kind` (a member, or its string spelling); ValueError naming `where`
-    and the valid spellings otherwise."""
-    try:
-        return kind(value)
-    except ValueError:
-        valid = ", ".join(repr(k.value) for k in kind)
-        raise ValueError(f"{where} must be one of {valid}, got {value!r}") from None
 
 
 def spellings(kind: type[Kind]) -> str:
