@@ -164,26 +164,18 @@ class LayerNormMLP(LinearBase):
             x, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps
         )
         h = self._linear(
-            ln_out,
-            self.fc1_weight,
-            self.fc1_bias,
-            runtime=runtime,
-            slots=fc1_slots,
-            cache_slot="fc1_weight",
-            is_first_microbatch=is_first_microbatch,
+            ln_out, self.fc1_weight, self.fc1_bias, runtime=runtime, slots=fc1_slots,
+            cache_slot="fc1_weight", is_first_microbatch=is_first_microbatch,
             tp=self._tp_layout(FC1_SLOTS.parallel_mode),
-        )  # (..., ffn) or (..., 2 * ffn) for swiglu; per rank: ffn / tp (SP: sequence gathered)
+        )  # fmt: skip
+        # h: (..., ffn) or (..., 2 * ffn) for swiglu; per rank: ffn / tp (SP: sequence gathered)
         a = activate(h, self.activation)  # (..., ffn)
+        # -> (..., hidden): partial sums reduced over TP (SP: reduce-scattered to this rank's rows)
         return self._linear(
-            a,
-            self.fc2_weight,
-            self.fc2_bias,
-            runtime=runtime,
-            slots=fc2_slots,
-            cache_slot="fc2_weight",
-            is_first_microbatch=is_first_microbatch,
+            a, self.fc2_weight, self.fc2_bias, runtime=runtime, slots=fc2_slots,
+            cache_slot="fc2_weight", is_first_microbatch=is_first_microbatch,
             tp=self._tp_layout(FC2_SLOTS.parallel_mode),
-        )  # (..., hidden): partial sums reduced over TP (SP: reduce-scattered to this rank's rows)
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         return (
