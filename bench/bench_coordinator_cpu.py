@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from dist_quant.coordinator.coordinator import Coordinator
-from dist_quant.coordinator.log import DecisionLog
+from dist_quant.coordinator.decision_log import DecisionLog
 from dist_quant.coordinator.protocol import Ack, Bundle, StatusQuery, SwitchRequest, Vote
 from dist_quant.coordinator.transport_memory import MemoryHub, MemoryTransport
 from dist_quant.coordinator.wire import INBOX, reply_queue, seal, unseal

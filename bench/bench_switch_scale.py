@@ -59,7 +59,7 @@ class Bench:
 
     def __init__(self, args: argparse.Namespace, world: int, tmp: Path) -> None:
         from dist_quant.coordinator.coordinator import Coordinator
-        from dist_quant.coordinator.log import DecisionLog
+        from dist_quant.coordinator.decision_log import DecisionLog
 
         self.args, self.world = args, world
         self.token = secrets.token_hex(16)
@@ -169,7 +169,7 @@ class Bench:
         return self.counts["sent"] + self.counts["received"]
 
     def switch(self) -> dict[str, Any]:
-        from dist_quant.coordinator.client import request_switch, status
+        from dist_quant.coordinator.switch_requests import request_switch, status
 
         if self.local is not None:
             self.local.measuring.set()

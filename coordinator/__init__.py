@@ -24,12 +24,12 @@ _EXPORTS: dict[str, str] = {
     "SwitchRequestError": "dist_quant.coordinator.errors",
     "SwitchResult": "dist_quant.coordinator.protocol",
     "attach": "dist_quant.coordinator.attach",
-    "cancel_switch": "dist_quant.coordinator.client",
+    "cancel_switch": "dist_quant.coordinator.switch_requests",
     "fail_at": "dist_quant.coordinator.faults",
     "job_state": "dist_quant.coordinator.job_checkpoint",
-    "request_switch": "dist_quant.coordinator.client",
+    "request_switch": "dist_quant.coordinator.switch_requests",
     "restore_job_state": "dist_quant.coordinator.job_checkpoint",
-    "status": "dist_quant.coordinator.client",
+    "status": "dist_quant.coordinator.switch_requests",
 }
 
 

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from dist_quant.coordinator.client import request_switch
 from dist_quant.coordinator.coordinator import Coordinator
+from dist_quant.coordinator.decision_log import DecisionLog, resume_schedule
 from dist_quant.coordinator.endpoint import (
     ENDPOINT_FILE,
     LOG_FILE,
@@ -43,11 +43,16 @@ from dist_quant.coordinator.faults import Fault
 from dist_quant.coordinator.guard import PrecisionGuard
 from dist_quant.coordinator.guard_runner import GuardRunner, StepMonitor
 from dist_quant.coordinator.locality import Locality, choose_host, here, local_leaders
-from dist_quant.coordinator.log import DecisionLog, resume_schedule
 from dist_quant.coordinator.node_relay import NodeRelay, relayed_nodes
 from dist_quant.coordinator.participant import Participant
 from dist_quant.coordinator.protocol import Stop
-from dist_quant.coordinator.transport import PairedTransport, Transport, TransportError
+from dist_quant.coordinator.switch_requests import request_switch
+from dist_quant.coordinator.transport import (
+    PairedTransport,
+    Transport,
+    TransportError,
+    TransportKind,
+)
 from dist_quant.coordinator.transport_ray import (
     RayTransport,
     create_coordinator_actor,
@@ -69,7 +74,7 @@ from torch import nn
 from dist_quant.modules.base import assign_role_names
 from dist_quant.telemetry import Telemetry
 
-TRANSPORTS = ("auto", "store", "ray")
+TRANSPORTS = ("auto", *(k.value for k in TransportKind))
 # A reachable coordinator answers in milliseconds; an unreachable one must fail the job quickly.
 CONNECT_TIMEOUT_S = 5.0
 _DRAIN_S = 1.0  # how long rank 0's close waits for the other ranks' listeners to stop
@@ -127,7 +132,9 @@ def attach(
     endpoint: dict[str, Any]
     if rank == 0:
         try:
-            bind, advertise, how = ("", "", "") if kind == "ray" else choose_host(host, localities)
+            bind, advertise, how = (
+                ("", "", "") if kind is TransportKind.RAY else choose_host(host, localities)
+            )
             host_side = _Host.start(kind, bind, advertise, how, world, resolve_run_dir(run_dir))
             endpoint = {**host_side.endpoint, "reapply": host_side.reapply}
         except Exception as e:  # noqa: BLE001 - reported to every rank after the gather
@@ -141,7 +148,7 @@ def attach(
             host_side.close()
         raise RuntimeError(endpoint["error"])
     # Store jobs across hosts: each host's lowest rank relays its node's messages (node_relay.py).
-    nodes = relayed_nodes([loc.where for loc in localities]) if kind == "store" else ()
+    nodes = relayed_nodes([loc.where for loc in localities]) if kind is TransportKind.STORE else ()
     node = next((n for n in nodes if rank in n), None)
     rank_transport, problem, on_close = _join(endpoint, rank, localities, run_dir)
     relay_link: Transport | None = None
@@ -245,11 +252,11 @@ def check_tp_groups(claims: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], .
     return tuple(groups)
 
 
-def _resolve_transport(transport: str) -> str:
+def _resolve_transport(transport: str) -> TransportKind:
     if transport != "auto":
-        return transport
+        return TransportKind(transport)
     ray = sys.modules.get("ray")
-    return "ray" if ray is not None and ray.is_initialized() else "store"
+    return TransportKind.RAY if ray is not None and ray.is_initialized() else TransportKind.STORE
 
 
 def _tp_ranks(
@@ -338,7 +345,7 @@ def connect_endpoint(endpoint: dict[str, Any], connect_timeout_s: float = 30.0) 
     """How every rank (and rank 0's coordinator) connects to the job's endpoint. The store's
     plain-Python client does no reverse-DNS lookup and its clones share one connection
     (transport_store_client.py)."""
-    if endpoint["transport"] == "ray":
+    if endpoint["transport"] == TransportKind.RAY:
         return RayTransport.connect(endpoint["address"])
     return StoreClientTransport(endpoint["address"], connect_timeout_s=connect_timeout_s)
 
@@ -350,7 +357,9 @@ class _Host:
     before the gather, so that every rank learns of it; a client that finds the endpoint before
     the coordinator thread runs just waits in the inbox queue."""
 
-    def __init__(self, kind: str, endpoint: dict[str, Any], server: Any, run_dir: Path) -> None:
+    def __init__(
+        self, kind: TransportKind, endpoint: dict[str, Any], server: Any, run_dir: Path
+    ) -> None:
         self.kind = kind
         self.endpoint = endpoint
         self._server = server
@@ -363,16 +372,22 @@ class _Host:
 
     @classmethod
     def start(
-        cls, kind: str, bind: str, advertise: str, chosen_by: str, world: int, run_dir: Path
+        cls,
+        kind: TransportKind,
+        bind: str,
+        advertise: str,
+        chosen_by: str,
+        world: int,
+        run_dir: Path,
     ) -> _Host:
         token = secrets.token_hex(32)
-        if kind == "ray":
+        if kind is TransportKind.RAY:
             server, address = create_coordinator_actor(world)
         else:
             server = StoreServer(bind, advertise=advertise)
             address = server.address
         info = {
-            "transport": kind,
+            "transport": kind.value,
             "address": address,
             "token": token,
             "chosen_by": chosen_by,
@@ -383,7 +398,7 @@ class _Host:
         self._world = world
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
-            if kind == "ray":
+            if kind is TransportKind.RAY:
                 import ray
 
                 # clients join this cluster, not whichever `ray.init(address="auto")` finds first
@@ -431,7 +446,7 @@ class _Host:
         self._relay_leaders = tuple(min(node) for node in relayed)
         self._start_args = (self.endpoint["token"], world, tp_groups, str(log_path), faults,
                             commit_window_s)  # fmt: skip
-        if self.kind == "ray":
+        if self.kind is TransportKind.RAY:
             return ""  # the coordinator lives in the actor, beside its queues
         try:
             self._coordinator = Coordinator(
@@ -452,7 +467,7 @@ class _Host:
         return ""
 
     def run_coordinator(self) -> None:
-        if self.kind == "ray":
+        if self.kind is TransportKind.RAY:
             start_coordinator_in_actor(self._server, *self._start_args)
         else:
             self._coordinator.start()
@@ -467,7 +482,7 @@ class _Host:
         except TransportError:
             pass  # the server is gone already: nobody left to wait for
         try:
-            if self.kind == "ray":
+            if self.kind is TransportKind.RAY:
                 stop_coordinator_actor(self._server)
             else:
                 self._server.close()

@@ -19,9 +19,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from dist_quant.coordinator import coordinator_state as cs
+from dist_quant.coordinator.decision_log import DecisionLog, DecisionLogError, begin_attempt
 from dist_quant.coordinator.faults import CoordinatorKilled, Fault, inject
-from dist_quant.coordinator.log import DecisionLog, DecisionLogError, begin_attempt
-from dist_quant.coordinator.logfmt import SwitchLog
 from dist_quant.coordinator.protocol import (
     BEAT_S,
     LEASE_S,
@@ -47,6 +46,7 @@ from dist_quant.coordinator.protocol import (
     settle_cancel,
     settle_decision,
 )
+from dist_quant.coordinator.switch_log import SwitchLog
 from dist_quant.coordinator.transport import Transport, TransportError
 from dist_quant.coordinator.wire import (
     INBOX,

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from dist_quant.coordinator.decision_log import GUARD_RECORD, DecisionLog, DecisionLogError
 from dist_quant.coordinator.errors import SwitchBusyError, SwitchRequestError
 from dist_quant.coordinator.guard import (
     Action,
@@ -37,8 +38,7 @@ from dist_quant.coordinator.guard import (
     guard_decide,
     guard_resolve,
 )
-from dist_quant.coordinator.log import GUARD_RECORD, DecisionLog, DecisionLogError
-from dist_quant.coordinator.logfmt import SwitchLog
+from dist_quant.coordinator.switch_log import SwitchLog
 
 from dist_quant.context import default_recipe
 from dist_quant.factories import fallback_recipe

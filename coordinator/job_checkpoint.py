@@ -8,7 +8,7 @@ the state *before* any switch whose step is S or later (the model as it is), and
 switches as `pending`; an undecided switch is decided in the log later. Only a BROKEN rank (its
 recipe may differ from its peers') refuses. `restore_job_state(state)` runs before `attach` in the
 resumed job and reconciles the checkpoint with the run directory's decision log by rule: every
-COMMIT in force for the lineage (`coordinator.log.timeline`) at step S or later is re-applied at
+COMMIT in force for the lineage (`coordinator.decision_log.timeline`) at step S or later is re-applied at
 its own step (recorded in the `restored` record's `reapply`; `attach` hands the list to every
 rank, which publishes each at its step's boundary), except one overtaken by a later COMMIT for the
 same step, recorded as `superseded`. So the resumed job runs the same recipes at the same steps as
@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from dist_quant.coordinator.decision_log import DecisionLog, timeline
 from dist_quant.coordinator.endpoint import LOG_FILE, resolve_run_dir
-from dist_quant.coordinator.log import DecisionLog, timeline
 from dist_quant.coordinator.participant_state import RankPhase
 from torch import nn
 

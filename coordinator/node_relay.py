@@ -21,8 +21,8 @@ import threading
 from collections.abc import Sequence
 
 from dist_quant.coordinator.faults import Fault, inject
-from dist_quant.coordinator.logfmt import SwitchLog
 from dist_quant.coordinator.protocol import Bundle, Decision, Message, ProtocolError, Stop
+from dist_quant.coordinator.switch_log import SwitchLog
 from dist_quant.coordinator.transport import Transport, TransportError
 from dist_quant.coordinator.wire import (
     CLOSED,

@@ -27,7 +27,6 @@ from typing import Any
 from dist_quant.coordinator.errors import SwitchError
 from dist_quant.coordinator.faults import Fault, inject
 from dist_quant.coordinator.guard_runner import StepMonitor
-from dist_quant.coordinator.logfmt import SwitchLog
 from dist_quant.coordinator.node_relay import NodeRelay
 from dist_quant.coordinator.participant_state import (
     AckDue,
@@ -65,6 +64,7 @@ from dist_quant.coordinator.protocol import (
     ProtocolError,
     Stop,
 )
+from dist_quant.coordinator.switch_log import SwitchLog
 from dist_quant.coordinator.transport import Transport, TransportError
 from dist_quant.coordinator.wire import CLOSED, INBOX, rank_queue, seal, unseal
 

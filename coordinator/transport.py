@@ -14,7 +14,19 @@ connection may pop (transport_store_client.py).
 
 from __future__ import annotations
 
+import enum
 from typing import Protocol
+
+
+class TransportKind(str, enum.Enum):
+    """Which transport a job's endpoint serves (`coordinator.json`'s "transport"); `attach`'s
+    `transport="auto"` resolves to one of them. A plain `str` enum, not a `kinds.Kind`: the
+    command-line client imports this file and never imports torch."""
+
+    STORE = "store"
+    """A TCPStore server on rank 0 (torchrun); the coordinator is a thread of rank 0."""
+    RAY = "ray"
+    """A named Ray actor holding the queues and the coordinator."""
 
 
 class TransportError(ConnectionError):

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from dist_quant.coordinator.coordinator import Coordinator
+from dist_quant.coordinator.decision_log import DecisionLog
 from dist_quant.coordinator.faults import Fault
-from dist_quant.coordinator.log import DecisionLog
 from dist_quant.coordinator.transport import TransportError
 from dist_quant.coordinator.transport_memory import MemoryHub, MemoryTransport
 

@@ -62,8 +62,9 @@ class AmaxReductionMismatch(RuntimeError):
 
 
 # ---- who owns which buffer ---------------------------------------------------------------------
-# A DelayedGroup is rebuilt on every forward, but its amax_history tensor is the slot group's
-# identity (kept across recipe rebuilds by inherit_state_from), so names are keyed by it.
+# A DelayedGroup is built once per published runtime (a switch publishes new ones), but its
+# amax_history tensor is the slot group's identity (kept across switches by inherit_state_from),
+# so names are keyed by it.
 _names: dict[int, tuple[weakref.ref, str]] = {}
 
 

@@ -259,10 +259,6 @@ def add_unplanned(module: nn.Module) -> None:
     _unplanned_generation += 1
 
 
-def is_unplanned(module: nn.Module) -> bool:
-    return module in _unplanned
-
-
 def any_unplanned() -> bool:
     return bool(_unplanned)
 
@@ -271,11 +267,6 @@ def planned_root(module: nn.Module) -> nn.Module | None:
     """The outermost model `module` was planned in (its unit of a lazy recipe switch), if alive."""
     ref = _planned_roots.get(module)
     return None if ref is None else ref()
-
-
-def forget_planned_root(module: nn.Module) -> None:
-    """A copy or an unpickled module: its next plan records its root again."""
-    _planned_roots.pop(module, None)
 
 
 def assign_role_names(model: nn.Module, names: Mapping[nn.Module, str] | None = None) -> None:

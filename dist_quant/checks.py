@@ -9,7 +9,8 @@ from typing import Any
 from dist_quant.formats import Format
 
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
-"""Transformer Engine's names: max over the whole history, or the newest entry only."""
+"""The spellings of `kinds.AmaxAlgo` (strings here, as the overrides below: the recipes layer stays
+free of the kernels that define it; tests/test_kinds.py checks that they agree)."""
 
 MAX_MARGIN = 127
 """Largest margin: scales are divided by 2**margin in fp32, where 2**128 is inf. A larger margin

@@ -13,12 +13,12 @@ need help:
 `make_graphed_callables(module, sample_args)` wraps `torch.cuda.make_graphed_callables` for a
 forward+backward: it records the groups while capturing (its warm-up iterations change no scale:
 the buffers are restored afterwards), and every call of the returned module enrols them again and
-checks the binding. The amax reduction and scale update then run eagerly, outside the graphs, as
-in an eager step.
+checks the captured runtimes. The amax reduction and scale update then run eagerly, outside the
+graphs, as in an eager step.
 
 `GraphedStep(step_fn, model)` captures a whole training step (autocast region, backward,
 optimizer) with `torch.cuda.graph`; the update kernels are inside the graph. Its warm-up calls
-of `step_fn` are real training steps. Every replay checks the binding.
+of `step_fn` are real training steps. Every replay checks the captured runtimes.
 
 Both raise `GraphInvalidated` after a recipe switch (`apply_recipe`, the coordinator's publish):
 capture again. Amax reductions over more than one rank need the host (a mismatch guard) and
@@ -104,8 +104,8 @@ def make_graphed_callables(
     what = f"dist_quant.make_graphed_callables({type(module).__name__})"
     if _context.in_autocast():
         raise RuntimeError(f"{what}: call it outside autocast (it captures in its own region)")
-    binding = _CapturedRuntimes(module, what)
-    buffers = binding.state_buffers()
+    captured = _CapturedRuntimes(module, what)
+    buffers = captured.state_buffers()
     saved = [b.clone() for b in buffers]
     recorder = Recorder()
     try:
@@ -122,7 +122,7 @@ def make_graphed_callables(
     bwd_groups = list(recorder.backward.values())
 
     def forward(*args: Any) -> Any:
-        binding.check()
+        captured.check()
         ctx = _context.current_context()
         if ctx is None or not ctx.enabled:
             raise RuntimeError(f"{what}: call the graphed module inside dist_quant.autocast()")
@@ -152,7 +152,7 @@ class GraphedStep:
     """
 
     def __init__(self, step_fn: Callable[[], Any], model: nn.Module, *, warmup_steps: int = 3):
-        self.binding = _CapturedRuntimes(model, f"dist_quant.GraphedStep({type(model).__name__})")
+        self.captured = _CapturedRuntimes(model, f"dist_quant.GraphedStep({type(model).__name__})")
         if warmup_steps < 1:
             raise ValueError(f"GraphedStep: warmup_steps must be >= 1, got {warmup_steps}")
         side = torch.cuda.Stream()
@@ -167,6 +167,6 @@ class GraphedStep:
 
     def __call__(self) -> Any:
         """Replay one step; returns the captured step's (static) output."""
-        self.binding.check()
+        self.captured.check()
         self.graph.replay()
         return self.output

@@ -1,4 +1,6 @@
-"""The typed vocabulary of quantization: scaling kinds, GEMM operand layouts, directions.
+"""The typed vocabulary of quantization: scaling kinds, GEMM operand layouts, directions, pass
+modes, tensor-parallel modes and amax algorithms (`AmaxAlgo` and the `Kind` base live in
+`kernels/kinds_base.py`, so that the kernels name them too; `AmaxAlgo` is re-exported here).
 
 Each kind is a `str`-valued enum (its value is the spelling JSON, the command line and telemetry
 use, and `ScalingKind.DELAYED == "delayed"` holds, so code comparing with strings keeps working)
@@ -10,12 +12,13 @@ keeping tables of strings. Strings become kinds on the first line that sees them
 
 from __future__ import annotations
 
-import enum
 from typing import TypeVar
 
 import torch
 
 from dist_quant.formats import Format, bwd_dtype, fwd_dtype
+from dist_quant.kernels.kinds_base import AmaxAlgo as AmaxAlgo
+from dist_quant.kernels.kinds_base import Kind
 from dist_quant.kernels.reference import FLOAT8_BLOCK, MXFP8_BLOCK
 
 NVFP4_BLOCK = 16
@@ -25,16 +28,7 @@ SCALED_MM_ALIGNMENT = 16
 """`torch._scaled_mm` (cuBLASLt FP8) wants K and N divisible by 16, and grouped splits padded so."""
 
 
-class _Kind(str, enum.Enum):
-    """A `str` enum that prints and formats as its value on every Python version."""
-
-    def __str__(self) -> str:
-        return self.value
-
-    __format__ = str.__format__
-
-
-class ScalingKind(_Kind):
+class ScalingKind(Kind):
     """How a quantizer scales a tensor (`Quantizer.scaling`)."""
 
     DELAYED = "delayed"
@@ -82,7 +76,7 @@ class ScalingKind(_Kind):
         return 1
 
 
-class OperandLayout(_Kind):
+class OperandLayout(Kind):
     """What a `GemmOperand`'s `scale_inv` holds, along its last (contracted) dim."""
 
     TENSOR = "tensor"
@@ -115,7 +109,7 @@ class OperandLayout(_Kind):
 _BLOCK_DIMS = {OperandLayout.BLOCK1D: 1, OperandLayout.BLOCK2D: 2}
 
 
-class Direction(_Kind):
+class Direction(Kind):
     """The pass a quantizer slot belongs to; `RecipeState`'s `mode`."""
 
     FORWARD = "forward"
@@ -136,7 +130,23 @@ class Direction(_Kind):
         return fwd_dtype(fmt) if self is Direction.FORWARD else bwd_dtype(fmt)
 
 
-class PassMode(_Kind):
+class ParallelMode(Kind):
+    """How a GEMM is split over a tensor-parallel group (Megatron-LM's, as in Transformer Engine):
+    a module's `parallel_mode`, `TPLayout.mode`."""
+
+    COLUMN = "column"
+    """The weight's rows (output features) are sharded: the output holds this rank's features."""
+    ROW = "row"
+    """The weight's columns (input features) are sharded: the input holds this rank's features
+    and the partial outputs are summed over the group."""
+
+    @property
+    def weight_split_dim(self) -> int:
+        """The dim of the `(out, in)` weight that is split over the ranks."""
+        return 0 if self is ParallelMode.COLUMN else 1
+
+
+class PassMode(Kind):
     """How one pass of a quantized GEMM triple runs: a recipe's `forward_override` /
     `backward_override` (Transformer Engine's spellings), None meaning QUANTIZED."""
 
@@ -163,7 +173,7 @@ class PassMode(_Kind):
         )
 
 
-_K = TypeVar("_K", bound=_Kind)
+_K = TypeVar("_K", bound=Kind)
 
 
 def parse_kind(kind: type[_K], value: object, where: str) -> _K:

@@ -27,11 +27,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from dist_quant.kinds import ParallelMode
 from dist_quant.nvfp4 import NVFP4Quantizer
 from dist_quant.quantizers import Float8CurrentScalingQuantizer, Quantizer
 from dist_quant.tensor import Float8Tensor, QuantizedTensor
-
-PARALLEL_MODES = ("column", "row")
 
 
 @dataclass(frozen=True)
@@ -39,8 +38,7 @@ class TPLayout:
     """How one GEMM is split over a tensor-parallel group of more than one rank."""
 
     group: Any
-    mode: str
-    """"column": weight rows (output features) sharded; "row": weight columns (input features)."""
+    mode: ParallelMode
     sequence_parallel: bool
     """Activations outside the GEMM are sharded along dim 0 (the sequence)."""
     owner: nn.Module
@@ -57,10 +55,10 @@ class TPLayout:
         return group_size(self.group)
 
     def gathers_input(self) -> bool:
-        return self.mode == "column" and self.sequence_parallel
+        return self.mode is ParallelMode.COLUMN and self.sequence_parallel
 
     def gathers_grad_output(self) -> bool:
-        return self.mode == "row" and self.sequence_parallel
+        return self.mode is ParallelMode.ROW and self.sequence_parallel
 
     def shard_quantizers(self, quantizers: dict[str, Quantizer | None]) -> dict[str, Any]:
         """The GEMM's quantizers by slot name (input, weight, output, grad_output, grad_input),
@@ -71,7 +69,7 @@ class TPLayout:
         exactly the scale a single rank would use. Replicated tensors (a column GEMM's input and
         input gradient, a row GEMM's output and output gradient, without SP) are already whole."""
         sp = self.sequence_parallel
-        if self.mode == "column":
+        if self.mode is ParallelMode.COLUMN:
             sharded = {"input": sp, "weight": True, "output": True, "grad_output": True}
             sharded["grad_input"] = sp
         else:

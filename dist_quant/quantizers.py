@@ -1,9 +1,11 @@
 """Quantizers: turn a high-precision tensor into a ``QuantizedTensor`` under one scaling scheme.
 
 Numerics live in the kernels (``kernels/reference.py`` defines them bit for bit); a quantizer only
-picks the scale, calls the kernels and packs the result. Quantizers never talk to other ranks
-themselves: delayed-scaling amaxes are reduced by ``dist_quant.amax`` after the fact, and a
-current-scaling quantizer given a group hands its amax to ``dist_quant.amax`` before scaling.
+picks the scale, calls the kernels and packs the result. One collective lives here: a
+current-scaling quantizer given an ``amax_reduction_group`` all-reduces (MAX) its amax over that
+group before scaling (``allreduce_current_amax``, which FSDP's FP8 weight all-gather shares).
+Delayed-scaling quantizers never talk to other ranks: ``dist_quant.amax`` reduces their amaxes
+after the fact, once per direction per step.
 
 Usage flags (``set_usage``) say which GEMM operands the caller needs: ``rowwise`` for the tensor as
 the left/right operand contracted along its last dim, ``columnwise`` for its transpose.

@@ -30,6 +30,7 @@ from torch import nn
 from dist_quant import context as _context
 from dist_quant.binding import BoundModule, ForwardPlan, assign_role_names, binding_of
 from dist_quant.factory_keys import parts_of
+from dist_quant.kinds import Direction
 from dist_quant.recipes import CustomRecipe, Recipe
 from dist_quant.roles import QuantizerRole
 from dist_quant.state import RecipeState
@@ -159,7 +160,7 @@ def plan_module(
     try:
         fwd_state = RecipeState.create(
             recipe,
-            mode="forward",
+            mode=Direction.FORWARD,
             num_quantizers=len(fwd_roles),
             roles=list(fwd_roles),
             device=device,
@@ -167,7 +168,7 @@ def plan_module(
         )
         bwd_state = RecipeState.create(
             recipe,
-            mode="backward",
+            mode=Direction.BACKWARD,
             num_quantizers=len(bwd_roles),
             roles=list(bwd_roles),
             device=device,

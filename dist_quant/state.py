@@ -20,7 +20,7 @@ from torch import Tensor
 
 from dist_quant.formats import Format
 from dist_quant.kernels import reference
-from dist_quant.kinds import Direction, PassMode, parse_kind
+from dist_quant.kinds import AmaxAlgo, Direction, PassMode, parse_kind
 from dist_quant.nvfp4 import NVFP4Quantizer
 from dist_quant.quantizers import (
     Float8BlockQuantizer,
@@ -52,18 +52,23 @@ class DelayedGroup:
     amax_history: Tensor  # (L, n) fp32; row 0 is this step's accumulator
     fp8_max: Tensor  # (n,) fp32, the largest value of each slot's FP8 dtype
     margin: int
-    algo: str | Callable
-    """"max" / "most_recent", or TE's `amax_compute_algo(amax_history (L, n)) -> amax (n,)`."""
+    algo: AmaxAlgo | Callable
+    """An `AmaxAlgo` (given as one or its spelling), or TE's
+    `amax_compute_algo(amax_history (L, n)) -> amax (n,)`."""
     reduce_amax: bool
     scaling_factor_compute_algo: Callable | None = None
     """TE's `f(amax (n,), scale (n,), fp8_max (n,), recipe) -> new scale (n,)`; None: default."""
     recipe: Recipe | None = None
     """Passed to `scaling_factor_compute_algo` (it may read the margin from it)."""
 
+    def __post_init__(self) -> None:
+        if not callable(self.algo):
+            object.__setattr__(self, "algo", parse_kind(AmaxAlgo, self.algo, "DelayedGroup.algo"))
+
     @property
     def is_standard(self) -> bool:
         """Updated by the reference formula alone (a fused kernel can do many such groups)."""
-        return isinstance(self.algo, str) and self.scaling_factor_compute_algo is None
+        return isinstance(self.algo, AmaxAlgo) and self.scaling_factor_compute_algo is None
 
     def update(self) -> None:
         """One step: amax from the history, new scale, history rolled; all in place.

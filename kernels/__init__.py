@@ -43,6 +43,7 @@ from dist_quant.kernels.cast import (
 from dist_quant.kernels.current import CurrentScalingCast, current_scaling_cast_triton
 from dist_quant.kernels.delayed_update import delayed_scaling_update_groups_triton
 from dist_quant.kernels.dequantize import dequantize_triton
+from dist_quant.kernels.kinds_base import AmaxAlgo, spellings
 from dist_quant.kernels.nvfp4 import nvfp4_cast_triton
 from torch import Tensor
 
@@ -207,7 +208,7 @@ def delayed_scaling_update(
     fp8_max_per_slot: Tensor | float,
     *,
     margin: float,
-    algo: str,
+    algo: AmaxAlgo | str,
 ) -> None:
     delayed_scaling_update_groups([(amax_history, scale, fp8_max_per_slot, margin, algo)])
 
@@ -227,10 +228,10 @@ def delayed_scaling_update_groups(groups: Sequence[Sequence]) -> None:
         delayed_scaling_update_groups_triton(groups)
         return
     for i, g in enumerate(groups):
-        if len(g) != 5 or g[4] not in ops.ALGO_CODES:
+        if len(g) != 5 or g[4] not in tuple(AmaxAlgo):
             raise ValueError(
                 f"delayed_scaling_update: group {i}: expected (amax_history, scale, fp8_max, "
-                f"margin, algo) with algo 'max' or 'most_recent', got {g!r}"
+                f"margin, algo) with algo {spellings(AmaxAlgo)}, got {g!r}"
             )
     limits = [
         g[2] if isinstance(g[2], Tensor) else torch.tensor(float(g[2]), device=g[0].device)
@@ -241,7 +242,7 @@ def delayed_scaling_update_groups(groups: Sequence[Sequence]) -> None:
         [g[1] for g in groups],
         [limit.float() for limit in limits],
         [float(g[3]) for g in groups],
-        [ops.ALGO_CODES[g[4]] for g in groups],
+        [AmaxAlgo(g[4]).code for g in groups],
     )
 
 

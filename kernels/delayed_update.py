@@ -27,8 +27,8 @@ import torch
 from dist_quant.kernels._fp8_round import f32_bits, is_finite, is_inf, next_pow2
 from dist_quant.kernels._launch import FastLaunch, LaunchConfig, PreparedLaunch, launch_config
 from dist_quant.kernels._triton import tl, triton
+from dist_quant.kernels.kinds_base import AmaxAlgo, spellings
 
-_ALGOS = {"max": 0, "most_recent": 1}
 _FIELDS = 14  # int64 table columns, in the order the kernel reads them
 
 
@@ -90,8 +90,8 @@ def _check_group(i: int, group: Sequence) -> tuple:
     if len(group) != 5:
         raise ValueError(f"{where}: expected (amax_history, scale, fp8_max, margin, algo)")
     history, scale, limit, margin, algo = group
-    if algo not in _ALGOS:
-        raise ValueError(f"{where}: algo must be 'max' or 'most_recent', got {algo!r}")
+    if algo not in tuple(AmaxAlgo):
+        raise ValueError(f"{where}: algo must be {spellings(AmaxAlgo)}, got {algo!r}")
     if history.dim() != 2 or history.shape[0] < 1:
         raise ValueError(
             f"{where}: amax_history must be 2D (L >= 1, n), got {tuple(history.shape)}"
@@ -144,7 +144,7 @@ def _table(groups: list[tuple], base: torch.Tensor, bn: int) -> torch.Tensor:
         for col0 in range(0, n, bn):
             rows.append(
                 [offset(history), history.stride(0), history.stride(1), offset(scale),
-                 scale.stride(0), l_off, l_stride, L, n, col0, _ALGOS[algo], divisor, inline,
+                 scale.stride(0), l_off, l_stride, L, n, col0, AmaxAlgo(algo).code, divisor, inline,
                  l_bits]
             )  # fmt: skip
     host = torch.tensor(rows, dtype=torch.int64)
@@ -273,7 +273,7 @@ def delayed_scaling_update_triton(
     fp8_max_per_slot: torch.Tensor | float,
     *,
     margin: float,
-    algo: str,
+    algo: AmaxAlgo | str,
 ) -> None:
     """``reference.delayed_scaling_update`` for one group (one launch)."""
     delayed_scaling_update_groups_triton([(amax_history, scale, fp8_max_per_slot, margin, algo)])

@@ -15,7 +15,7 @@ MXFP8 dequantize is the transpose of a contiguous buffer (as the reference), eve
 contiguous; per-tensor scales are 1-element fp32 tensors. Inputs are detached by the dispatchers in ``kernels/__init__.py``: no op here has a
 derivative (quantized data is not differentiable; autograd lives in the modules' Functions).
 
-Delayed-update algorithms travel as integer codes (``ALGO_CODES``): a schema has no list of strings.
+Delayed-update algorithms travel as integer codes (``AmaxAlgo.code``): a schema has no list of strings.
 
 Under ``torch.compile`` a CUDA tensor goes to a second registration of the same launcher,
 ``dist_quant::<name>_triton``, made with ``torch.library.triton_op``: AOTAutograd traces into the
@@ -43,6 +43,7 @@ from dist_quant.kernels.current import (
     current_scaling_cast_triton,
 )
 from dist_quant.kernels.delayed_update import delayed_scaling_update_groups_triton
+from dist_quant.kernels.kinds_base import AmaxAlgo
 from torch import Tensor
 from torch.library import custom_op, triton_op
 
@@ -102,10 +103,6 @@ def register_op(
     if cuda is not None and traceable and HAVE_TRITON:  # without Triton no CUDA kernel runs
         inlined = triton_op(f"dist_quant::{name}_triton", cuda, mutates_args=mutates_args)
     return Op(op, default, cuda, inlined)
-
-
-ALGO_CODES = {"max": 0, "most_recent": 1}
-_ALGO_NAMES = {code: name for name, code in ALGO_CODES.items()}
 
 
 def rows_cols(x: Tensor) -> tuple[int, int]:
@@ -373,7 +370,7 @@ def _delayed_scaling_update_groups_ref(
     """``reference.delayed_scaling_update`` of each group ``i``, in place; one launch on CUDA."""
     for history, scale, limit, margin, code in zip(histories, scales, fp8_maxes, margins, algos):
         reference.delayed_scaling_update(
-            history, scale, limit, margin=margin, algo=_ALGO_NAMES[code]
+            history, scale, limit, margin=margin, algo=AmaxAlgo.of_code(code)
         )
 
 
@@ -386,7 +383,7 @@ def _delayed_scaling_update_groups_cuda(
 ) -> None:
     delayed_scaling_update_groups_triton(
         [
-            (h, s, limit, margin, _ALGO_NAMES[code])
+            (h, s, limit, margin, AmaxAlgo.of_code(code))
             for h, s, limit, margin, code in zip(histories, scales, fp8_maxes, margins, algos)
         ]
     )

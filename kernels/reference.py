@@ -19,6 +19,7 @@ import math
 from typing import NamedTuple
 
 import torch
+from dist_quant.kernels.kinds_base import AmaxAlgo, spellings
 from torch import Tensor
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -110,19 +111,16 @@ def current_scale(
     return scale, torch.ones_like(scale) / scale
 
 
-DELAYED_ALGOS = ("max", "most_recent")
-
-
-def delayed_amax(amax_history: Tensor, algo: str) -> Tensor:
+def delayed_amax(amax_history: Tensor, algo: AmaxAlgo | str) -> Tensor:
     """The amax a delayed-scaling update scales from, fp32 ``(n,)``, NaN propagating.
 
     ``amax_history`` is ``(L, n)`` in Transformer Engine's layout: row 0 is this step's amax (the
     accumulator quantizers fold ``max(|x|)`` into, already reduced across ranks when the update
     runs), rows 1..L-1 earlier steps. ``"max"``: the max over all L rows; ``"most_recent"``: row 0.
     """
-    if algo not in DELAYED_ALGOS:
-        raise ValueError(f"delayed_amax: algo must be 'max' or 'most_recent', got {algo!r}")
-    return amax_history.amax(0) if algo == "max" else amax_history[0].clone()
+    if algo not in tuple(AmaxAlgo):
+        raise ValueError(f"delayed_amax: algo must be {spellings(AmaxAlgo)}, got {algo!r}")
+    return amax_history.amax(0) if algo == AmaxAlgo.MAX else amax_history[0].clone()
 
 
 def delayed_scale(
@@ -154,7 +152,7 @@ def delayed_scaling_update(
     fp8_max_per_slot: Tensor | float,
     *,
     margin: float,
-    algo: str,
+    algo: AmaxAlgo | str,
 ) -> None:
     """One delayed-scaling step, fully in place (views into ``scale`` and ``history[0]`` survive):
     ``scale = delayed_scale(delayed_amax(history, algo), scale, fp8_max, margin)``, then
@@ -171,7 +169,7 @@ def rescale_from_history(
     fp8_max_per_slot: Tensor | float,
     *,
     margin: float,
-    algo: str,
+    algo: AmaxAlgo | str,
 ) -> None:
     """At a step boundary, the scale the last update would have produced under ``margin`` /
     ``algo`` (a recipe switch that keeps the history but changes them), written into ``scale`` in
@@ -195,8 +193,8 @@ def _check_delayed(
     margin: object,
     algo: object,
 ) -> None:
-    if algo not in DELAYED_ALGOS:
-        raise ValueError(f"{what}: algo must be 'max' or 'most_recent', got {algo!r}")
+    if algo not in tuple(AmaxAlgo):
+        raise ValueError(f"{what}: algo must be {spellings(AmaxAlgo)}, got {algo!r}")
     if amax_history.dim() != 2 or amax_history.shape[0] < 1:
         raise ValueError(
             f"{what}: amax_history must be 2D (L >= 1, n), got shape {tuple(amax_history.shape)}"

@@ -27,10 +27,10 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from dist_quant.launch.client import cancel, status, switch
 from dist_quant.launch.errors import CliError
 from dist_quant.launch.stats import add_stats_parser, run_stats
 from dist_quant.launch.stop_signals import StopRequested, stop_on_signals
+from dist_quant.launch.switch_commands import cancel, status, switch
 from dist_quant.launch.torchrun import run_script
 
 from dist_quant.recipe_files import read_recipe_spec

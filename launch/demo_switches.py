@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dist_quant.coordinator.client import request_switch
 from dist_quant.coordinator.endpoint import read_endpoint
 from dist_quant.coordinator.errors import SwitchBusyError, SwitchRequestError
+from dist_quant.coordinator.switch_requests import request_switch
 from dist_quant.launch.demo_report import read_rank_log
 from dist_quant.launch.demo_schedule import Phase
 

@@ -580,7 +580,7 @@ def test_two_commits_for_one_step_reapply_the_later_and_record_the_earlier_as_su
 def test_a_clean_start_abandons_a_dead_attempts_unpublished_commit_and_inherits_nothing(
     tmp_path,
 ):
-    from dist_quant.coordinator.log import DecisionLog, begin_attempt
+    from dist_quant.coordinator.decision_log import DecisionLog, begin_attempt
 
     write_log(tmp_path, SWITCH_1)  # switch 1: COMMIT at step 5, never published
     attempt = begin_attempt(DecisionLog(tmp_path / "decisions.jsonl"))

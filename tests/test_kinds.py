@@ -1,16 +1,18 @@
-"""The typed vocabulary: scaling kinds, GEMM operand layouts and directions, their string
-spellings at the edges, their capabilities, and quantizers describing themselves for the plan
-digest."""
+"""The typed vocabulary: scaling kinds, GEMM operand layouts, directions, tensor-parallel modes and
+amax algorithms, their string spellings at the edges, their capabilities, and quantizers describing
+themselves for the plan digest."""
 
 import inspect
 import json
 
 import pytest
 import torch
+from dist_quant.kernels import reference
 from torch import nn
 
 import dist_quant as dq
-from dist_quant.kinds import Direction, OperandLayout, PassMode, ScalingKind
+from dist_quant import checks
+from dist_quant.kinds import AmaxAlgo, Direction, OperandLayout, ParallelMode, PassMode, ScalingKind
 from dist_quant.quantizers import Quantizer
 from dist_quant.recipes import Float8CurrentScaling, NVFP4BlockScaling
 from dist_quant.state import RecipeState
@@ -163,3 +165,33 @@ def test_pass_modes_read_a_recipes_overrides_and_default_to_quantized():
     assert PassMode.of_recipe(recipe) == (PassMode.QUANTIZED, PassMode.DEQUANTIZED)
     recipe = Float8CurrentScaling(forward_override="high_precision")
     assert PassMode.of_recipe(recipe) == (PassMode.HIGH_PRECISION, PassMode.QUANTIZED)
+
+
+def test_the_recipe_layers_spellings_are_the_kinds_values():
+    """checks.py keeps plain strings (the recipes layer does not import the kernels, where
+    AmaxAlgo lives): a kind added on one side only fails here."""
+    assert checks.AMAX_COMPUTE_ALGOS == tuple(a.value for a in AmaxAlgo)
+    overrides = {*checks.FORWARD_OVERRIDES, *checks.BACKWARD_OVERRIDES}
+    assert overrides == {m.value for m in PassMode} - {PassMode.QUANTIZED.value}
+
+
+def test_amax_algos_name_what_the_reference_computes_and_carry_their_kernel_code():
+    history = torch.tensor([[1.0, 5.0], [3.0, 2.0], [2.0, 4.0]])  # (L=3, n=2); row 0 is this step
+    assert reference.delayed_amax(history, AmaxAlgo.MAX).tolist() == [3.0, 5.0]
+    assert reference.delayed_amax(history, "most_recent").tolist() == [1.0, 5.0]
+    assert [a.code for a in AmaxAlgo] == [0, 1]
+    assert all(AmaxAlgo.of_code(a.code) is a for a in AmaxAlgo)
+    with pytest.raises(ValueError, match="algo must be 'max' or 'most_recent', got 'mean'"):
+        reference.delayed_amax(history, "mean")
+    state = RecipeState.create(dq.DelayedScaling(amax_compute_algo="most_recent"))
+    assert state.delayed_groups()[0].algo is AmaxAlgo.MOST_RECENT
+
+
+def test_parallel_mode_is_taken_as_its_spelling_and_stored_as_the_kind():
+    row = dq.Linear(8, 4, parallel_mode="row")
+    assert row.parallel_mode is ParallelMode.ROW and row.gemm_layout()[0].parallel_mode == "row"
+    assert "parallel_mode=row," in repr(row)
+    assert dq.Linear(8, 4).gemm_layout()[0].parallel_mode is None
+    assert [m.weight_split_dim for m in ParallelMode] == [0, 1]  # (out, in): column splits rows
+    with pytest.raises(ValueError, match="parallel_mode must be one of None, 'column', 'row'"):
+        dq.Linear(8, 4, parallel_mode="diagonal")

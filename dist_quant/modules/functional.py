@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from dist_quant.gemm import gemm, per_tensor_gemm
-from dist_quant.kinds import PassMode
+from dist_quant.kinds import ParallelMode, PassMode
 from dist_quant.modules.enrol import enrol_backward_from
 from dist_quant.parallel import (
     TPLayout,
@@ -141,7 +141,7 @@ class _QuantizedLinear(torch.autograd.Function):
             )
         else:
             x_q = slots.input.quantize(x_hp)  # usage set by quantized_linear
-        if tp is not None and tp.mode == "row":
+        if tp is not None and tp.mode is ParallelMode.ROW:
             y = gemm(rowwise(x_q), rowwise(weight_q), out_dtype=torch.float32)  # (tokens, out)
             # fp32 partial sums over this rank's input features -> full sums (SP: own rows only);
             # reduced in the GEMM's accumulation dtype, so TP only reorders the additions
@@ -211,7 +211,7 @@ class _QuantizedLinear(torch.autograd.Function):
             enrol_backward_from(dy2d, slots.enrol_key)
         dx = dw = db = None
         if need_dx:
-            if tp is not None and tp.mode == "column":
+            if tp is not None and tp.mode is ParallelMode.COLUMN:
                 dx = gemm(rowwise(dy_q), columnwise(weight_q), out_dtype=torch.float32)
                 # fp32 partial input grads (one per output-feature shard) -> full sums (SP: own rows)
                 if tp.sequence_parallel:
@@ -261,7 +261,7 @@ def _unquantized_backward(ctx: Any, dy2d: torch.Tensor, x_saved: Any, w_saved: A
     dx = dw = db = None
     if need_dx:
         dx = dy_full.mm(w_hp)  # (tokens, in)
-        if tp is not None and tp.mode == "column":
+        if tp is not None and tp.mode is ParallelMode.COLUMN:
             # partial input grads (one per output-feature shard) -> full sums (SP: own rows)
             if tp.sequence_parallel:
                 dx = reduce_scatter_seq(dx, tp.group)
@@ -397,7 +397,7 @@ def check_sequence_shardable(x: torch.Tensor, tp: TPLayout) -> None:
             f"{tp.name}: sequence parallelism needs a (sequence, ..., features) input, got shape "
             f"{tuple(x.shape)}"
         )
-    if tp.mode == "row" and x.shape[0] % tp.size:
+    if tp.mode is ParallelMode.ROW and x.shape[0] % tp.size:
         raise ValueError(
             f"{tp.name}: sequence length {x.shape[0]} (dim 0) is not divisible by the "
             f"tensor-parallel size {tp.size}"
@@ -412,7 +412,7 @@ def parallel_linear_hp(
     b = None if bias is None else bias.to(x.dtype)
     if tp.sequence_parallel:
         check_sequence_shardable(x, tp)
-    if tp.mode == "column":
+    if tp.mode is ParallelMode.COLUMN:
         if tp.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, tp.group)
         else:

@@ -27,7 +27,7 @@ from torch import nn
 from dist_quant.fsdp_tensor import GatheredFloat8Weight, empty_gemm
 from dist_quant.modules.base import check_sizes
 from dist_quant.modules.functional import LinearSlots
-from dist_quant.modules.linear import GemmLayout, LinearBase
+from dist_quant.modules.linear import GemmSlots, LinearBase
 from dist_quant.roles import QuantizerRole
 
 
@@ -106,9 +106,12 @@ class GroupedLinear(LinearBase):
             )
         return [QuantizerRole(t, "grad_output", name)] * n + [self.grad_input_quantizer_role] * n
 
-    def gemm_layout(self) -> list[GemmLayout]:
+    def gemm_layout(self) -> list[GemmSlots]:
         n = self.num_gemms  # expert i: slots i, n + i, 2n + i forward; i, n + i backward
-        return [((i, n + i, 2 * n + i), (i, n + i), None) for i in range(n)]
+        return [
+            GemmSlots(input=i, weight=n + i, output=2 * n + i, grad_output=i, grad_input=n + i)
+            for i in range(n)
+        ]
 
     def gemm_weights(self) -> list[torch.Tensor]:
         return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
@@ -164,7 +167,13 @@ class GroupedLinear(LinearBase):
             pad = -m % align
             x_i = F.pad(x_i, (0, 0, 0, pad)) if pad else x_i  # (m + pad, in_features)
             y_i = self._linear(
-                x_i, weight, bias, runtime, slots[i], f"weight{i}", is_first_microbatch
+                x_i,
+                weight,
+                bias,
+                runtime=runtime,
+                slots=slots[i],
+                cache_slot=f"weight{i}",
+                is_first_microbatch=is_first_microbatch,
             )
             outs.append(y_i[:m] if pad else y_i)
         return torch.cat(outs).reshape(*x.shape[:-1], self.out_features)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dist_quant.kinds import ParallelMode
 from dist_quant.modules.base import check_sizes
 from dist_quant.modules.linear import LinearBase, init_linear_
 from dist_quant.parallel import mark_sequence_parallel, mark_tp_split
@@ -91,7 +92,7 @@ class LayerNormLinear(LinearBase):
         return_layernorm_output: bool = False,
         name: str | None = None,
         tp_group=None,
-        parallel_mode: str | None = None,
+        parallel_mode: ParallelMode | str | None = None,
         sequence_parallel: bool = False,
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
@@ -105,14 +106,16 @@ class LayerNormLinear(LinearBase):
                 f"{owner}: return_layernorm_output must be a bool, got {return_layernorm_output!r}"
             )
         # the norm needs whole rows (all input features), so only the output features can split
-        self._init_parallel(owner, tp_group, parallel_mode, sequence_parallel, modes=("column",))
+        self._init_parallel(
+            owner, tp_group, parallel_mode, sequence_parallel, modes=(ParallelMode.COLUMN,)
+        )
         self.in_features, self.out_features = in_features, out_features
         self.normalization, self.eps = normalization, float(eps)
         self.return_layernorm_output = return_layernorm_output
         dtype = params_dtype or torch.get_default_dtype()
         make_norm_params(self, normalization, in_features, dtype, device)
         rows = out_features
-        if parallel_mode == "column":
+        if self.parallel_mode is ParallelMode.COLUMN:
             rows = self._check_divisible(owner, "out_features", out_features)
         self.weight = nn.Parameter(torch.empty(rows, in_features, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.empty(rows, dtype=dtype, device=device)) if bias else None
@@ -142,7 +145,7 @@ class LayerNormLinear(LinearBase):
         ln_out = apply_norm(
             x, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps
         )
-        y = self._gemm(ln_out, is_first_microbatch, fp8_output)
+        y = self._gemm(ln_out, is_first_microbatch=is_first_microbatch, fp8_output=fp8_output)
         return (y, ln_out) if self.return_layernorm_output else y
 
     def extra_repr(self) -> str:

@@ -8,7 +8,8 @@ Slots (Transformer Engine's order, so factories port over); `fc1`/`fc2` roles ar
     backward  0 linear/grad_output@fc1   1 grad_input_quantizer_role (fc1's dgrad)
               2 linear/grad_output@fc2   3 linear/grad_output@fc1 (fc2's dgrad)
 
-fc1 runs on slots (0, 1, 2 | 0, 1), fc2 on (3, 4, 5 | 2, 3). The activation sits between the
+fc1 runs on slots (0, 1, 2 | 0, 1) column-parallel, fc2 on (3, 4, 5 | 2, 3) row-parallel
+(`FC1_SLOTS`, `FC2_SLOTS`). The activation sits between the
 GEMMs in high precision, so fc1's output slot and fc2's dgrad slot are boundary slots that this
 module never applies: fc2 quantizes the activation with its own input slot, fc1 its incoming
 gradient with its own grad-output slot. The module's own output and input gradient stay in high
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dist_quant.kinds import ParallelMode
 from dist_quant.modules.base import check_sizes
 from dist_quant.modules.layernorm_linear import (
     apply_norm,
@@ -28,15 +30,19 @@ from dist_quant.modules.layernorm_linear import (
     make_norm_params,
     mark_norm_sequence_parallel,
 )
-from dist_quant.modules.linear import GemmLayout, LinearBase, init_linear_
+from dist_quant.modules.linear import GemmSlots, LinearBase, init_linear_
 from dist_quant.parallel import mark_sequence_parallel, mark_tp_split
 from dist_quant.roles import QuantizerRole
 
 ACTIVATIONS = ("gelu", "swiglu")
 FWD_SLOTS = 6
 BWD_SLOTS = 4
-# fc1 (column-parallel), fc2 (row-parallel): ((fwd slots), (bwd slots), tensor-parallel mode)
-GEMM_SLOTS = (((0, 1, 2), (0, 1), "column"), ((3, 4, 5), (2, 3), "row"))
+FC1_SLOTS = GemmSlots(
+    input=0, weight=1, output=2, grad_output=0, grad_input=1, parallel_mode=ParallelMode.COLUMN
+)
+FC2_SLOTS = GemmSlots(
+    input=3, weight=4, output=5, grad_output=2, grad_input=3, parallel_mode=ParallelMode.ROW
+)
 
 
 def activate(h: torch.Tensor, activation: str) -> torch.Tensor:
@@ -68,7 +74,7 @@ class LayerNormMLP(LinearBase):
         bias: bool = True,
         name: str | None = None,
         tp_group=None,
-        parallel_mode: str | None = None,
+        parallel_mode: ParallelMode | str | None = None,
         sequence_parallel: bool = False,
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
@@ -143,8 +149,8 @@ class LayerNormMLP(LinearBase):
             QuantizerRole(t, "grad_output", fc1),
         ]
 
-    def gemm_layout(self) -> tuple[GemmLayout, ...]:
-        return GEMM_SLOTS
+    def gemm_layout(self) -> tuple[GemmSlots, ...]:
+        return (FC1_SLOTS, FC2_SLOTS)
 
     def gemm_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         return (self.fc1_weight, self.fc2_weight)
@@ -158,26 +164,18 @@ class LayerNormMLP(LinearBase):
             x, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps
         )
         h = self._linear(
-            ln_out,
-            self.fc1_weight,
-            self.fc1_bias,
-            runtime,
-            fc1_slots,
-            "fc1_weight",
-            is_first_microbatch,
-            tp=self._tp_layout("column"),
-        )  # (..., ffn) or (..., 2 * ffn) for swiglu; per rank: ffn / tp (SP: sequence gathered)
+            ln_out, self.fc1_weight, self.fc1_bias, runtime=runtime, slots=fc1_slots,
+            cache_slot="fc1_weight", is_first_microbatch=is_first_microbatch,
+            tp=self._tp_layout(FC1_SLOTS.parallel_mode),
+        )  # fmt: skip
+        # h: (..., ffn) or (..., 2 * ffn) for swiglu; per rank: ffn / tp (SP: sequence gathered)
         a = activate(h, self.activation)  # (..., ffn)
+        # -> (..., hidden): partial sums reduced over TP (SP: reduce-scattered to this rank's rows)
         return self._linear(
-            a,
-            self.fc2_weight,
-            self.fc2_bias,
-            runtime,
-            fc2_slots,
-            "fc2_weight",
-            is_first_microbatch,
-            tp=self._tp_layout("row"),
-        )  # (..., hidden): partial sums reduced over TP (SP: reduce-scattered to this rank's rows)
+            a, self.fc2_weight, self.fc2_bias, runtime=runtime, slots=fc2_slots,
+            cache_slot="fc2_weight", is_first_microbatch=is_first_microbatch,
+            tp=self._tp_layout(FC2_SLOTS.parallel_mode),
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         return (

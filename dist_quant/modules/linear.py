@@ -11,6 +11,7 @@ import dataclasses
 import math
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,24 +20,33 @@ from torch import nn
 
 from dist_quant.binding import ForwardPlan
 from dist_quant.fsdp_tensor import GatheredFloat8Weight, gathered_weight_operand
-from dist_quant.kinds import NVFP4_BLOCK, PassMode, ScalingKind
+from dist_quant.kinds import NVFP4_BLOCK, ParallelMode, PassMode, ScalingKind
 from dist_quant.modules.base import QuantizedModule, check_sizes, delayed_anchor
 from dist_quant.modules.functional import LinearSlots, parallel_linear_hp, quantized_linear
-from dist_quant.parallel import (
-    PARALLEL_MODES,
-    TPLayout,
-    group_size,
-    mark_sequence_parallel,
-    mark_tp_split,
-)
+from dist_quant.parallel import TPLayout, group_size, mark_sequence_parallel, mark_tp_split
 from dist_quant.roles import QuantizerRole
 from dist_quant.runtime import ModuleRuntime
 
 FWD_SLOTS = 3
 BWD_SLOTS = 2
-GemmLayout = tuple[tuple[int, int, int], tuple[int, int], str | None]
-"""One GEMM's slots: ((input, weight, output), (grad_output, grad_input)) indices into the
-runtime's forward and backward quantizers, and its tensor-parallel mode."""
+
+
+@dataclass(frozen=True)
+class GemmSlots:
+    """Where one GEMM's quantizers sit: indices into the runtime's forward quantizers (`input`,
+    `weight`, `output`) and backward quantizers (`grad_output`, `grad_input`), and how the GEMM is
+    split over a tensor-parallel group (None: not split)."""
+
+    input: int
+    weight: int
+    output: int
+    grad_output: int
+    grad_input: int
+    parallel_mode: ParallelMode | None = None
+
+
+LINEAR_SLOTS = GemmSlots(input=0, weight=1, output=2, grad_output=0, grad_input=1)
+"""The one GEMM of `Linear` / `LayerNormLinear`, in Transformer Engine's slot order."""
 
 
 class LinearBase(QuantizedModule):
@@ -47,7 +57,7 @@ class LinearBase(QuantizedModule):
     # tensor parallelism (`_init_parallel`); the class defaults mean "not split"
     tp_group: Any = None
     tp_size: int = 1
-    parallel_mode: str | None = None
+    parallel_mode: ParallelMode | None = None
     sequence_parallel: bool = False
 
     def num_quantizers(self, *, fwd: bool) -> int:
@@ -72,15 +82,16 @@ class LinearBase(QuantizedModule):
         self,
         owner: str,
         tp_group: Any,
-        parallel_mode: str | None,
+        parallel_mode: ParallelMode | str | None,
         sequence_parallel: bool,
         *,
-        modes: tuple[str, ...] = PARALLEL_MODES,
+        modes: tuple[ParallelMode, ...] = tuple(ParallelMode),
     ) -> None:
-        """Validate and store the TP settings; `tp_group=None` means one rank (nothing split).
-        `modes=()`: the module splits its GEMMs itself (LayerNormMLP) and takes no parallel_mode."""
+        """Validate and store the TP settings (`parallel_mode` as a `ParallelMode`);
+        `tp_group=None` means one rank (nothing split). `modes=()`: the module splits its GEMMs
+        itself (LayerNormMLP) and takes no parallel_mode."""
         if parallel_mode is not None and parallel_mode not in modes:
-            choices = ", ".join(repr(m) for m in (None, *modes))
+            choices = ", ".join(["None", *(repr(m.value) for m in modes)])
             raise ValueError(
                 f"{owner}: parallel_mode must be one of {choices}, got {parallel_mode!r}"
             )
@@ -91,7 +102,8 @@ class LinearBase(QuantizedModule):
         if sequence_parallel and parallel_mode is None and modes:
             raise ValueError(f"{owner}: sequence_parallel needs parallel_mode {' or '.join(modes)}")
         self.tp_group, self.tp_size = tp_group, group_size(tp_group)
-        self.parallel_mode, self.sequence_parallel = parallel_mode, sequence_parallel
+        self.parallel_mode = None if parallel_mode is None else ParallelMode(parallel_mode)
+        self.sequence_parallel = sequence_parallel
 
     def _check_divisible(self, owner: str, what: str, value: int) -> int:
         """`value // tp_size`, or ValueError naming the field."""
@@ -102,7 +114,7 @@ class LinearBase(QuantizedModule):
             )
         return value // self.tp_size
 
-    def _tp_layout(self, mode: str | None) -> TPLayout | None:
+    def _tp_layout(self, mode: ParallelMode | None) -> TPLayout | None:
         if mode is None or self.tp_size == 1:
             return None
         return TPLayout(self.tp_group, mode, self.sequence_parallel, self)
@@ -118,9 +130,9 @@ class LinearBase(QuantizedModule):
             )
 
     # ---- the forward plan ------------------------------------------------------------------
-    def gemm_layout(self) -> Sequence[GemmLayout]:
+    def gemm_layout(self) -> Sequence[GemmSlots]:
         """The module's GEMMs, in forward order (Transformer Engine's slot order)."""
-        return (((0, 1, 2), (0, 1), self.parallel_mode),)
+        return (dataclasses.replace(LINEAR_SLOTS, parallel_mode=self.parallel_mode),)
 
     def gemm_weights(self) -> Sequence[torch.Tensor]:
         """Each GEMM's weight `(out, in)` on this rank, in `gemm_layout()` order."""
@@ -134,15 +146,18 @@ class LinearBase(QuantizedModule):
         along its contracted dim, so a GEMM whose in/out features are not multiples of 16 is
         refused here, naming the role, before anything is published."""
         super().validate_quantizers(quantizers, roles, fwd=fwd, recipe=recipe)
-        for (fwd_slots, bwd_slots, _), weight in zip(self.gemm_layout(), self.gemm_weights()):
+        for gemm, weight in zip(self.gemm_layout(), self.gemm_weights()):
             out_features, in_features = weight.shape
             if fwd:
-                i, w, _ = fwd_slots
-                checks = [(i, in_features, "in_features (the input's inner dimension)")]
-                checks.append((w, in_features, "in_features (the weight's inner dimension)"))
-                checks.append((w, out_features, "out_features (the weight's columnwise copy)"))
+                checks = [(gemm.input, in_features, "in_features (the input's inner dimension)")]
+                checks.append(
+                    (gemm.weight, in_features, "in_features (the weight's inner dimension)")
+                )
+                checks.append(
+                    (gemm.weight, out_features, "out_features (the weight's columnwise copy)")
+                )
             else:
-                checks = [(bwd_slots[0], out_features, "out_features (the output gradient's)")]
+                checks = [(gemm.grad_output, out_features, "out_features (the output gradient's)")]
             for slot, size, what in checks:
                 q = quantizers[slot]
                 align = NVFP4_BLOCK if q.scaling is ScalingKind.NVFP4 else 1
@@ -163,20 +178,20 @@ class LinearBase(QuantizedModule):
         forward_mode, backward_mode = PassMode.of_recipe(runtime.recipe)
         key = self.quant_binding.plan_key()
         gemms, split = [], False
-        for (i, w, o), (g, gi), mode in self.gemm_layout():
+        for gemm in self.gemm_layout():
             slots = LinearSlots(
-                input=fq[i],
-                weight=fq[w],
-                output=fq[o],
-                grad_output=bq[g],
-                grad_input=bq[gi],
+                input=fq[gemm.input],
+                weight=fq[gemm.weight],
+                output=fq[gemm.output],
+                grad_output=bq[gemm.grad_output],
+                grad_input=bq[gemm.grad_input],
                 bwd_groups=bwd_groups,
                 reduction_group=reduction_group,
                 enrol_key=key,
                 forward_mode=forward_mode,
                 backward_mode=backward_mode,
             )
-            tp = self._tp_layout(mode)
+            tp = self._tp_layout(gemm.parallel_mode)
             if tp is not None:
                 names = ("input", "weight", "output", "grad_output", "grad_input")
                 shards = tp.shard_quantizers({n: getattr(slots, n) for n in names})
@@ -191,6 +206,7 @@ class LinearBase(QuantizedModule):
         x: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
+        *,
         runtime: ModuleRuntime | None,
         slots: LinearSlots | None,
         cache_slot: str,
@@ -245,6 +261,7 @@ class LinearBase(QuantizedModule):
     def _gemm(
         self,
         x: torch.Tensor,
+        *,
         is_first_microbatch: bool | None,
         fp8_output: bool = False,
         fp8_grad_input: bool = False,
@@ -256,13 +273,13 @@ class LinearBase(QuantizedModule):
             x,
             self.weight,
             self.bias,
-            runtime,
-            slots,
-            "weight",
-            is_first_microbatch,
-            fp8_output,
-            fp8_grad_input,
-            tp,
+            runtime=runtime,
+            slots=slots,
+            cache_slot="weight",
+            is_first_microbatch=is_first_microbatch,
+            fp8_output=fp8_output,
+            fp8_grad_input=fp8_grad_input,
+            tp=tp,
         )
 
 
@@ -297,7 +314,7 @@ class Linear(LinearBase):
         *,
         name: str | None = None,
         tp_group: Any = None,
-        parallel_mode: str | None = None,
+        parallel_mode: ParallelMode | str | None = None,
         sequence_parallel: bool = False,
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
@@ -308,16 +325,16 @@ class Linear(LinearBase):
         self._init_parallel(owner, tp_group, parallel_mode, sequence_parallel)
         self.in_features, self.out_features = in_features, out_features
         rows, cols = out_features, in_features
-        if parallel_mode == "column":
+        if self.parallel_mode is ParallelMode.COLUMN:
             rows = self._check_divisible(owner, "out_features", out_features)
-        elif parallel_mode == "row":
+        elif self.parallel_mode is ParallelMode.ROW:
             cols = self._check_divisible(owner, "in_features", in_features)
         dtype = params_dtype or torch.get_default_dtype()
         self.weight = nn.Parameter(torch.empty(rows, cols, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.empty(rows, dtype=dtype, device=device)) if bias else None
-        if self.tp_size > 1:
-            mark_tp_split(self, "weight", 0 if parallel_mode == "column" else 1)
-            if self.bias is not None and parallel_mode == "column":
+        if self.tp_size > 1 and self.parallel_mode is not None:
+            mark_tp_split(self, "weight", self.parallel_mode.weight_split_dim)
+            if self.bias is not None and self.parallel_mode is ParallelMode.COLUMN:
                 mark_tp_split(self, "bias", 0)
             elif self.bias is not None and sequence_parallel:
                 mark_sequence_parallel(self.bias)  # row + SP: each rank sums its own rows
@@ -335,7 +352,12 @@ class Linear(LinearBase):
         fp8_output: bool = False,
         fp8_grad_input: bool = False,
     ) -> torch.Tensor:
-        return self._gemm(x, is_first_microbatch, fp8_output, fp8_grad_input)
+        return self._gemm(
+            x,
+            is_first_microbatch=is_first_microbatch,
+            fp8_output=fp8_output,
+            fp8_grad_input=fp8_grad_input,
+        )
 
     def extra_repr(self) -> str:
         tp = (

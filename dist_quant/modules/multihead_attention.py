@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from dist_quant.kinds import ParallelMode
 from dist_quant.modules.attention import DotProductAttention, check_gqa_groups
 from dist_quant.modules.base import QuantizedModule, check_sizes
 from dist_quant.modules.layernorm_linear import LayerNormLinear
@@ -92,7 +93,7 @@ class MultiheadAttention(QuantizedModule):
         tp = tp_group is not None or sequence_parallel
         parallel = {"tp_group": tp_group, "sequence_parallel": sequence_parallel}
         common = {"bias": bias, "params_dtype": params_dtype, "device": device, **parallel}
-        column, row = ("column", "row") if tp else (None, None)
+        column, row = (ParallelMode.COLUMN, ParallelMode.ROW) if tp else (None, None)
         if input_layernorm:
             self.qkv = LayerNormLinear(
                 hidden_size,

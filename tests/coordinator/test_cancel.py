@@ -7,7 +7,7 @@ import threading
 import pytest
 from dist_quant.coordinator import CancelRefusedError, cancel_switch, request_switch
 from dist_quant.coordinator.coordinator import Coordinator
-from dist_quant.coordinator.log import DecisionLog
+from dist_quant.coordinator.decision_log import DecisionLog
 from dist_quant.coordinator.participant import Participant
 from dist_quant.coordinator.protocol import (
     Ack,

@@ -6,7 +6,7 @@ import time
 import pytest
 from dist_quant.coordinator import SwitchBusyError, SwitchRequestError, fail_at, request_switch
 from dist_quant.coordinator.coordinator import Coordinator
-from dist_quant.coordinator.log import DecisionLog, DecisionLogError
+from dist_quant.coordinator.decision_log import DecisionLog, DecisionLogError
 from dist_quant.coordinator.protocol import (
     Ack,
     Decision,

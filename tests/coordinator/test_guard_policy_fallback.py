@@ -12,7 +12,7 @@ import pytest
 import yaml
 from dist_quant.coordinator.guard import Observation, PrecisionGuard
 from dist_quant.coordinator.guard_runner import GuardRunner
-from dist_quant.coordinator.log import DecisionLog
+from dist_quant.coordinator.decision_log import DecisionLog
 from torch import nn
 
 import dist_quant as dq

@@ -3,7 +3,7 @@
 import torch
 from dist_quant.coordinator.guard import Observation, PrecisionGuard
 from dist_quant.coordinator.guard_runner import GuardRunner
-from dist_quant.coordinator.log import DecisionLog
+from dist_quant.coordinator.decision_log import DecisionLog
 from dist_quant.coordinator.protocol import SwitchResult
 
 import dist_quant as dq

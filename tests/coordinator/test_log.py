@@ -4,7 +4,7 @@ import json
 import os
 
 import pytest
-from dist_quant.coordinator.log import DecisionLog, DecisionLogError
+from dist_quant.coordinator.decision_log import DecisionLog, DecisionLogError
 
 
 def test_append_fsyncs_the_record_before_returning(tmp_path, monkeypatch):

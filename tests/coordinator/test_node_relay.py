@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 from dist_quant.coordinator import fail_at, request_switch
 from dist_quant.coordinator.coordinator import Coordinator
-from dist_quant.coordinator.log import DecisionLog
+from dist_quant.coordinator.decision_log import DecisionLog
 from dist_quant.coordinator.node_relay import NodeRelay, relayed_nodes
 from dist_quant.coordinator.participant import Participant
 from dist_quant.coordinator.transport_memory import MemoryHub, MemoryTransport

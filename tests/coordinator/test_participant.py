@@ -9,7 +9,7 @@ import pytest
 import torch.distributed as dist
 from dist_quant.coordinator import SwitchError, fail_at, request_switch
 from dist_quant.coordinator.coordinator import Coordinator
-from dist_quant.coordinator.log import DecisionLog
+from dist_quant.coordinator.decision_log import DecisionLog
 from dist_quant.coordinator.participant import Participant
 from dist_quant.coordinator.protocol import Ack, Alive, Decision, Hello, Prepare, Vote
 from dist_quant.coordinator.transport_memory import MemoryHub, MemoryTransport

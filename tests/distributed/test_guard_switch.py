@@ -18,8 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from dist_quant.coordinator import attach, fail_at
-from dist_quant.coordinator import client as switch_client
+from dist_quant.coordinator import attach, fail_at, switch_requests
 from dist_quant.coordinator.guard import PrecisionGuard
 from harness import run_ranks
 from torch import nn
@@ -47,7 +46,7 @@ def _outlier(h: torch.Tensor) -> tuple[torch.Tensor]:
 
 def guard_worker(rank: int, world: int, cfg: dict) -> dict:
     if cfg.get("patient_s"):  # how long a client waits for a coordinator that never answers
-        switch_client.ACCEPT_TIMEOUT_S = switch_client.RESULT_SLACK_S = cfg["patient_s"]
+        switch_requests.ACCEPT_TIMEOUT_S = switch_requests.RESULT_SLACK_S = cfg["patient_s"]
     torch.manual_seed(7)  # one model on every rank
     model = nn.Sequential(
         dq.Linear(WIDTH, WIDTH, name="fc1"), nn.GELU(), dq.Linear(WIDTH, WIDTH, name="fc2")

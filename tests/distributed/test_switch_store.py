@@ -23,8 +23,8 @@ from dist_quant.coordinator import (  # noqa: E402
     fail_at,
     request_switch,
     status,
+    switch_requests,
 )
-from dist_quant.coordinator import client as client_module  # noqa: E402
 from harness import RankFailure, run_ranks  # noqa: E402
 from switch_harness import (  # noqa: E402
     Background,
@@ -151,7 +151,7 @@ def test_coordinator_killed_after_prepare_leaves_every_rank_on_the_old_recipe(
     tmp_path, monkeypatch
 ):
     cfg = config(tmp_path, faults=(fail_at(phase="decide", action="stop"),))
-    monkeypatch.setattr(client_module, "RESULT_SLACK_S", 1.0)
+    monkeypatch.setattr(switch_requests, "RESULT_SLACK_S", 1.0)
     job = Background(run_ranks, train_worker, 2, cfg, timeout_s=60)
     try:
         read_endpoint_when_ready(Path(cfg["run_dir"]))

@@ -26,7 +26,7 @@ from pathlib import Path
 import harness
 import pytest
 from dist_quant.coordinator import SwitchRequestError, fail_at, request_switch, status
-from dist_quant.coordinator.log import DecisionLog
+from dist_quant.coordinator.decision_log import DecisionLog
 from dist_quant.coordinator.protocol import Decision, Prepare, SwitchRequest, Vote
 from dist_quant.coordinator.transport_store import StoreTransport
 from dist_quant.coordinator.wire import INBOX, rank_queue, reply_queue, seal, unseal

@@ -129,8 +129,8 @@ def test_status_of_a_live_job_reaches_it_without_importing_torch(tmp_path) -> No
     """A coordinator on its TCPStore (as rank 0 runs it); `dist-quant status` in another process
     talks to it with the plain-Python store client."""
     from dist_quant.coordinator.coordinator import Coordinator
+    from dist_quant.coordinator.decision_log import DecisionLog
     from dist_quant.coordinator.endpoint import write_endpoint
-    from dist_quant.coordinator.log import DecisionLog
     from dist_quant.coordinator.transport_store import StoreServer, StoreTransport
 
     server = StoreServer()
@@ -224,7 +224,7 @@ def test_switch_sends_a_policy_file_as_the_recipe_the_ranks_build(tmp_path) -> N
 
 
 def test_status_names_the_ranks_an_open_switch_waits_for_as_runs() -> None:
-    from dist_quant.launch.client import format_status
+    from dist_quant.launch.switch_commands import format_status
 
     info = {"phase_text": "switch 4: ranks are voting", "waiting_for": [7, 0, 1, 2, 5, 8]}
     lines = format_status(info)
@@ -235,7 +235,7 @@ def test_status_names_the_ranks_an_open_switch_waits_for_as_runs() -> None:
 def _fake_status(monkeypatch, tp_groups: list[list[int]]) -> str:
     """A status reply of a 2-rank job on current scaling, as the coordinator sends it; returns
     the key repr the ranks reported."""
-    from dist_quant.launch import client
+    from dist_quant.launch import switch_commands
 
     import dist_quant as dq
 
@@ -248,7 +248,7 @@ def _fake_status(monkeypatch, tp_groups: list[list[int]]) -> str:
         "recipe_keys": {"0": key, "1": key},
         "decisions": [],
     }
-    monkeypatch.setattr(client, "query", lambda **kw: dict(info))
+    monkeypatch.setattr(switch_commands, "query", lambda **kw: dict(info))
     return key
 
 
@@ -284,9 +284,9 @@ def test_malformed_yaml_recipe_names_its_line_and_column(tmp_path) -> None:
 
 
 def test_a_switch_waiting_behind_an_open_one_says_it_waits_not_to_retry(monkeypatch, capsys):
-    from dist_quant.coordinator.client import SwitchResult
     from dist_quant.coordinator.errors import SwitchBusyError
-    from dist_quant.launch import client
+    from dist_quant.coordinator.switch_requests import SwitchResult
+    from dist_quant.launch import switch_commands
 
     replies = [
         SwitchBusyError(
@@ -301,8 +301,8 @@ def test_a_switch_waiting_behind_an_open_one_says_it_waits_not_to_retry(monkeypa
             raise replies.pop()
         return SwitchResult(switch_id=4, committed=True, step=91, reasons={}, timings={})
 
-    monkeypatch.setattr(client, "request_switch", request)
-    monkeypatch.setattr(client, "_BUSY_RETRY_S", 0.0)
+    monkeypatch.setattr(switch_commands, "request_switch", request)
+    monkeypatch.setattr(switch_commands, "_BUSY_RETRY_S", 0.0)
     assert main(["switch", "current", "--timeout", "5"]) == 0
     err = capsys.readouterr().err
     assert err == (

@@ -3,7 +3,6 @@
 import io
 
 import pytest
-from dist_quant.launch.client import short_recipe_key
 from dist_quant.launch.demo_report import (
     _label_tiers,
     plot_loss,
@@ -12,6 +11,7 @@ from dist_quant.launch.demo_report import (
     short_key,
     summarize,
 )
+from dist_quant.launch.switch_commands import short_recipe_key
 from rich.console import Console
 
 from dist_quant import DelayedScaling, Float8CurrentScaling, recipe_from_dict

@@ -3,11 +3,11 @@
 import json
 
 import torch
+from dist_quant.coordinator.decision_log import GUARD_RECORD, DecisionLog
 from dist_quant.coordinator.endpoint import LOG_FILE
 from dist_quant.coordinator.errors import SwitchRequestError
 from dist_quant.coordinator.guard import Observation, PrecisionGuard
 from dist_quant.coordinator.guard_runner import GuardRunner
-from dist_quant.coordinator.log import GUARD_RECORD, DecisionLog
 from dist_quant.launch import stats as stats_cli
 from dist_quant.launch.cli import main
 

@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dist_quant.jsonl import read_jsonl
+
 GUARD_RECORD = "guard"
 """`event` of a precision-guard record (coordinator/guard_runner.py): one when the guard decides
 (`outcome` "requested" or "refused"), one when its switch request ends ("committed", "aborted",
@@ -67,15 +69,7 @@ class DecisionLog:
         """All complete records; a torn last line (crash mid-write) is skipped."""
         if not self.path.is_file():  # missing, or a device such as /dev/full in tests
             return []
-        out = []
-        for line in self.path.read_text(encoding="utf-8").splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(rec, dict):
-                out.append(rec)
-        return out
+        return read_jsonl(self.path)
 
     def last_switch_id(self) -> int:
         """The largest switch id recorded, or 0: new switch ids continue after it."""

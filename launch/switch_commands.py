@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dist_quant.coordinator.client import cancel_switch, request_switch
-from dist_quant.coordinator.client import status as query
 from dist_quant.coordinator.errors import CancelRefusedError, SwitchBusyError, SwitchRequestError
+from dist_quant.coordinator.switch_requests import cancel_switch, request_switch
+from dist_quant.coordinator.switch_requests import status as query
 from dist_quant.launch.errors import CliError
 from dist_quant.launch.stats import describe_guard, last_guard_decision
 
