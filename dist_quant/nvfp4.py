@@ -73,6 +73,23 @@ class NVFP4Quantizer(Quantizer):
         self.reduce_amax = bool(reduce_amax)
         """Tensor-parallel planning may give it the TP group where its tensor is sharded."""
 
+    def with_amax_reduction_group(self, group: Any) -> NVFP4Quantizer:
+        """A copy that all-reduces its amaxes over ``group`` (``parallel.tp_amax_quantizer``)."""
+        built = (
+            NVFP4Quantizer(
+                block_2d=self.block_2d,
+                rht=self.rht,
+                stochastic_rounding=self.stochastic_rounding,
+                seed=self.seed,
+                sr_offset=self.sr_offset,
+                amax_reduction_group=group,
+                reduce_amax=self.reduce_amax,
+            )
+            if type(self) is NVFP4Quantizer
+            else None
+        )
+        return self._regrouped(built, group)
+
     def describe(self) -> tuple:
         return (
             *super().describe(),
