@@ -28,7 +28,7 @@ from torch import Tensor
 
 from dist_quant.kernels import block_scaled_gemm, nvfp4_gemm
 from dist_quant.kinds import SCALED_MM_ALIGNMENT, OperandLayout
-from dist_quant.tensor import GemmOperand
+from dist_quant.tensor import GemmOperand, rounded_to
 
 _BLOCK_GEMM_OUT = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -62,12 +62,12 @@ def gemm(
         return _scaled_mm(a.data, a.scale_inv, b.data, b.scale_inv, out_dtype, bias)
     if isinstance(a, Tensor) and isinstance(b, Tensor) and a.dtype == b.dtype:
         out = torch.matmul(a, b.t())
-        return (out if bias is None else out + bias.to(out.dtype)).to(out_dtype)
+        return rounded_to(out if bias is None else out + bias.to(out.dtype), out_dtype)
     if _both_nvfp4(a, b):
         out = nvfp4_gemm(
             (a.data, a.scale_inv, a.amax, a.rht), (b.data, b.scale_inv, b.amax, b.rht)
         )  # fp32
-        return (out if bias is None else out + bias.float()).to(out_dtype)
+        return rounded_to(out if bias is None else out + bias.float(), out_dtype)
     if _can_use_block_gemm(a, b, out_dtype):
         return block_scaled_gemm(
             a.data, a.scale_inv, a.scaling.block_dim,
@@ -77,7 +77,7 @@ def gemm(
     a_hp = a.dequantize(torch.float32) if isinstance(a, GemmOperand) else a.float()
     b_hp = b.dequantize(torch.float32) if isinstance(b, GemmOperand) else b.float()
     out = torch.matmul(a_hp, b_hp.t())
-    return (out if bias is None else out + bias.float()).to(out_dtype)
+    return rounded_to(out if bias is None else out + bias.float(), out_dtype)
 
 
 _OPERANDS = (Tensor, GemmOperand)

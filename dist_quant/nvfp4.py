@@ -80,6 +80,23 @@ class NVFP4Quantizer(Quantizer):
             )
         self.sr_offset = counter
 
+    def with_amax_reduction_group(self, group: Any) -> NVFP4Quantizer:
+        """A copy that all-reduces its amaxes over ``group`` (``parallel.tp_amax_quantizer``)."""
+        built = (
+            NVFP4Quantizer(
+                block_2d=self.block_2d,
+                rht=self.rht,
+                stochastic_rounding=self.stochastic_rounding,
+                seed=self.seed,
+                sr_offset=self.sr_offset,
+                amax_reduction_group=group,
+                reduce_amax=self.reduce_amax,
+            )
+            if type(self) is NVFP4Quantizer
+            else None
+        )
+        return self._regrouped(built, group)
+
     def describe(self) -> tuple:
         return (
             *super().describe(),

@@ -16,7 +16,6 @@ checks that it did.
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -349,8 +348,7 @@ def tp_amax_quantizer(q: Quantizer, group: Any) -> Quantizer:
         isinstance(q, NVFP4Quantizer) and q.reduce_amax
     )
     if reduces and q.amax_reduction_group is None and group_size(group) > 1:
-        q = copy.copy(q)
-        q.amax_reduction_group = group
+        return q.with_amax_reduction_group(group)
     return q
 
 

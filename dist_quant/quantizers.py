@@ -14,6 +14,7 @@ the left/right operand contracted along its last dim, ``columnwise`` for its tra
 from __future__ import annotations
 
 import abc
+import copy
 import math
 from collections.abc import Callable
 from typing import Any, ClassVar, NamedTuple
@@ -127,6 +128,23 @@ class Quantizer(abc.ABC):
     def quantize(self, x: Tensor) -> QuantizedTensor | Tensor:
         """Quantize ``x`` (fp32, bf16 or fp16)."""
 
+    def _regrouped(self, built: Quantizer | None, group: Any) -> Quantizer:
+        """This quantizer with ``amax_reduction_group = group``: ``built`` (made by the class's
+        constructor from this one's fields) given its usage flags and slot, or, for a subclass
+        whose fields the constructor call would miss (``built`` None), a shallow copy. Built
+        rather than copied where it can be: a compiled tensor-parallel forward plans its slots,
+        and makes this copy, while dynamo traces, and torch 2.11's dynamo cannot trace a copy."""
+        if built is None:
+            built = copy.copy(self)
+            built.amax_reduction_group = group
+            return built
+        built.rowwise_usage, built.columnwise_usage = self.rowwise_usage, self.columnwise_usage
+        if _cast_observers or not torch.compiler.is_compiling():
+            # the slot telemetry files the copy's casts under; a trace without observers leaves it
+            # unread, or every block's own name would become a guard of its compiled graph
+            built.stats_slot = self.stats_slot
+        return built
+
     def _check_input(self, x: object) -> Tensor:
         if not isinstance(x, Tensor) or x.dtype not in _HP_DTYPES:
             what = x.dtype if isinstance(x, Tensor) else type(x).__name__
@@ -222,6 +240,17 @@ class Float8CurrentScalingQuantizer(Quantizer):
         self.use_power_2_scales = bool(use_power_2_scales)
         self.amax_epsilon = float(amax_epsilon)
         self.amax_reduction_group = amax_reduction_group
+
+    def with_amax_reduction_group(self, group: Any) -> Float8CurrentScalingQuantizer:
+        """A copy that all-reduces its amax over ``group`` (``parallel.tp_amax_quantizer``)."""
+        built = (
+            Float8CurrentScalingQuantizer(
+                self.fp8_dtype, self.use_power_2_scales, self.amax_epsilon, group
+            )
+            if type(self) is Float8CurrentScalingQuantizer
+            else None
+        )
+        return self._regrouped(built, group)
 
     def describe(self) -> tuple:
         return (

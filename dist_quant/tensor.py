@@ -36,6 +36,19 @@ from dist_quant import kernels as fp8_kernels
 from dist_quant.kinds import NVFP4_BLOCK, OperandLayout, parse_kind
 
 
+def rounded_to(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` in ``dtype``: ``t`` itself when it already is, never ``t.to(t.dtype)``.
+
+    Eagerly the two are the same tensor object, but torch 2.11's dynamo records the no-op cast as a
+    second graph node for that one object and traces an autograd.Function's forward with every
+    intermediate as an extra output: a forward returning the cast then returns one tensor twice,
+    autograd routes its gradient to the other slot and the compiled backward runs on zeros
+    (a zero input gradient; a delayed-scaling enrolment hoisted into the forward). Every value an
+    autograd.Function of ours returns is rounded to its dtype this way.
+    """
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 @dataclass(frozen=True)
 class GemmOperand:
     """A 2D FP8 (or NVFP4) matrix ``(rows, K)`` quantized along its last dim, ready for ``gemm``.
@@ -87,7 +100,7 @@ class GemmOperand:
             out = fp8_kernels.dequantize_nvfp4(
                 self.data, self.scale_inv, s_dec, dtype=torch.float32
             )
-            return (undo_rht(out) if self.rht else out).to(dtype)
+            return rounded_to(undo_rht(out) if self.rht else out, dtype)
         if self.scaling is OperandLayout.MXFP8:
             return fp8_kernels.mxfp8_dequantize(self.data, self.scale_inv, dtype=dtype)
         return fp8_kernels.block_dequantize(

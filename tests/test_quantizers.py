@@ -22,6 +22,7 @@ from dist_quant import (
     Format,
     IdentityQuantizer,
     MXFP8Quantizer,
+    NVFP4Quantizer,
 )
 from dist_quant.formats import bwd_dtype, fwd_dtype
 
@@ -270,3 +271,31 @@ def test_mxfp8_round_trip_is_within_half_an_fp8_ulp_of_the_block_scaled_value(x,
     y = x64 / block_scale  # exact: a power of two
     err = np.abs(out.dequantize().double().numpy() - x64)
     assert (err <= half_ulp(y, fp8_dtype) * block_scale).all()
+
+
+class _SubclassedCurrent(Float8CurrentScalingQuantizer):
+    def __init__(self, note: str) -> None:
+        super().__init__(E4M3, use_power_2_scales=True)
+        self.note = note
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: Float8CurrentScalingQuantizer(E5M2, use_power_2_scales=True, amax_epsilon=1e-3),
+        lambda: NVFP4Quantizer(block_2d=True, rht=True, seed=7, reduce_amax=True),
+        lambda: _SubclassedCurrent("kept"),
+    ],
+    ids=["current", "nvfp4", "subclass"],
+)
+def test_tensor_parallel_copy_differs_from_the_quantizer_only_in_its_reduction_group(make) -> None:
+    """The copy `parallel.tp_amax_quantizer` makes is built by the class's constructor (torch
+    2.11's dynamo cannot trace copy.copy in a compiled TP forward): a field that constructor
+    call missed would be silently reset in every TP copy."""
+    q = make()
+    q.set_usage(rowwise=False, columnwise=True)
+    q.stats_slot = ("layers.0.fc1", "input", "forward")
+    tp = q.with_amax_reduction_group("tp-group")
+    assert type(tp) is type(q) and tp is not q
+    assert q.amax_reduction_group is None
+    assert vars(tp) == {**vars(q), "amax_reduction_group": "tp-group"}

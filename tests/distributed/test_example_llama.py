@@ -106,6 +106,7 @@ def test_llama_fsdp_example_with_compiled_blocks_trains_as_eager_and_switches(tm
     # The FP8 casts and GEMMs are bit-identical compiled (tests/test_compile.py); inductor fuses
     # the norms, SwiGLU and attention around them with other rounding, which moves the printed
     # (4-decimal) loss by at most a few units in its last place over 6 steps (1.7e-3 seen with FP8
-    # all-gather; under aot_eager both variants print the eager losses exactly).
+    # all-gather on torch 2.13; 2.1e-3 at step 5 on torch 2.11, whose aot_eager run prints the
+    # eager losses exactly, as on 2.13: the drift is inductor's own ops).
     for (step, want, _), (_, got, _) in zip(eager, compiled, strict=True):
-        assert abs(got - want) <= 2e-3, (step, want, got)
+        assert abs(got - want) <= 3e-3, (step, want, got)

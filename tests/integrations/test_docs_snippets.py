@@ -40,7 +40,8 @@ def _params() -> list:
 @pytest.mark.parametrize("section, code", _params())
 def test_snippet_runs(section: str, code: str, tmp_path) -> None:
     for word, module in NEEDS.items():
-        if re.search(rf"^\s*(import|from) {word}\b", code, re.M):
+        # `import transformers`, `import tempfile, torch, transformers`, `from transformers ...`
+        if re.search(rf"^\s*(import\s+([\w.]+\s*,\s*)*|from\s+){word}\b", code, re.M):
             try:
                 found = importlib.util.find_spec(module) is not None
             except ModuleNotFoundError:
