@@ -14,7 +14,8 @@ those gradients are compared with fp32 reassociation tolerances, stated where us
 On torch 2.11 these tests also pin two workarounds (docs/versions.md): its dynamo traces an
 autograd.Function's forward with every intermediate as an extra output, so a Function returning a
 no-op cast of its result got a zero gradient (the per-tensor linear under delayed and current
-scaling), and a shape comparison inside the Function failed the trace where the width was symbolic.
+scaling); a shape comparison inside the Function fails the trace where the width is symbolic (an
+expected failure on 2.11, not worked around).
 """
 
 from __future__ import annotations
@@ -158,11 +159,17 @@ def test_fullgraph_compile_with_an_unplanned_copy_alive_matches_eager_bit_for_bi
     del ema
 
 
+@pytest.mark.xfail(
+    torch.__version__.startswith("2.11."),
+    reason="torch 2.11's dynamo fails the trace of a symbolic input width inside the quantized "
+    "GEMM's autograd.Function (docs/compile_and_graphs.md: not worked around on 2.11)",
+    strict=True,
+)
 @pytest.mark.parametrize("recipe", ["delayed", "current"])
 def test_modules_of_different_widths_compiled_frame_by_frame_match_eager_bit_for_bit(recipe):
     """`model.compile()` of a Sequential compiles each Linear's forward as its own frame, so the
     second width recompiles that frame with a symbolic input width (dynamo's automatic dynamic
-    shapes), which is specialized before the quantized GEMM's autograd.Function."""
+    shapes)."""
     torch.manual_seed(0)
     eager = torch.nn.Sequential(dq.Linear(HIDDEN, 48), torch.nn.GELU(), dq.Linear(48, HIDDEN))
     compiled = copy.deepcopy(eager)

@@ -299,17 +299,6 @@ def quantized_linear(
     With `tp` the GEMM is one rank's part of a tensor-parallel GEMM (`weight` is the shard) and runs
     the collectives of its layout; the slots' quantizers must come from `tp.shard_quantizers`.
     """
-    # Checked here, outside the autograd.Functions: where torch.compile made the input's width
-    # symbolic (one compiled forward shared by modules of different widths), this comparison
-    # specializes it in the caller's graph. Left to the GEMM inside the Function's forward, torch
-    # 2.11's dynamo keeps the comparison as an extra output of the Function that no longer
-    # matches its specialized value, and the trace fails.
-    if x.shape[-1] != weight.shape[-1]:
-        raise ValueError(
-            f"quantized linear: the input's last dim ({x.shape[-1]}) is not the weight's "
-            f"in_features ({weight.shape[-1]}); input {tuple(x.shape)}, weight "
-            f"{tuple(weight.shape)}"
-        )
     if tp is not None and tp.sequence_parallel:
         check_sequence_shardable(x, tp)
     if (
