@@ -92,7 +92,7 @@ class NVFP4Quantizer(Quantizer):
                 amax_reduction_group=group,
                 reduce_amax=self.reduce_amax,
             )
-            if type(self) is NVFP4Quantizer
+            if type(self) is NVFP4Quantizer and torch.compiler.is_compiling()
             else None
         )
         return self._regrouped(built, group)

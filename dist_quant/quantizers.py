@@ -129,17 +129,18 @@ class Quantizer(abc.ABC):
         """Quantize ``x`` (fp32, bf16 or fp16)."""
 
     def _regrouped(self, built: Quantizer | None, group: Any) -> Quantizer:
-        """This quantizer with ``amax_reduction_group = group``: ``built`` (made by the class's
-        constructor from this one's fields) given its usage flags and slot, or, for a subclass
-        whose fields the constructor call would miss (``built`` None), a shallow copy. Built
-        rather than copied where it can be: a compiled tensor-parallel forward plans its slots,
-        and makes this copy, while dynamo traces, and torch 2.11's dynamo cannot trace a copy."""
+        """This quantizer with ``amax_reduction_group = group``. Eagerly (and for a subclass,
+        whose fields a constructor call would miss: ``built`` None) a shallow copy, which keeps
+        every instance attribute. While dynamo traces, ``built`` (made by the class's constructor
+        from this one's fields) given its usage flags and slot: a compiled tensor-parallel forward
+        plans its slots, and makes this copy, while it traces, and torch 2.11's dynamo cannot
+        trace a copy."""
         if built is None:
             built = copy.copy(self)
             built.amax_reduction_group = group
             return built
         built.rowwise_usage, built.columnwise_usage = self.rowwise_usage, self.columnwise_usage
-        if _cast_observers or not torch.compiler.is_compiling():
+        if _cast_observers:
             # the slot telemetry files the copy's casts under; a trace without observers leaves it
             # unread, or every block's own name would become a guard of its compiled graph
             built.stats_slot = self.stats_slot
@@ -247,7 +248,7 @@ class Float8CurrentScalingQuantizer(Quantizer):
             Float8CurrentScalingQuantizer(
                 self.fp8_dtype, self.use_power_2_scales, self.amax_epsilon, group
             )
-            if type(self) is Float8CurrentScalingQuantizer
+            if type(self) is Float8CurrentScalingQuantizer and torch.compiler.is_compiling()
             else None
         )
         return self._regrouped(built, group)

@@ -279,23 +279,44 @@ class _SubclassedCurrent(Float8CurrentScalingQuantizer):
         self.note = note
 
 
-@pytest.mark.parametrize(
-    "make",
-    [
-        lambda: Float8CurrentScalingQuantizer(E5M2, use_power_2_scales=True, amax_epsilon=1e-3),
-        lambda: NVFP4Quantizer(block_2d=True, rht=True, seed=7, reduce_amax=True),
-        lambda: _SubclassedCurrent("kept"),
-    ],
-    ids=["current", "nvfp4", "subclass"],
-)
-def test_tensor_parallel_copy_differs_from_the_quantizer_only_in_its_reduction_group(make) -> None:
-    """The copy `parallel.tp_amax_quantizer` makes is built by the class's constructor (torch
-    2.11's dynamo cannot trace copy.copy in a compiled TP forward): a field that constructor
-    call missed would be silently reset in every TP copy."""
+_TP_QUANTIZERS = {
+    "current": lambda: Float8CurrentScalingQuantizer(
+        E5M2, use_power_2_scales=True, amax_epsilon=1e-3
+    ),
+    "nvfp4": lambda: NVFP4Quantizer(block_2d=True, rht=True, seed=7, reduce_amax=True),
+    "subclass": lambda: _SubclassedCurrent("kept"),
+}
+
+
+def _planned(make):
     q = make()
     q.set_usage(rowwise=False, columnwise=True)
     q.stats_slot = ("layers.0.fc1", "input", "forward")
+    return q
+
+
+@pytest.mark.parametrize("kind", list(_TP_QUANTIZERS))
+def test_tensor_parallel_copy_differs_from_the_quantizer_only_in_its_reduction_group(kind) -> None:
+    q = _planned(_TP_QUANTIZERS[kind])
     tp = q.with_amax_reduction_group("tp-group")
     assert type(tp) is type(q) and tp is not q
     assert q.amax_reduction_group is None
     assert vars(tp) == {**vars(q), "amax_reduction_group": "tp-group"}
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("kind", ["current", "nvfp4"])
+def test_tensor_parallel_copy_made_while_tracing_keeps_every_constructor_field(kind) -> None:
+    """A compiled TP forward makes the copy while dynamo traces, through the class's constructor
+    (torch 2.11's dynamo cannot trace copy.copy): a field that constructor call missed would be
+    silently reset in every compiled TP copy. The telemetry slot is left unread there."""
+    q = _planned(_TP_QUANTIZERS[kind])
+
+    def regroup(x: torch.Tensor) -> tuple:
+        return x + 1, q.with_amax_reduction_group("tp-group")
+
+    _, tp = torch.compile(regroup, backend="eager", fullgraph=True)(torch.zeros(1))
+    assert type(tp) is type(q) and tp is not q
+    want = {**vars(q), "amax_reduction_group": "tp-group"}
+    del want["stats_slot"]
+    assert vars(tp) == want
