@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
+from dist_quant.coordinator.decision_log import DecisionLog
 from dist_quant.coordinator.guard import Observation, PrecisionGuard
 from dist_quant.coordinator.guard_runner import GuardRunner
-from dist_quant.coordinator.decision_log import DecisionLog
 from torch import nn
 
 import dist_quant as dq

@@ -1,9 +1,9 @@
 """`GuardRunner`: the recipe a guard decision asks for, derived from the base recipe."""
 
 import torch
+from dist_quant.coordinator.decision_log import DecisionLog
 from dist_quant.coordinator.guard import Observation, PrecisionGuard
 from dist_quant.coordinator.guard_runner import GuardRunner
-from dist_quant.coordinator.decision_log import DecisionLog
 from dist_quant.coordinator.protocol import SwitchResult
 
 import dist_quant as dq

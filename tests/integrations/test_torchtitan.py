@@ -190,9 +190,8 @@ def test_hf_export_and_import_through_torchtitans_adapter():
 
 
 def test_enable_dist_quant_adapts_a_trainer_config_and_refuses_an_unconverted_one():
-    from torchtitan.models.llama3.config_registry import llama3_debugmodel
-
     from dist_quant.launch.torchtitan import enable_dist_quant
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
     config = llama3_debugmodel()
     with pytest.raises(ValueError, match="not converted by DistQuantConverter"):
@@ -211,9 +210,8 @@ def test_attached_coordinator_switches_the_model_at_an_optimizer_step_boundary(t
 
     import torch.distributed as dist
     from dist_quant.coordinator import request_switch
-    from torchtitan.models.llama3.config_registry import llama3_debugmodel
-
     from dist_quant.launch.torchtitan import enable_dist_quant
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
     run_dir = tmp_path / "run"
     config = llama3_debugmodel()
