@@ -109,5 +109,7 @@ def test_a_bad_fallback_is_refused_when_the_guard_is_made(fallback, message):
 
 
 def test_an_unreadable_policy_file_is_refused_naming_the_file(tmp_path):
-    with pytest.raises(ValueError, match="PrecisionGuard.fallback: recipe file .*missing.yaml.* does not exist"):
+    with pytest.raises(
+        ValueError, match="PrecisionGuard.fallback: recipe file .*missing.yaml.* does not exist"
+    ):
         PrecisionGuard(fallback=str(tmp_path / "missing.yaml"))
