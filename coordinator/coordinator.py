@@ -11,6 +11,7 @@ can read it.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -377,8 +378,10 @@ class Coordinator:
 
     # -- messages --------------------------------------------------------------------------------
 
+    def _where(self) -> dict[str, Any]:
+        return {"switch_id": cs.switch_id_of(self._state), "phase": self.phase.value}
+
     def _on_message(self, msg: Message | ProtocolError) -> None:
-        where = {"switch_id": cs.switch_id_of(self._state), "phase": self.phase.value}
         if isinstance(msg, ProtocolError):
             self._on_refused(msg)
         elif isinstance(msg, (SwitchRequest, CancelRequest)):
@@ -404,15 +407,19 @@ class Coordinator:
         elif isinstance(msg, StatusQuery):
             self._status_due.append(msg.request_id)
         elif isinstance(msg, Vote):
-            self._say.info(cs.take_vote(self._state, msg), **where)
+            # a YES is one line per rank per switch: debug, or thousands of ranks flood the log
+            note = cs.take_vote(self._state, msg)
+            level = logging.DEBUG if msg.yes else logging.INFO
+            if self._say.isEnabledFor(level):
+                self._say.log(level, note, **self._where())
         elif isinstance(msg, CancelVote):
-            self._say.info(cs.take_cancel_vote(self._state, msg), **where)
+            self._say.info(cs.take_cancel_vote(self._state, msg), **self._where())
         elif isinstance(msg, Ack):
             note = cs.take_ack(self._state, msg)
             if 0 <= msg.rank < self._world:
                 self._recipe_keys[msg.rank] = msg.recipe_key
             if note:
-                self._say.warning(note, **where, step=msg.step)
+                self._say.warning(note, **self._where(), step=msg.step)
         elif isinstance(msg, Alive):
             cs.take_alive(self._state, msg, now=time.monotonic())
         elif isinstance(msg, Mark):
@@ -473,7 +480,7 @@ class Coordinator:
             "open_switch": switch_id if state.phase.open else None,
             "waiting_for": cs.waiting_for(state),
             "world_size": self._world,
-            "tp_groups": [list(g) for g in self._tp_groups],
+            "tp_groups": self._tp_groups,  # tuples: JSON writes them as the lists readers get
             "recipe_keys": {str(r): k for r, k in sorted(self._recipe_keys.items())},
             "decisions": list(self._history),
             "log": str(self._log.path),

@@ -126,7 +126,10 @@ class Message:
         return Message.from_dict(d)
 
 
-_Check = Callable[[Any, str], Any]
+# A check takes the decoded value and where it sits (the message's name and the field's path,
+# joined only to word an error): a vote or ack is decoded per rank, so a value that passes
+# formats no text and raises nothing.
+_Check = Callable[[Any, str, str], Any]
 
 
 @functools.cache
@@ -149,7 +152,7 @@ def _decode(cls: type, d: Mapping[str, Any], what: str, *, strict: bool = True) 
     for name, check in checks:
         if name not in d:
             raise ProtocolError(f"{what}: missing field {name!r}")
-        values[name] = check(d[name], f"{what}.{name}")
+        values[name] = check(d[name], what, name)
     return cls(**values)
 
 
@@ -165,8 +168,10 @@ def _field_order(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in fields(cls))
 
 
-def _mismatch(value: Any, hint: Any, where: str) -> ProtocolError:
-    return ProtocolError(f"{where}: expected {getattr(hint, '__name__', hint)}, got {value!r}")
+def _mismatch(value: Any, hint: Any, what: str, path: str) -> ProtocolError:
+    return ProtocolError(
+        f"{what}.{path}: expected {getattr(hint, '__name__', hint)}, got {value!r}"
+    )
 
 
 @functools.cache
@@ -174,31 +179,43 @@ def _check_for(hint: Any) -> _Check:
     """The check (and conversion: JSON object keys to int) of decoded JSON against a type hint."""
     origin = typing.get_origin(hint)
     if origin in (Union, types.UnionType):
-        options = tuple(_check_for(option) for option in typing.get_args(hint))
+        options = typing.get_args(hint)
+        if all(option in _SCALARS for option in options):  # `int | None`: no trial and error
+            accepts = tuple(_SCALARS[option] for option in options)
+            floats = float in options
 
-        def check_union(value: Any, where: str) -> Any:
-            for option in options:
+            def check_scalar_union(value: Any, what: str, path: str) -> Any:
+                for accept in accepts:
+                    if accept(value):
+                        return float(value) if floats and accept is _SCALARS[float] else value
+                raise ProtocolError(f"{what}.{path}: {value!r} does not match {hint}")
+
+            return check_scalar_union
+        checks = tuple(_check_for(option) for option in options)
+
+        def check_union(value: Any, what: str, path: str) -> Any:
+            for check in checks:
                 try:
-                    return option(value, where)
+                    return check(value, what, path)
                 except ProtocolError:
                     continue
-            raise ProtocolError(f"{where}: {value!r} does not match {hint}")
+            raise ProtocolError(f"{what}.{path}: {value!r} does not match {hint}")
 
         return check_union
     if origin is dict:
         key_t, val_t = typing.get_args(hint)
         check_val = _check_for(val_t)
 
-        def check_dict(value: Any, where: str) -> Any:
+        def check_dict(value: Any, what: str, path: str) -> Any:
             if not isinstance(value, dict):
-                raise _mismatch(value, hint, where)
+                raise _mismatch(value, hint, what, path)
             out = {}
             for k, v in value.items():
                 try:
                     key = int(k) if key_t is int else k
                 except ValueError:
-                    raise ProtocolError(f"{where}: key {k!r} is not an integer") from None
-                out[key] = check_val(v, f"{where}[{k}]")
+                    raise ProtocolError(f"{what}.{path}: key {k!r} is not an integer") from None
+                out[key] = check_val(v, what, f"{path}[{k}]")
             return out
 
         return check_dict
@@ -206,20 +223,30 @@ def _check_for(hint: Any) -> _Check:
         (item_t, _) = typing.get_args(hint)
         check_item = _check_for(item_t)
 
-        def check_tuple(value: Any, where: str) -> Any:
+        def check_tuple(value: Any, what: str, path: str) -> Any:
             if not isinstance(value, (list, tuple)):
-                raise _mismatch(value, hint, where)
-            return tuple(check_item(v, f"{where}[]") for v in value)
+                raise _mismatch(value, hint, what, path)
+            item_path = f"{path}[]"
+            return tuple(check_item(v, what, item_path) for v in value)
 
         return check_tuple
     accept = _SCALARS.get(hint)
     if accept is None:
         raise TypeError(f"protocol bug: no wire check for type hint {hint!r}")
 
-    def check_scalar(value: Any, where: str) -> Any:
+    if hint is float:
+
+        def check_float(value: Any, what: str, path: str) -> Any:
+            if not accept(value):
+                raise _mismatch(value, hint, what, path)
+            return float(value)
+
+        return check_float
+
+    def check_scalar(value: Any, what: str, path: str) -> Any:
         if not accept(value):
-            raise _mismatch(value, hint, where)
-        return float(value) if hint is float else value
+            raise _mismatch(value, hint, what, path)
+        return value
 
     return check_scalar
 
