@@ -3,8 +3,10 @@ coordinator's messages come down once per node and are handed to each rank of th
 
 The lowest rank of every host runs one in a job that spans hosts (`attach` learns the hosts from
 its locality all-gather). Two threads, each with its own connection: `up` pops `node/<leader>`,
-takes whatever has queued up behind the first message (up to `MAX_BUNDLE`), checks each against
-the token and pushes them to the coordinator's inbox as one Bundle; `down` pops
+gathers the node's messages, checks each against the token and pushes them to the coordinator's
+inbox as one Bundle: votes and acks of a switch wait (at most `GATHER_S`) until every rank of the
+node has sent its own, so a node's round costs rank 0 one message, not one per rank; anything else
+(`Alive`, hellos, cancel votes) goes at once, with whatever is held; `down` pops
 `node/<leader>/down` and pushes each message, unchanged, to every rank of the node. Rank 0 then
 reads and writes O(nodes) messages per switch, not O(ranks).
 
@@ -18,10 +20,19 @@ it still publishes at the commit step, or learns the ABORT.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 
 from dist_quant.coordinator.faults import Fault, inject
-from dist_quant.coordinator.protocol import Bundle, Decision, Message, ProtocolError, Stop
+from dist_quant.coordinator.protocol import (
+    Ack,
+    Bundle,
+    Decision,
+    Message,
+    ProtocolError,
+    Stop,
+    Vote,
+)
 from dist_quant.coordinator.switch_log import SwitchLog
 from dist_quant.coordinator.transport import Transport, TransportError
 from dist_quant.coordinator.wire import (
@@ -35,6 +46,11 @@ from dist_quant.coordinator.wire import (
 )
 
 MAX_BUNDLE = 4096  # messages per Bundle; a node holds far fewer ranks
+# how long a vote or ack waits for the rest of its node: a node's ranks plan and publish the same
+# model at the same step, so they answer within milliseconds of each other; a rank that does not
+# (slow, dead) delays its node's others by this much, far inside the coordinator's 2 s lease
+GATHER_S = 0.02
+_GATHERED = (Vote, Ack)  # one per rank per switch: the rounds worth gathering
 
 
 def relayed_nodes(hosts: Sequence[str]) -> tuple[tuple[int, ...], ...]:
@@ -93,16 +109,20 @@ class NodeRelay:
 
     def _relay_up(self) -> None:
         queue = node_queue(self.leader)
+        held = _Gather(self.ranks)
         try:
             while True:
-                batch = [self._up.pop(queue)]
-                while len(batch) < MAX_BUNDLE:
-                    more = self._up.pop(queue, 0)
-                    if more is None:
-                        break
-                    batch.append(more)
-                items, stopping = self._checked(batch)
-                if items:
+                wait = held.wait_s(time.monotonic())
+                data = self._up.pop(queue, wait)
+                stopping = False
+                if data is not None:
+                    msg = self._checked(data)
+                    if isinstance(msg, Stop):
+                        stopping = True
+                    elif msg is not None:
+                        held.add(msg, time.monotonic())
+                if held.items and (stopping or held.due(time.monotonic())):
+                    items = held.take()
                     self._up.push(INBOX, seal(Bundle(self.leader, tuple(items)), self._token))
                 if stopping:
                     self._closed(self._up)
@@ -110,20 +130,13 @@ class NodeRelay:
         except TransportError as e:
             self._say.info(f"relay up ends: {e}")
 
-    def _checked(self, batch: list[bytes]) -> tuple[list[dict], bool]:
-        """The messages of `batch` sealed with the job's token, as dicts; and whether a Stop was
-        among them (what came before it is still sent)."""
-        items: list[dict] = []
-        for data in batch:
-            try:
-                msg: Message = unseal(data, self._token)
-            except ProtocolError as e:
-                self._say.warning(f"relay dropped a message: {e}")
-                continue
-            if isinstance(msg, Stop):
-                return items, True
-            items.append(msg.to_dict())
-        return items, False
+    def _checked(self, data: bytes) -> Message | None:
+        """The message if it is sealed with the job's token (else None, with a warning)."""
+        try:
+            return unseal(data, self._token)
+        except ProtocolError as e:
+            self._say.warning(f"relay dropped a message: {e}")
+            return None
 
     def _relay_down(self) -> None:
         queue = node_down_queue(self.leader)
@@ -150,3 +163,45 @@ class NodeRelay:
             transport.push(CLOSED, seal(Stop(f"relay of node {self.leader}"), self._token))
         except TransportError:
             pass  # the store is gone: nobody waits for this
+
+
+class _Gather:
+    """The messages a relay holds for its next Bundle, and when it must send them: at once for
+    anything but a vote or ack; for those, once every rank of the node has sent its own for the
+    switch (of each kind held), or `GATHER_S` after the first of them arrived, or when the
+    bundle is full."""
+
+    def __init__(self, ranks: Sequence[int]) -> None:
+        self._node = frozenset(ranks)
+        self.items: list[dict] = []
+        self._waiting: dict[tuple[str, int], set[int]] = {}  # (kind, switch) -> ranks heard
+        self._urgent = False
+        self._since: float | None = None
+
+    def add(self, msg: Message, now: float) -> None:
+        self.items.append(msg.to_dict())
+        if isinstance(msg, _GATHERED) and msg.rank in self._node:
+            self._waiting.setdefault((msg.kind, msg.switch_id), set()).add(msg.rank)
+            if self._since is None:
+                self._since = now
+        else:
+            self._urgent = True
+
+    def due(self, now: float) -> bool:
+        if self._urgent or len(self.items) >= MAX_BUNDLE:
+            return True
+        if all(heard == self._node for heard in self._waiting.values()):
+            return True
+        return self._since is not None and now - self._since >= GATHER_S
+
+    def wait_s(self, now: float) -> float | None:
+        """How long the next pop may block: until the held messages are due, or for ever."""
+        if self._since is None:
+            return None
+        return max(0.0, self._since + GATHER_S - now)
+
+    def take(self) -> list[dict]:
+        items, self.items = self.items, []
+        self._waiting.clear()
+        self._urgent, self._since = False, None
+        return items

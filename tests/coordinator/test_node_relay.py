@@ -9,13 +9,14 @@ import time
 from collections import Counter
 
 import pytest
-from dist_quant.coordinator import fail_at, request_switch
+from dist_quant.coordinator import fail_at, node_relay, request_switch
 from dist_quant.coordinator.coordinator import Coordinator
 from dist_quant.coordinator.decision_log import DecisionLog
-from dist_quant.coordinator.node_relay import NodeRelay, relayed_nodes
+from dist_quant.coordinator.node_relay import GATHER_S, NodeRelay, relayed_nodes
 from dist_quant.coordinator.participant import Participant
+from dist_quant.coordinator.protocol import Alive, Vote
 from dist_quant.coordinator.transport_memory import MemoryHub, MemoryTransport
-from dist_quant.coordinator.wire import node_queue
+from dist_quant.coordinator.wire import INBOX, node_queue, seal, unseal
 from switch_harness import FAKE_HOOKS, FakeModel, wait_for
 
 TOKEN = "tok"
@@ -173,3 +174,48 @@ def test_relayed_nodes_are_hosts_with_two_ranks_or_more_in_a_job_across_hosts():
     assert relayed_nodes(["a", "a", "a"]) == ()  # one host: rank 0 is every rank's host anyway
     with pytest.raises(ValueError, match="leader 1 is not the lowest of ranks"):
         NodeRelay(MemoryTransport(), token=TOKEN, leader=1, ranks=(0, 1))
+
+
+def relay_bundles(pushes_before_start, pushes_after_start=(), quiet_s=0.2):
+    """Start a relay for node (0, 1, 2), push the messages, return the Bundles it sent (each a
+    list of (kind, rank)) once the inbox has been quiet for `quiet_s`."""
+    hub = MemoryHub()
+    transport = MemoryTransport(hub)
+    for msg in pushes_before_start:
+        transport.push(node_queue(0), seal(msg, TOKEN))
+    relay = NodeRelay(transport, token=TOKEN, leader=0, ranks=(0, 1, 2)).start()
+    for msg in pushes_after_start:
+        transport.push(node_queue(0), seal(msg, TOKEN))
+    bundles = []
+    while (data := transport.pop(INBOX, quiet_s)) is not None:
+        bundle = unseal(data, TOKEN)
+        bundles.append([(item["kind"], item["rank"]) for item in bundle.items])
+    relay.stop(transport)
+    hub.close()
+    return bundles
+
+
+def vote(rank, switch_id=7):
+    return Vote(switch_id, rank, True, "digest", 10, "", 0.001)
+
+
+@pytest.fixture
+def long_gather(monkeypatch):
+    """A gather window far longer than the test waits: what arrives was sent without waiting."""
+    monkeypatch.setattr(node_relay, "GATHER_S", 60.0)
+
+
+def test_a_nodes_votes_of_a_switch_go_as_one_bundle_once_the_last_arrives(long_gather):
+    votes = [vote(r) for r in (2, 0, 1)]
+    got = relay_bundles(votes[:1], votes[1:], quiet_s=5.0)
+    assert got == [[("vote", 2), ("vote", 0), ("vote", 1)]]
+
+
+def test_a_sign_of_life_goes_at_once_with_whatever_is_held(long_gather):
+    assert relay_bundles([vote(0), Alive(7, 1)], quiet_s=5.0) == [[("vote", 0), ("alive", 1)]]
+
+
+def test_a_rank_that_does_not_vote_holds_its_nodes_votes_only_for_the_gather_window():
+    assert relay_bundles([], [vote(0), vote(1)], quiet_s=10 * GATHER_S) == [
+        [("vote", 0), ("vote", 1)]
+    ]
