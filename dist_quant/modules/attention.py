@@ -294,26 +294,31 @@ class DotProductAttention(QuantizedModule):
         # and identical blocks compiled one at a time could not share their graph
         return f"DotProductAttention {self.role_name!r}"
 
-    def _masked(
-        self, attention_mask: torch.Tensor | None, sq: int, sk: int, device: torch.device
-    ) -> torch.Tensor | None:
-        """Boolean mask, True where a query may not attend a key; None when nothing is masked."""
+    def _checked_padding(self, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """`attention_mask` (True = masked out) checked against the mask type: the padding types
+        need a bool one, the others take none."""
         padding = self.attn_mask_type.startswith("padding")
         if padding != (attention_mask is not None):
             raise ValueError(
                 f"{self._owner()}: attn_mask_type={self.attn_mask_type!r} "
                 + ("needs an attention_mask" if padding else "takes no attention_mask")
             )
-        masked = None
-        if padding:
-            if attention_mask.dtype != torch.bool:
-                raise ValueError(
-                    f"{self._owner()}: attention_mask must be a bool tensor (True = masked out), "
-                    f"got {attention_mask.dtype}"
-                )
-            masked = attention_mask
+        if padding and attention_mask.dtype != torch.bool:
+            raise ValueError(
+                f"{self._owner()}: attention_mask must be a bool tensor (True = masked out), "
+                f"got {attention_mask.dtype}"
+            )
+        return attention_mask
+
+    def _masked(
+        self, padding: torch.Tensor | None, sq: int, sk: int, device: torch.device
+    ) -> torch.Tensor | None:
+        """Boolean mask, True where a query may not attend a key (padding, and the causal part,
+        built here at (sq, sk)); None when nothing is masked. Built only by the paths that read
+        it."""
+        masked = padding
         if self.attn_mask_type.endswith("causal"):
-            causal = torch.ones(sq, sk, dtype=torch.bool, device=device).triu(1)  # (sq, sk)
+            causal = torch.ones(sq, sk, dtype=torch.bool, device=device).triu(1)
             masked = causal if masked is None else masked | causal
         return masked
 
@@ -336,12 +341,14 @@ class DotProductAttention(QuantizedModule):
         q, k, v = (
             t.permute(1, 2, 0, 3) if sbhd else t.transpose(1, 2) for t in (query, key, value)
         )
-        masked = self._masked(attention_mask, q.shape[2], k.shape[2], q.device)
+        sq, sk = q.shape[2], k.shape[2]
+        padding = self._checked_padding(attention_mask)
         plan = self.forward_plan()
         slots = None if plan is None else plan.gemms[0]
         if slots is None:
+            # causal alone is SDPA's own flag: no (sq, sk) mask is built (64 MB at seq 8192)
             causal_only = self.attn_mask_type == "causal"
-            keep = None if causal_only or masked is None else ~masked  # SDPA: True = attend
+            keep = None if padding is None else ~self._masked(padding, sq, sk, q.device)
             gqa = {}
             if hkv != h and _SDPA_HAS_GQA:
                 gqa = {"enable_gqa": True}  # broadcast inside SDPA, no repeated copy of k and v
@@ -351,6 +358,7 @@ class DotProductAttention(QuantizedModule):
                 q, k, v, attn_mask=keep, is_causal=causal_only, **gqa
             )
         else:
+            masked = self._masked(padding, sq, sk, q.device)
             out = fp8_attention(q, k, v, masked, slots)
         # (batch, h, sq, d) -> the input's layout, heads flattened
         out = out.permute(2, 0, 1, 3) if sbhd else out.transpose(1, 2)
