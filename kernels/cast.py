@@ -1,4 +1,5 @@
-"""Per-tensor FP8 cast in Triton, fused with amax and, optionally, with the transpose.
+"""Per-tensor FP8 cast: the Triton kernels, their launcher, and the ops ``cast_to_fp8``,
+``cast_transpose`` and ``delayed_cast`` (``dist_quant::*``, see ``_op.py``).
 
 Matches ``reference.cast_to_fp8`` / ``reference.cast_transpose`` bit for bit. One read of ``x`` and
 one write per output: ``q`` (``x``'s shape and torch's elementwise layout) and, with the transpose,
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+from dist_quant.kernels import reference
 from dist_quant.kernels._fp8_round import (
     Fp8Spec,
     abs_bits,
@@ -46,7 +48,9 @@ from dist_quant.kernels._launch import (
     launch_config,
     remember,
 )
+from dist_quant.kernels._op import distinct, fake_rows_cols, register_op
 from dist_quant.kernels._triton import tl, triton
+from torch import Tensor
 
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -465,3 +469,148 @@ def launch_cast(
         if prepared is not None:
             prepare(prepared, (cols, rows))
     return q, q_t
+
+
+# ---- the ops: reference calls, fakes, registration ---------------------------------------------
+# ``cast_to_fp8`` / ``cast_transpose`` take any 1-element scale; ``delayed_cast`` is a delayed
+# quantizer's whole cast (the bytes, the amax folded into the history slot ``amax_out``, declared
+# as written, and ``1 / scale`` as of this point of the stream), in one launch on CUDA.
+def _cast_to_fp8_ref(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tensor:
+    return reference.cast_to_fp8(x, scale, fp8_dtype)
+
+
+def _cast_to_fp8_cuda(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tensor:
+    return cast_to_fp8_triton(x, scale, fp8_dtype)
+
+
+def _cast_to_fp8_fake(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tensor:
+    return torch.empty_like(x, dtype=fp8_dtype)
+
+
+def _cast_transpose_ref(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    return distinct(*reference.cast_transpose(x, scale, fp8_dtype))
+
+
+def _cast_transpose_cuda(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    return cast_transpose_triton(x, scale, fp8_dtype)
+
+
+def _cast_transpose_fake(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    rows, cols = fake_rows_cols(x)
+    return torch.empty_like(x, dtype=fp8_dtype), x.new_empty((cols, rows), dtype=fp8_dtype)
+
+
+def _fold_amax(amax_out: Tensor, x: Tensor) -> None:
+    """``amax_out = max(amax_out, amax(x))`` in place, NaN propagating (the kernels' atomic max)."""
+    amax_out.copy_(torch.maximum(amax_out, reference.amax(x)))
+
+
+def _delayed_cast_ref(
+    x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, amax_out: Tensor
+) -> tuple[Tensor, Tensor]:
+    q = reference.cast_to_fp8(x, scale, fp8_dtype)
+    _fold_amax(amax_out, x)
+    return q, torch.reciprocal(scale.reshape(1))
+
+
+def _delayed_cast_cuda(
+    x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, amax_out: Tensor
+) -> tuple[Tensor, Tensor]:
+    q, _, scale_inv = delayed_cast_triton(x, scale, fp8_dtype, amax_out, transpose=False)
+    return q, scale_inv
+
+
+def _delayed_cast_fake(
+    x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, amax_out: Tensor
+) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(x, dtype=fp8_dtype), x.new_empty((1,), dtype=torch.float32)
+
+
+def _delayed_cast_transpose_ref(
+    x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, amax_out: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    q, q_t = distinct(*reference.cast_transpose(x, scale, fp8_dtype))
+    _fold_amax(amax_out, x)
+    return q, q_t, torch.reciprocal(scale.reshape(1))
+
+
+def _delayed_cast_transpose_cuda(
+    x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, amax_out: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    return tuple(delayed_cast_triton(x, scale, fp8_dtype, amax_out, transpose=True))
+
+
+def _delayed_cast_transpose_fake(
+    x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, amax_out: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    rows, cols = fake_rows_cols(x)
+    return (
+        torch.empty_like(x, dtype=fp8_dtype),
+        x.new_empty((cols, rows), dtype=fp8_dtype),
+        x.new_empty((1,), dtype=torch.float32),
+    )
+
+
+_cast_to_fp8 = register_op(
+    "cast_to_fp8", (), _cast_to_fp8_ref, _cast_to_fp8_cuda, _cast_to_fp8_fake
+)
+_cast_transpose = register_op(
+    "cast_transpose", (), _cast_transpose_ref, _cast_transpose_cuda, _cast_transpose_fake
+)
+# eager CUDA calls go to delayed_cast_triton, whose prepared launches make a step's casts cheap
+_delayed_cast = register_op(
+    "delayed_cast", ("amax_out",), _delayed_cast_ref, _delayed_cast_cuda, _delayed_cast_fake,
+    eager_cuda=functools.partial(delayed_cast_triton, transpose=False),
+    pack=lambda out: DelayedCast(out[0], None, out[1]),
+)  # fmt: skip
+_delayed_cast_transpose = register_op(
+    "delayed_cast_transpose", ("amax_out",), _delayed_cast_transpose_ref,
+    _delayed_cast_transpose_cuda, _delayed_cast_transpose_fake,
+    eager_cuda=functools.partial(delayed_cast_triton, transpose=True),
+    pack=lambda out: DelayedCast(*out),
+)  # fmt: skip
+
+
+# ---- public functions ----------------------------------------------------------------------------
+def _scale_tensor(scale: Tensor | float, x: Tensor) -> Tensor:
+    """A Python-float scale (tests, interactive use) as the tensor an op takes."""
+    if isinstance(scale, Tensor):
+        return scale
+    return torch.as_tensor(scale, dtype=torch.float32, device=x.device).reshape(-1)
+
+
+def cast_to_fp8(x: Tensor, scale: Tensor | float, fp8_dtype: torch.dtype) -> Tensor:
+    """``reference.cast_to_fp8``."""
+    return _cast_to_fp8(x, _scale_tensor(scale, x), fp8_dtype)
+
+
+def cast_transpose(
+    x: Tensor, scale: Tensor | float, fp8_dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """``reference.cast_transpose``: ``(q, q_t)``, ``q_t`` the contiguous ``(cols, rows)``."""
+    return _cast_transpose(x, _scale_tensor(scale, x), fp8_dtype)
+
+
+def delayed_cast(
+    x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, amax_out: Tensor, *, transpose: bool
+) -> DelayedCast:
+    """A delayed-scaling quantizer's cast: ``cast_to_fp8`` (``cast_transpose`` when
+    ``transpose``), ``amax_out = max(amax_out, amax(x))`` in place (``amax_out`` a 1-element fp32
+    view holding a value >= 0, such as ``amax_history[0]``'s slot), and ``scale_inv = 1 / scale``
+    taken at this point of the stream (the update changes ``scale`` later); one launch on CUDA."""
+    return (_delayed_cast_transpose if transpose else _delayed_cast)(x, scale, fp8_dtype, amax_out)
+
+
+def cast_to_fp8_with_amax(
+    x: Tensor, scale: Tensor | float, fp8_dtype: torch.dtype, amax_out: Tensor
+) -> Tensor:
+    """``delayed_cast``'s bytes: the cast and the amax folded into ``amax_out``."""
+    return delayed_cast(x, _scale_tensor(scale, x), fp8_dtype, amax_out, transpose=False).data
+
+
+def cast_transpose_with_amax(
+    x: Tensor, scale: Tensor | float, fp8_dtype: torch.dtype, amax_out: Tensor
+) -> tuple[Tensor, Tensor]:
+    """``delayed_cast``'s bytes and transpose, the amax folded into ``amax_out``."""
+    out = delayed_cast(x, _scale_tensor(scale, x), fp8_dtype, amax_out, transpose=True)
+    return out.data, out.data_t
