@@ -3,8 +3,7 @@
 Every op file (``kernels/cast.py``, ``current.py``, ...) ends with the same two steps: it registers
 its op with ``register_op`` (the reference as the default kernel, its launcher for CUDA, a fake
 for tracing) and defines its public function, which normalises arguments and calls the
-``KernelOp`` that ``register_op`` returned. ``KernelOp.__call__`` is the one dispatch path of the
-package:
+``KernelOp`` (a function) that ``register_op`` returned, the one dispatch path of the package:
 
 - eagerly (outside torch.compile) it calls the function for the tensors' device itself, without
   the torch dispatcher (~30-60 us of host time a call): the op's launcher, or the file's eager
@@ -37,45 +36,6 @@ from torch import Tensor
 from torch.library import custom_op, triton_op
 
 
-class KernelOp:
-    """A registered op and what it runs (see the module docstring).
-
-    ``x`` is the op's first argument: the tensor whose device decides, or, for an op called with
-    a list of groups (the delayed update), that list, whose first group's first tensor decides;
-    such an op has ``to_op``, which turns the list into the op's arguments off the eager CUDA path.
-    ``pack`` turns the op's tuple into the result type of ``eager_cuda`` where the two differ (a
-    ``NamedTuple`` with an optional field)."""
-
-    __slots__ = ("op", "inlined", "reference", "eager_cuda", "pack", "to_op")
-
-    def __init__(
-        self,
-        op: Any,
-        inlined: Any,
-        reference: Callable | None,
-        eager_cuda: Callable,
-        pack: Callable | None,
-        to_op: Callable | None,
-    ) -> None:
-        self.op, self.inlined, self.reference, self.eager_cuda = op, inlined, reference, eager_cuda
-        self.pack, self.to_op = pack, to_op
-
-    def __call__(self, x: Any, *args: Any) -> Any:
-        first = x if self.to_op is None else x[0][0]
-        if not torch.compiler.is_compiling():
-            if first.is_cuda:
-                return self.eager_cuda(x, *args)
-            if self.reference is None:
-                raise RuntimeError(f"{self.op}: no kernel for {first.device} tensors")
-            fn = self.reference
-        elif first.is_cuda and self.inlined is not None and _static(first):
-            fn = self.inlined
-        else:
-            fn = self.op
-        out = fn(x.detach(), *args) if self.to_op is None else fn(*self.to_op(x, *args))
-        return out if self.pack is None else self.pack(out)
-
-
 def _static(t: Tensor) -> bool:
     """Whether a traced tensor has concrete sizes: the launchers size grids and pick constexprs
     from sizes in plain Python, so under dynamic shapes (symbolic sizes) the op stays opaque."""
@@ -97,7 +57,14 @@ def register_op(
     """``dist_quant::<name>`` (``reference`` on every device, ``cuda`` on CUDA, ``fake`` for
     tracing), plus ``dist_quant::<name>_triton`` from ``cuda`` when Triton is installed and the
     launcher is ``traceable`` (torch ops on shapes only, launches through ``_launch``, no
-    ``data_ptr``). ``eager_cuda`` (default: ``cuda``) is what an eager call on CUDA runs."""
+    ``data_ptr``); returns the op's ``KernelOp``.
+
+    ``eager_cuda`` (default: ``cuda``) is what an eager call on CUDA runs: a launcher entry that
+    keeps prepared launches. ``pack`` turns the op's tuple into the type ``eager_cuda`` returns,
+    where they differ (a ``NamedTuple`` with an optional field). ``to_op`` is for an op called with
+    a list of groups (the delayed update): the call's first argument is that list, whose first
+    group's first tensor decides the device, and ``to_op`` turns the call's arguments into the
+    op's, off the eager CUDA path."""
     if pack is not None and eager_cuda is None:
         raise ValueError(
             f"register_op({name!r}): pack needs an eager_cuda returning the packed type"
@@ -116,7 +83,55 @@ def register_op(
     # the one "has Triton" guard: without it no CUDA kernel runs, and triton_op needs it
     if traceable and HAVE_TRITON:
         inlined = triton_op(f"dist_quant::{name}_triton", cuda, mutates_args=mutates_args)
-    return KernelOp(op, inlined, reference, eager_cuda or cuda, pack, to_op)
+    return _dispatch(op, inlined, reference, eager_cuda or cuda, pack, to_op)
+
+
+KernelOp = Callable[..., Any]
+"""What ``register_op`` returns: the op's dispatch function, with the ``torch.library`` op as its
+``op`` attribute (``torch.library.opcheck(f.op, ...)``) and the ``triton_op`` twin or None as
+``inlined``."""
+
+
+def _dispatch(
+    op: Any,
+    inlined: Any,
+    reference: Callable | None,
+    eager_cuda: Callable,
+    pack: Callable | None,
+    to_op: Callable | None,
+) -> KernelOp:
+    """The package's one dispatch path (module docstring). A closure, not an object with
+    ``__call__``: an eager training step calls it for every cast, and a plain function call with
+    its settings in cells costs the least host time."""
+    compiling = torch.compiler.is_compiling
+
+    def traced_or_reference(first: Tensor) -> Callable:
+        if not compiling():
+            if reference is None:
+                raise RuntimeError(f"{op}: no kernel for {first.device} tensors")
+            return reference
+        if first.is_cuda and inlined is not None and _static(first):
+            return inlined
+        return op
+
+    if to_op is None:
+
+        def kernel_op(x: Tensor, *args: Any) -> Any:
+            if x.is_cuda and not compiling():
+                return eager_cuda(x, *args)
+            out = traced_or_reference(x)(x.detach(), *args)
+            return out if pack is None else pack(out)
+
+    else:
+
+        def kernel_op(groups: Any, *args: Any) -> Any:
+            if groups[0][0].is_cuda and not compiling():
+                return eager_cuda(groups, *args)
+            out = traced_or_reference(groups[0][0])(*to_op(groups, *args))
+            return out if pack is None else pack(out)
+
+    kernel_op.op, kernel_op.inlined = op, inlined  # type: ignore[attr-defined]
+    return kernel_op
 
 
 def fake_rows_cols(x: Tensor) -> tuple[int, int]:

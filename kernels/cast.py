@@ -262,8 +262,7 @@ def delayed_cast_triton(
     scale: torch.Tensor,
     fp8_dtype: torch.dtype,
     amax_out: torch.Tensor,
-    *,
-    transpose: bool,
+    transpose: bool = False,
 ) -> DelayedCast:
     """Delayed scaling's whole cast in one launch: ``(q, q_t or None, 1 / scale)``, folding
     ``amax(x)`` into ``amax_out``; the reciprocal is the scale's value at this point of the
@@ -557,17 +556,24 @@ _cast_to_fp8 = register_op(
 _cast_transpose = register_op(
     "cast_transpose", (), _cast_transpose_ref, _cast_transpose_cuda, _cast_transpose_fake
 )
-# eager CUDA calls go to delayed_cast_triton, whose prepared launches make a step's casts cheap
+
+
+def _delayed_cast_transpose_eager(
+    x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, amax_out: Tensor
+) -> DelayedCast:
+    return delayed_cast_triton(x, scale, fp8_dtype, amax_out, True)
+
+
+# Eager CUDA calls go to delayed_cast_triton itself: its prepared launches make a step's casts
+# cheap, and it returns the DelayedCast (a positional call: keywords would cost host time).
 _delayed_cast = register_op(
     "delayed_cast", ("amax_out",), _delayed_cast_ref, _delayed_cast_cuda, _delayed_cast_fake,
-    eager_cuda=functools.partial(delayed_cast_triton, transpose=False),
-    pack=lambda out: DelayedCast(out[0], None, out[1]),
+    eager_cuda=delayed_cast_triton, pack=lambda out: DelayedCast(out[0], None, out[1]),
 )  # fmt: skip
 _delayed_cast_transpose = register_op(
     "delayed_cast_transpose", ("amax_out",), _delayed_cast_transpose_ref,
     _delayed_cast_transpose_cuda, _delayed_cast_transpose_fake,
-    eager_cuda=functools.partial(delayed_cast_triton, transpose=True),
-    pack=lambda out: DelayedCast(*out),
+    eager_cuda=_delayed_cast_transpose_eager, pack=lambda out: DelayedCast(*out),
 )  # fmt: skip
 
 

@@ -182,7 +182,6 @@ def current_scaling_cast_triton(
     fp8_dtype: torch.dtype,
     amax_epsilon: float = 0.0,
     use_power_2_scales: bool = False,
-    *,
     transpose: bool = False,
 ) -> CurrentScalingCast:
     """amax -> current scale -> cast (and transpose) of ``x``, in two launches, no host sync.
@@ -369,7 +368,16 @@ _amax = register_op("amax", (), reference.amax, amax_triton, _amax_fake)
 _current_scale = register_op(
     "current_scale", (), _current_scale_ref, _current_scale_cuda, _current_scale_fake
 )
-# eager CUDA calls go to current_scaling_cast_triton, whose prepared launches make a step cheap
+
+
+def _current_scaling_cast_transpose_eager(
+    x: Tensor, fp8_dtype: torch.dtype, amax_epsilon: float, use_power_2_scales: bool
+) -> CurrentScalingCast:
+    return current_scaling_cast_triton(x, fp8_dtype, amax_epsilon, use_power_2_scales, True)
+
+
+# Eager CUDA calls go to current_scaling_cast_triton itself (as delayed_cast's to
+# cast.delayed_cast_triton): prepared launches, and the CurrentScalingCast it returns.
 _current_scaling_cast = register_op(
     "current_scaling_cast", (), _current_scaling_cast_ref, _current_scaling_cast_cuda,
     _current_scaling_cast_fake, eager_cuda=current_scaling_cast_triton,
@@ -378,8 +386,7 @@ _current_scaling_cast = register_op(
 _current_scaling_cast_transpose = register_op(
     "current_scaling_cast_transpose", (), _current_scaling_cast_transpose_ref,
     _current_scaling_cast_transpose_cuda, _current_scaling_cast_transpose_fake,
-    eager_cuda=functools.partial(current_scaling_cast_triton, transpose=True),
-    pack=lambda out: CurrentScalingCast(*out),
+    eager_cuda=_current_scaling_cast_transpose_eager, pack=lambda out: CurrentScalingCast(*out),
 )  # fmt: skip
 
 
