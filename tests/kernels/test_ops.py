@@ -4,7 +4,7 @@ dispatch path detaches, validates and refuses what it cannot run.
 Each op file registers its op next to its kernel; a fake that disagrees with the real kernel on
 shape, stride or dtype breaks `torch.compile` of a quantized step only, far from the file that is
 wrong. `opcheck` runs every op on CPU tensors (the reference) and its fake on the same arguments,
-and checks the schema's declared mutations against what the reference writes. Every `KernelOp`
+and checks the schema's declared mutations against what the reference writes. Every op
 of the package must have a case here, so an op added without one fails this file.
 """
 
@@ -128,3 +128,9 @@ def test_register_op_refuses_a_pack_without_an_eager_entry_returning_it() -> Non
 
     with pytest.raises(ValueError, match="'never_registered'\\): pack needs an eager_cuda"):
         register_op("never_registered", (), f, f, f, pack=tuple)
+
+
+def test_an_op_without_a_cpu_kernel_refuses_cpu_tensors_naming_the_op() -> None:
+    q, s = ref.block_cast(torch.randn(4, 128), E4M3, block_dim=1)
+    with pytest.raises(RuntimeError, match="block_scaled_gemm.*no kernel for cpu tensors"):
+        K.block_scaled_gemm(q, s, 1, q, s, 1, out_dtype=torch.float32)
