@@ -146,3 +146,11 @@ def distinct(q: Tensor, q_t: Tensor) -> tuple[Tensor, Tensor]:
     if q_t.untyped_storage().data_ptr() == q.untyped_storage().data_ptr():
         q_t = q_t.clone()
     return q, q_t
+
+
+def as_scale(value: Tensor | float, like: Tensor) -> Tensor:
+    """A Python-number scale (tests, interactive use) as the fp32 tensor an op takes, on ``like``'s
+    device; a tensor as it is (the kernels validate it)."""
+    if isinstance(value, Tensor):
+        return value
+    return torch.as_tensor(value, dtype=torch.float32, device=like.device).reshape(-1)

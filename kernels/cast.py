@@ -48,7 +48,7 @@ from dist_quant.kernels._launch import (
     launch_config,
     remember,
 )
-from dist_quant.kernels._op import distinct, fake_rows_cols, register_op
+from dist_quant.kernels._op import as_scale, distinct, fake_rows_cols, register_op
 from dist_quant.kernels._triton import tl, triton
 from torch import Tensor
 
@@ -578,23 +578,16 @@ _delayed_cast_transpose = register_op(
 
 
 # ---- public functions ----------------------------------------------------------------------------
-def _scale_tensor(scale: Tensor | float, x: Tensor) -> Tensor:
-    """A Python-float scale (tests, interactive use) as the tensor an op takes."""
-    if isinstance(scale, Tensor):
-        return scale
-    return torch.as_tensor(scale, dtype=torch.float32, device=x.device).reshape(-1)
-
-
 def cast_to_fp8(x: Tensor, scale: Tensor | float, fp8_dtype: torch.dtype) -> Tensor:
     """``reference.cast_to_fp8``."""
-    return _cast_to_fp8(x, _scale_tensor(scale, x), fp8_dtype)
+    return _cast_to_fp8(x, as_scale(scale, x), fp8_dtype)
 
 
 def cast_transpose(
     x: Tensor, scale: Tensor | float, fp8_dtype: torch.dtype
 ) -> tuple[Tensor, Tensor]:
     """``reference.cast_transpose``: ``(q, q_t)``, ``q_t`` the contiguous ``(cols, rows)``."""
-    return _cast_transpose(x, _scale_tensor(scale, x), fp8_dtype)
+    return _cast_transpose(x, as_scale(scale, x), fp8_dtype)
 
 
 def delayed_cast(
@@ -611,12 +604,12 @@ def cast_to_fp8_with_amax(
     x: Tensor, scale: Tensor | float, fp8_dtype: torch.dtype, amax_out: Tensor
 ) -> Tensor:
     """``delayed_cast``'s bytes: the cast and the amax folded into ``amax_out``."""
-    return delayed_cast(x, _scale_tensor(scale, x), fp8_dtype, amax_out, transpose=False).data
+    return delayed_cast(x, as_scale(scale, x), fp8_dtype, amax_out, transpose=False).data
 
 
 def cast_transpose_with_amax(
     x: Tensor, scale: Tensor | float, fp8_dtype: torch.dtype, amax_out: Tensor
 ) -> tuple[Tensor, Tensor]:
     """``delayed_cast``'s bytes and transpose, the amax folded into ``amax_out``."""
-    out = delayed_cast(x, _scale_tensor(scale, x), fp8_dtype, amax_out, transpose=True)
+    out = delayed_cast(x, as_scale(scale, x), fp8_dtype, amax_out, transpose=True)
     return out.data, out.data_t

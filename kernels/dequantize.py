@@ -25,7 +25,7 @@ from dist_quant.kernels._fp8_round import (
     to_bf16_bits,
 )
 from dist_quant.kernels._launch import FastLaunch
-from dist_quant.kernels._op import register_op
+from dist_quant.kernels._op import as_scale, register_op
 from dist_quant.kernels._triton import tl, triton
 from torch import Tensor
 
@@ -292,9 +292,7 @@ _block_dequantize = register_op(
 # ---- public functions ----------------------------------------------------------------------------
 def dequantize(q: Tensor, scale_inv: Tensor | float, dtype: torch.dtype = torch.float32) -> Tensor:
     """``reference.dequantize`` (a Python-float ``scale_inv`` becomes a tensor first)."""
-    if not isinstance(scale_inv, Tensor):
-        scale_inv = torch.as_tensor(scale_inv, dtype=torch.float32, device=q.device).reshape(-1)
-    return _dequantize(q, scale_inv, dtype)
+    return _dequantize(q, as_scale(scale_inv, q), dtype)
 
 
 def mxfp8_dequantize(

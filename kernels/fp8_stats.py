@@ -28,7 +28,7 @@ from dist_quant.kernels._fp8_round import (
     is_gpu,
     scalar_fp32,
 )
-from dist_quant.kernels._op import register_op
+from dist_quant.kernels._op import as_scale, register_op
 from dist_quant.kernels._triton import tl, triton
 
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -145,6 +145,4 @@ def cast_stats(
     x: torch.Tensor, scale: torch.Tensor | float, fp8_dtype: torch.dtype
 ) -> reference.CastStats:
     """``reference.cast_stats``: Triton for CUDA tensors, the reference elsewhere."""
-    if not isinstance(scale, torch.Tensor):
-        scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device).reshape(-1)
-    return _cast_stats(x, scale, fp8_dtype)
+    return _cast_stats(x, as_scale(scale, x), fp8_dtype)
