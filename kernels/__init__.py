@@ -5,9 +5,10 @@ the Triton kernel, its launcher, the reference call, the ``torch.library`` regis
 fake, and the public function, which calls the op through ``_op.KernelOp``, the one dispatch
 path (eager calls run the launcher or the reference directly; torch.compile traces the op):
 
-- ``cast.py``: ``cast_to_fp8``, ``cast_transpose``, ``delayed_cast`` (a delayed-scaling
-  quantizer's whole cast: the bytes and transpose, the amax folded into the history slot and
-  ``1 / scale``, one launch), ``cast_to_fp8_with_amax`` / ``cast_transpose_with_amax`` (its bytes);
+- ``cast.py``: ``cast_to_fp8``, ``cast_transpose`` (the per-tensor cast kernels);
+- ``delayed.py``: ``delayed_cast`` (a delayed-scaling quantizer's whole cast: the bytes and
+  transpose, the amax folded into the history slot and ``1 / scale``, one launch),
+  ``cast_to_fp8_with_amax`` / ``cast_transpose_with_amax`` (its bytes);
 - ``current.py``: ``amax``, ``current_scale``, ``current_scaling_cast`` (amax -> scale -> cast in
   two launches, no host sync);
 - ``delayed_update.py``: ``delayed_scaling_update`` / ``_groups`` (every group in one launch);
@@ -28,15 +29,14 @@ from __future__ import annotations
 from dist_quant.kernels import reference, reference_nvfp4
 from dist_quant.kernels.block import block_cast
 from dist_quant.kernels.block_gemm import block_scaled_gemm, block_scaled_gemm_triton
-from dist_quant.kernels.cast import (
+from dist_quant.kernels.cast import cast_to_fp8, cast_transpose
+from dist_quant.kernels.current import CurrentScalingCast, amax, current_scale, current_scaling_cast
+from dist_quant.kernels.delayed import (
     DelayedCast,
-    cast_to_fp8,
     cast_to_fp8_with_amax,
-    cast_transpose,
     cast_transpose_with_amax,
     delayed_cast,
 )
-from dist_quant.kernels.current import CurrentScalingCast, amax, current_scale, current_scaling_cast
 from dist_quant.kernels.delayed_update import delayed_scaling_update, delayed_scaling_update_groups
 from dist_quant.kernels.dequantize import block_dequantize, dequantize, mxfp8_dequantize
 from dist_quant.kernels.mxfp8 import mxfp8_cast

@@ -186,7 +186,7 @@ def current_scaling_cast_triton(
 ) -> CurrentScalingCast:
     """amax -> current scale -> cast (and transpose) of ``x``, in two launches, no host sync.
 
-    As for the delayed cast (``cast.delayed_cast_triton``), the first cast of a layout leaves
+    As for the delayed cast (``delayed.delayed_cast_triton``), the first cast of a layout leaves
     its two launches prepared, and later casts of the same key only allocate and relaunch."""
     key = None
     if type(x) in EAGER_TENSOR_TYPES and x.is_cuda:  # eager (under tracing: a fake tensor)
@@ -377,7 +377,7 @@ def _current_scaling_cast_transpose_eager(
 
 
 # Eager CUDA calls go to current_scaling_cast_triton itself (as delayed_cast's to
-# cast.delayed_cast_triton): prepared launches, and the CurrentScalingCast it returns.
+# delayed.delayed_cast_triton): prepared launches, and the CurrentScalingCast it returns.
 _current_scaling_cast = register_op(
     "current_scaling_cast", (), _current_scaling_cast_ref, _current_scaling_cast_cuda,
     _current_scaling_cast_fake, eager_cuda=current_scaling_cast_triton,

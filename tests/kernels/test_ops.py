@@ -11,18 +11,19 @@ of the package must have a case here, so an op added without one fails this file
 from __future__ import annotations
 
 import importlib
+import pkgutil
 
 import dist_quant.kernels as K
 import pytest
 import torch
-from dist_quant.kernels import block, block_gemm, cast, current, delayed_update, mxfp8, nvfp4
 from dist_quant.kernels import reference as ref
 from dist_quant.kernels._op import register_op
 
-# the package exports functions named `dequantize` and `cast_stats`' home is not exported
-dequantize = importlib.import_module("dist_quant.kernels.dequantize")
-fp8_stats = importlib.import_module("dist_quant.kernels.fp8_stats")
-MODULES = (block, block_gemm, cast, current, delayed_update, dequantize, fp8_stats, mxfp8, nvfp4)
+# every file of the package (an op in a new file is found too)
+MODULES = [
+    importlib.import_module(f"dist_quant.kernels.{m.name}")
+    for m in pkgutil.iter_modules(K.__path__)
+]
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
