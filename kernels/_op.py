@@ -35,6 +35,11 @@ from dist_quant.kernels._triton import HAVE_TRITON
 from torch import Tensor
 from torch.library import custom_op, triton_op
 
+KernelOp = Callable[..., Any]
+"""What ``register_op`` returns: the op's dispatch function, with the ``torch.library`` op as its
+``op`` attribute (``torch.library.opcheck(f.op, ...)``) and the ``triton_op`` twin or None as
+``inlined``."""
+
 
 def _static(t: Tensor) -> bool:
     """Whether a traced tensor has concrete sizes: the launchers size grids and pick constexprs
@@ -84,12 +89,6 @@ def register_op(
     if traceable and HAVE_TRITON:
         inlined = triton_op(f"dist_quant::{name}_triton", cuda, mutates_args=mutates_args)
     return _dispatch(op, inlined, reference, eager_cuda or cuda, pack, to_op)
-
-
-KernelOp = Callable[..., Any]
-"""What ``register_op`` returns: the op's dispatch function, with the ``torch.library`` op as its
-``op`` attribute (``torch.library.opcheck(f.op, ...)``) and the ``triton_op`` twin or None as
-``inlined``."""
 
 
 def _dispatch(
