@@ -2,7 +2,7 @@
 training step pays per cast, on tensors small enough that the GPU never holds the host back.
 Prints only.
 
-    python bench/bench_dispatch.py [--calls 200] [--rounds 15] [--size 256]
+    python bench/bench_dispatch.py
 
 Uses only the public names of ``dist_quant.kernels``, so the same file times any tree: copy it
 next to another checkout's ``bench/`` and run it there to compare two trees on one lease (run each
@@ -11,7 +11,6 @@ twice, alternating: the host's speed drifts between runs more than between neigh
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import subprocess
 import time
@@ -64,21 +63,19 @@ def host_us(fn, n_calls: int, rounds: int) -> float:
     return statistics.median(per_call)
 
 
+CALLS, ROUNDS, SIZE = 200, 15, 256
+
+
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--calls", type=int, default=200)
-    p.add_argument("--rounds", type=int, default=15)
-    p.add_argument("--size", type=int, default=256)
-    args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_dispatch: needs a CUDA device")
     head = subprocess.run(
         ["git", "log", "-1", "--format=%h %s"], capture_output=True, text=True, check=False
     ).stdout.strip()
     print(f"tree: {head or '?'}; torch {torch.__version__}; {torch.cuda.get_device_name()}")
-    print(f"{args.size}x{args.size} bf16, median of {args.rounds} rounds of {args.calls} calls")
-    for name, fn in calls(args.size).items():
-        print(f"{host_us(fn, args.calls, args.rounds):8.2f} us  {name}")
+    print(f"{SIZE}x{SIZE} bf16, host us per call, median of {ROUNDS} rounds of {CALLS} calls")
+    for name, fn in calls(SIZE).items():
+        print(f"{host_us(fn, CALLS, ROUNDS):8.2f} us  {name}")
 
 
 if __name__ == "__main__":
