@@ -18,7 +18,9 @@ path (eager calls run the launcher or the reference directly; torch.compile trac
 - ``nvfp4.py``: ``nvfp4_cast`` (``reference_nvfp4.py`` is its definition; ``quantize_nvfp4``,
   ``random_hadamard_transform``, ``dequantize_nvfp4``, ``nvfp4_gemm`` and
   ``nvfp4_global_scales`` are the reference functions themselves, exact on any device);
-- ``fp8_stats.py``: ``cast_stats`` (telemetry; imported from there, not exported here).
+- ``fp8_stats.py``: ``cast_stats`` (telemetry; imported from there, not exported here);
+- ``swiglu.py``: ``swiglu``, ``swiglu_backward`` (LayerNormMLP's activation, torch's bits on
+  CUDA in one launch each).
 
 ``reference.py`` is the numerics contract every kernel matches; the CPU runs it, and the Triton
 kernels run on the CPU only in the tests, under ``TRITON_INTERPRET=1``.
@@ -52,6 +54,7 @@ from dist_quant.kernels.reference_nvfp4 import (
     quantize_nvfp4,
     random_hadamard_transform,
 )
+from dist_quant.kernels.swiglu import swiglu, swiglu_backward
 
 __all__ = [
     "FLT_MAX",
@@ -88,4 +91,6 @@ __all__ = [
     "random_hadamard_transform",
     "reference",
     "reference_nvfp4",
+    "swiglu",
+    "swiglu_backward",
 ]

@@ -57,6 +57,8 @@ def _cases() -> dict[str, tuple]:
         "mxfp8_dequantize": (q, e8m0, False, torch.float32),
         "block_dequantize": (q_b, s_b, 2, torch.float16),
         "cast_stats": (x, scale, E4M3),
+        "swiglu": (x3,),
+        "swiglu_backward": (x3[..., :20].contiguous(), x3),
         "nvfp4_cast": (
             torch.randn(32, 48, generator=g),
             torch.tensor([9.0]),
