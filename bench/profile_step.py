@@ -22,7 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 from bench_linear import make_step
-from dist_quant.kernels import cast, current, delayed_update
+from dist_quant.kernels import cast, current, delayed, delayed_update
 
 import dist_quant as dq
 from dist_quant.modules import functional, linear
@@ -77,7 +77,7 @@ def prepared_against_full(step, rounds: int = 5) -> str:
     """Host us per step and Python calls per step of `step` with the casts' prepared launches
     (the default) against the full launch path, alternating in this process (the host's speed
     drifts between runs, not between neighbouring rounds)."""
-    tables = ((cast, "_delayed_plans"), (current, "_current_plans"))
+    tables = ((delayed, "_delayed_plans"), (current, "_current_plans"))
     kept = [getattr(module, name) for module, name in tables]
 
     def use(prepared: bool) -> None:
@@ -184,7 +184,7 @@ def host_floor(x, dy) -> str:
     """After a delayed step of this shape ran (its casts and updates are prepared): host us per
     step of the bare kernels, of BF16 `nn.Linear` and of a BF16 `Function`."""
     plans = {}
-    for key, (prepared, q_t_shape) in cast._delayed_plans.items():
+    for key, (prepared, q_t_shape) in delayed._delayed_plans.items():
         if key[4] and key[0] == x.shape:  # transposed casts of this shape, by FP8 format
             plans[key[3]] = (prepared, q_t_shape, key[3])
     e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2

@@ -30,8 +30,8 @@ from typing import NoReturn
 import torch
 from torch import Tensor
 
-# The dispatchers (kernels/__init__.py): Triton on CUDA, the reference elsewhere, called directly
-# when eager and as their torch.library ops while torch.compile traces.
+# The kernel ops (kernels/_op.py): Triton on CUDA, the reference elsewhere, called directly when
+# eager and as their torch.library ops while torch.compile traces.
 from dist_quant import kernels as fp8_kernels
 from dist_quant.kinds import NVFP4_BLOCK, OperandLayout, parse_kind
 

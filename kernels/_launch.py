@@ -13,7 +13,7 @@ Only compiled GPU kernels take the fast path: under ``TRITON_INTERPRET=1`` (the 
 call goes through the JIT, and so does any Triton whose compiled kernel lacks the launcher this
 relies on (checked once per key, falling back to the JIT path for good).
 
-While ``torch.compile`` traces a launcher (the ``torch.library.triton_op`` ops of ``ops.py``:
+While ``torch.compile`` traces a launcher (the ``torch.library.triton_op`` ops of ``_op.py``:
 AOTAutograd runs them on fake and functional tensors), a launch goes through
 ``torch.library.wrap_triton`` instead, so the graph records the kernel call itself and inductor
 launches the kernel from its own generated code.

@@ -5,7 +5,8 @@ kernel dispatcher sends CPU tensors to `reference.py`), so the package does not 
 pyproject). Every kernel module imports `triton` and `tl` from here. Without Triton they still
 import: `@triton.jit` wraps the function in a kernel that refuses to launch, with the reason, and
 `tl.constexpr` (the only other name used at import time: annotations and one module constant)
-holds its value; `knobs` and `driver` (the fast launch path) refuse when read. Nothing else of
+holds its value; `knobs` and `driver` (the fast launch path) and `libdevice` (CUDA's own math
+functions, read when a kernel compiles) refuse when read. Nothing else of
 Triton is reached without a CUDA tensor or `TRITON_INTERPRET=1`, both of which need the real
 package.
 """
@@ -24,6 +25,7 @@ try:
     import triton
     import triton.language as tl
     from triton import knobs
+    from triton.language.extra import libdevice
     from triton.runtime.driver import driver
 
     HAVE_TRITON = True
@@ -82,7 +84,8 @@ except ImportError:
     triton = _Triton()  # type: ignore[assignment]
     tl = triton.language  # type: ignore[assignment]
     knobs = _Absent("knobs")  # type: ignore[assignment]
+    libdevice = _Absent("libdevice")  # type: ignore[assignment]
     driver = _Absent("driver")  # type: ignore[assignment]
 
 
-__all__ = ["HAVE_TRITON", "MISSING", "driver", "knobs", "tl", "triton"]
+__all__ = ["HAVE_TRITON", "MISSING", "driver", "knobs", "libdevice", "tl", "triton"]

@@ -1,5 +1,5 @@
-"""Float8 block cast in Triton: one fp32 scale per 1x128 tile (``block_dim=1``) or 128x128 tile
-(``block_dim=2``).
+"""Float8 block cast: one fp32 scale per 1x128 tile (``block_dim=1``) or 128x128 tile
+(``block_dim=2``); the Triton kernel, its launcher and the op ``block_cast`` (``_op.py``).
 
 Matches ``reference.block_cast`` bit for bit: tile scale ``s = fp8_max / amax_tile`` (IEEE
 division; amax 0 or non-finite -> 1, inf -> FLT_MAX, optional power of two by zeroing the mantissa),
@@ -12,6 +12,7 @@ Each program loads a ``[BM, NB, 128]`` tile with the 128-element axis explicit; 
 from __future__ import annotations
 
 import torch
+from dist_quant.kernels import reference
 from dist_quant.kernels._fp8_round import (
     abs_bits,
     amax_from_bits,
@@ -26,7 +27,9 @@ from dist_quant.kernels._fp8_round import (
     scale_from_amax,
 )
 from dist_quant.kernels._launch import FastLaunch
+from dist_quant.kernels._op import fake_rows_cols, register_op
 from dist_quant.kernels._triton import tl, triton
+from torch import Tensor
 
 FLOAT8_BLOCK = 128
 
@@ -126,3 +129,39 @@ def block_cast_triton(
         interpreted=not gpu,
     )
     return q, scale_inv
+
+
+# ---- the op: reference call, fake, registration ------------------------------------------------
+def _block_cast_ref(
+    x: Tensor, fp8_dtype: torch.dtype, block_dim: int, use_power_2_scales: bool
+) -> tuple[Tensor, Tensor]:
+    q, s_inv = reference.block_cast(
+        x, fp8_dtype, block_dim=block_dim, use_power_2_scales=use_power_2_scales
+    )
+    return q.contiguous(), s_inv.contiguous()
+
+
+def _block_cast_cuda(
+    x: Tensor, fp8_dtype: torch.dtype, block_dim: int, use_power_2_scales: bool
+) -> tuple[Tensor, Tensor]:
+    return block_cast_triton(
+        x, fp8_dtype, block_dim=block_dim, use_power_2_scales=use_power_2_scales
+    )
+
+
+def _block_cast_fake(
+    x: Tensor, fp8_dtype: torch.dtype, block_dim: int, use_power_2_scales: bool
+) -> tuple[Tensor, Tensor]:
+    rows, cols = fake_rows_cols(x)
+    s_shape = reference._block_scale_shape(rows, cols, block_dim)
+    return x.new_empty(x.shape, dtype=fp8_dtype), x.new_empty(s_shape, dtype=torch.float32)
+
+
+_block_cast = register_op("block_cast", (), _block_cast_ref, _block_cast_cuda, _block_cast_fake)
+
+
+def block_cast(
+    x: Tensor, fp8_dtype: torch.dtype, *, block_dim: int, use_power_2_scales: bool = True
+) -> tuple[Tensor, Tensor]:
+    """``reference.block_cast``: ``(q, scale_inv)``, both contiguous."""
+    return _block_cast(x, fp8_dtype, block_dim, bool(use_power_2_scales))

@@ -1,4 +1,6 @@
-"""Block-scaled FP8 GEMM in Triton: ``a @ b.T`` for Float8 block-scaled operands (1x128 / 128x128).
+"""Block-scaled FP8 GEMM in Triton: ``a @ b.T`` for Float8 block-scaled operands (1x128 / 128x128);
+the kernel, its launcher and the CUDA-only op ``block_scaled_gemm`` (``_op.py``; the CPU path is
+``dist_quant/gemm.py``'s emulation).
 
 ``a`` is ``(M, K)``, ``b`` is ``(N, K)``, both FP8 quantized along K in 128-wide blocks. Each
 operand's ``scale_inv`` has one fp32 value per row and K block (``block_dim=1``: ``(rows,
@@ -32,7 +34,9 @@ from __future__ import annotations
 import torch
 from dist_quant.kernels._fp8_round import _INTERPRETED, fp8_decode, fp8_spec, is_gpu, to_bf16_bits
 from dist_quant.kernels._launch import FastLaunch
+from dist_quant.kernels._op import register_op
 from dist_quant.kernels._triton import tl, triton
+from torch import Tensor
 
 K_BLOCK = 128  # the Float8 block-scaling tile width: one scale per operand row per K step
 
@@ -245,3 +249,56 @@ def block_scaled_gemm_triton(
         interpreted=not is_gpu(a_data),
     )  # fmt: skip
     return out
+
+
+# ---- the op: fake, registration (CUDA only) ------------------------------------------------------
+def _block_scaled_gemm_cuda(
+    a_data: Tensor,
+    a_scale_inv: Tensor,
+    a_block_dim: int,
+    b_data: Tensor,
+    b_scale_inv: Tensor,
+    b_block_dim: int,
+    out_dtype: torch.dtype,
+    bias: Tensor | None,
+) -> Tensor:
+    return block_scaled_gemm_triton(
+        a_data, a_scale_inv, a_block_dim, b_data, b_scale_inv, b_block_dim,
+        out_dtype=out_dtype, bias=bias,
+    )  # fmt: skip
+
+
+def _block_scaled_gemm_fake(
+    a_data: Tensor,
+    a_scale_inv: Tensor,
+    a_block_dim: int,
+    b_data: Tensor,
+    b_scale_inv: Tensor,
+    b_block_dim: int,
+    out_dtype: torch.dtype,
+    bias: Tensor | None,
+) -> Tensor:
+    return a_data.new_empty((a_data.shape[0], b_data.shape[0]), dtype=out_dtype)
+
+
+_block_scaled_gemm = register_op(
+    "block_scaled_gemm", (), None, _block_scaled_gemm_cuda, _block_scaled_gemm_fake
+)
+
+
+def block_scaled_gemm(
+    a_data: Tensor,
+    a_scale_inv: Tensor,
+    a_block_dim: int,
+    b_data: Tensor,
+    b_scale_inv: Tensor,
+    b_block_dim: int,
+    *,
+    out_dtype: torch.dtype,
+    bias: Tensor | None = None,
+) -> Tensor:
+    """``block_scaled_gemm_triton`` as the ``dist_quant::block_scaled_gemm`` op (CUDA only)."""
+    return _block_scaled_gemm(
+        a_data, a_scale_inv, a_block_dim, b_data, b_scale_inv, b_block_dim, out_dtype,
+        None if bias is None else bias.detach(),
+    )  # fmt: skip

@@ -1,4 +1,6 @@
-"""Per-tensor FP8 cast in Triton, fused with amax and, optionally, with the transpose.
+"""Per-tensor FP8 cast: the Triton kernels, their launcher, and the ops ``cast_to_fp8`` and
+``cast_transpose`` (``_op.py``); delayed scaling's cast (``delayed.py``) and current scaling's
+(``current.py``) launch these kernels too.
 
 Matches ``reference.cast_to_fp8`` / ``reference.cast_transpose`` bit for bit. One read of ``x`` and
 one write per output: ``q`` (``x``'s shape and torch's elementwise layout) and, with the transpose,
@@ -19,9 +21,9 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
+from dist_quant.kernels import reference
 from dist_quant.kernels._fp8_round import (
     Fp8Spec,
     abs_bits,
@@ -39,14 +41,14 @@ from dist_quant.kernels._fp8_round import (
     scalar_fp32,
 )
 from dist_quant.kernels._launch import (
-    EAGER_TENSOR_TYPES,
     FastLaunch,
     LaunchConfig,
     PreparedLaunch,
     launch_config,
-    remember,
 )
+from dist_quant.kernels._op import as_scale, distinct, fake_rows_cols, register_op
 from dist_quant.kernels._triton import tl, triton
+from torch import Tensor
 
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -60,14 +62,6 @@ GPU_TILE = {"BM": 128, "BN": 128, "num_warps": 8}
 # Current scaling: walk the cast grid backwards, so the first tiles read are the ones the amax
 # pass read last and may still find in L2. Not measured yet: `bench_cast.py --sweep` times both.
 GPU_REVERSE_AFTER_AMAX = True
-
-
-class DelayedCast(NamedTuple):
-    """What a delayed-scaling quantizer gets from one cast."""
-
-    data: torch.Tensor  # FP8, x's shape
-    data_t: torch.Tensor | None  # FP8 (cols, rows) when transposed
-    scale_inv: torch.Tensor  # (1,) fp32: 1 / scale at the time of the cast
 
 
 @dataclass(frozen=True)
@@ -253,58 +247,6 @@ def cast_transpose_triton(
     return q, q_t
 
 
-def delayed_cast_triton(
-    x: torch.Tensor,
-    scale: torch.Tensor,
-    fp8_dtype: torch.dtype,
-    amax_out: torch.Tensor,
-    *,
-    transpose: bool,
-) -> DelayedCast:
-    """Delayed scaling's whole cast in one launch: ``(q, q_t or None, 1 / scale)``, folding
-    ``amax(x)`` into ``amax_out``; the reciprocal is the scale's value at this point of the
-    stream (the update changes ``scale`` later).
-
-    A training step casts the same activation, weight and gradient layouts into the same scaling
-    buffers every time: the first cast of a layout is validated and launched in full and leaves
-    a prepared launch behind, keyed on everything the validation and Triton's specialisation
-    read; the next casts of that key allocate the outputs and relaunch it (``_delayed_plans``)."""
-    key = None
-    if type(x) in EAGER_TENSOR_TYPES and x.is_cuda:  # eager (under tracing: a fake tensor)
-        key = (
-            x.shape, x.stride(), x.dtype, fp8_dtype, transpose, torch._C._cuda_getDevice(),
-            x.get_device(), scale.get_device(), amax_out.get_device(),
-            scale.dtype, scale.shape, amax_out.dtype, amax_out.shape,
-            x.data_ptr() & 15, scale.data_ptr() & 15, amax_out.data_ptr() & 15,
-        )  # fmt: skip
-        prepared = _delayed_plans.get(key)
-        if prepared is not None:
-            scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
-            q = torch.empty_like(x, dtype=fp8_dtype)
-            stream = torch._C._cuda_getCurrentRawStream(key[5])
-            q_t = None if prepared[1] is None else torch.empty(prepared[1], dtype=fp8_dtype,
-                                                                device=x.device)  # fmt: skip
-            outs = (scale, scale, scale_inv)
-            prepared[0].launch(stream, *cast_args(x, q, q_t, scale, amax_out, scale, 0, 0.0, outs))
-            return DelayedCast(q, q_t, scale_inv)
-    scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
-
-    def store(prepared: PreparedLaunch, q_t_shape: tuple[int, int] | None) -> None:
-        remember(_delayed_plans, key, (prepared, q_t_shape))
-
-    q, q_t = launch_cast(
-        x, fp8_dtype, transpose=transpose, scale=scale, amax_out=amax_out,
-        scale_inv_out=scale_inv, prepare=None if key is None else store,
-    )  # fmt: skip
-    if x.numel() == 0:  # no program ran to write it
-        scale_inv.copy_(torch.reciprocal(scale.reshape(1)))
-    return DelayedCast(q, q_t, scale_inv)
-
-
-# key (see delayed_cast_triton) -> (the prepared launch, the shape of q_t or None)
-_delayed_plans: dict[tuple, tuple[PreparedLaunch, tuple[int, int] | None]] = {}
-
-
 @functools.cache
 def _config(
     spec: Fp8Spec,
@@ -465,3 +407,50 @@ def launch_cast(
         if prepared is not None:
             prepare(prepared, (cols, rows))
     return q, q_t
+
+
+# ---- the ops: reference calls, fakes, registration ---------------------------------------------
+def _cast_to_fp8_ref(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tensor:
+    return reference.cast_to_fp8(x, scale, fp8_dtype)
+
+
+def _cast_to_fp8_cuda(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tensor:
+    return cast_to_fp8_triton(x, scale, fp8_dtype)
+
+
+def _cast_to_fp8_fake(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tensor:
+    return torch.empty_like(x, dtype=fp8_dtype)
+
+
+def _cast_transpose_ref(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    return distinct(*reference.cast_transpose(x, scale, fp8_dtype))
+
+
+def _cast_transpose_cuda(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    return cast_transpose_triton(x, scale, fp8_dtype)
+
+
+def _cast_transpose_fake(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    rows, cols = fake_rows_cols(x)
+    return torch.empty_like(x, dtype=fp8_dtype), x.new_empty((cols, rows), dtype=fp8_dtype)
+
+
+_cast_to_fp8 = register_op(
+    "cast_to_fp8", (), _cast_to_fp8_ref, _cast_to_fp8_cuda, _cast_to_fp8_fake
+)
+_cast_transpose = register_op(
+    "cast_transpose", (), _cast_transpose_ref, _cast_transpose_cuda, _cast_transpose_fake
+)
+
+
+# ---- public functions ----------------------------------------------------------------------------
+def cast_to_fp8(x: Tensor, scale: Tensor | float, fp8_dtype: torch.dtype) -> Tensor:
+    """``reference.cast_to_fp8``."""
+    return _cast_to_fp8(x, as_scale(scale, x), fp8_dtype)
+
+
+def cast_transpose(
+    x: Tensor, scale: Tensor | float, fp8_dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """``reference.cast_transpose``: ``(q, q_t)``, ``q_t`` the contiguous ``(cols, rows)``."""
+    return _cast_transpose(x, as_scale(scale, x), fp8_dtype)

@@ -1,4 +1,5 @@
-"""Current scaling in Triton: amax pass, scale on the GPU, cast (+ transpose) pass; no host sync.
+"""Current scaling: the amax pass, the scale on the GPU, the cast (+ transpose) pass with no host
+sync, and the ops ``amax``, ``current_scale`` and ``current_scaling_cast`` (``_op.py``).
 
 Matches ``reference.amax`` and ``reference.current_scale`` bit for bit, and
 ``current_scaling_cast_triton`` equals ``amax`` -> ``current_scale`` -> ``cast_to_fp8`` /
@@ -17,6 +18,7 @@ import functools
 from typing import Any, NamedTuple
 
 import torch
+from dist_quant.kernels import reference
 from dist_quant.kernels._fp8_round import (
     abs_bits,
     amax_from_bits,
@@ -36,8 +38,10 @@ from dist_quant.kernels._launch import (
     launch_config,
     remember,
 )
+from dist_quant.kernels._op import distinct, fake_rows_cols, register_op
 from dist_quant.kernels._triton import tl, triton
 from dist_quant.kernels.cast import AmaxPartials, cast_args, launch_cast
+from torch import Tensor
 
 # GPU amax pass: BLOCK elements per loop step, PROGRAMS_PER_SM persistent programs per SM
 # (bench/bench_cast.py --sweep measures the alternatives). The interpreter uses 4 programs.
@@ -176,14 +180,13 @@ def current_scale_triton(
 def current_scaling_cast_triton(
     x: torch.Tensor,
     fp8_dtype: torch.dtype,
-    *,
     amax_epsilon: float = 0.0,
     use_power_2_scales: bool = False,
     transpose: bool = False,
 ) -> CurrentScalingCast:
     """amax -> current scale -> cast (and transpose) of ``x``, in two launches, no host sync.
 
-    As for the delayed cast (``cast.delayed_cast_triton``), the first cast of a layout leaves
+    As for the delayed cast (``delayed.delayed_cast_triton``), the first cast of a layout leaves
     its two launches prepared, and later casts of the same key only allocate and relaunch."""
     key = None
     if type(x) in EAGER_TENSOR_TYPES and x.is_cuda:  # eager (under tracing: a fake tensor)
@@ -265,3 +268,154 @@ def _relaunch(
     # the cast reads its scale from scale_out (written by its program 0) and folds no amax
     cast_pass.launch(stream, *cast_args(x, q, q_t, scale, scale, partials, n_partials, eps, outs))
     return CurrentScalingCast(q, q_t, scale, scale_inv, amax)
+
+
+# ---- the ops: reference calls, fakes, registration ---------------------------------------------
+def _amax_fake(x: Tensor) -> Tensor:
+    return x.new_empty((), dtype=torch.float32)
+
+
+def _current_scale_ref(
+    amax: Tensor, fp8_dtype: torch.dtype, amax_epsilon: float, use_power_2_scales: bool
+) -> tuple[Tensor, Tensor]:
+    s, s_inv = reference.current_scale(
+        amax, fp8_dtype, amax_epsilon=amax_epsilon, use_power_2_scales=use_power_2_scales
+    )
+    return s.contiguous(), s_inv.contiguous()
+
+
+def _current_scale_cuda(
+    amax: Tensor, fp8_dtype: torch.dtype, amax_epsilon: float, use_power_2_scales: bool
+) -> tuple[Tensor, Tensor]:
+    s, s_inv = current_scale_triton(
+        amax, fp8_dtype, amax_epsilon=amax_epsilon, use_power_2_scales=use_power_2_scales
+    )
+    return s.contiguous(), s_inv.contiguous()
+
+
+def _current_scale_fake(
+    amax: Tensor, fp8_dtype: torch.dtype, amax_epsilon: float, use_power_2_scales: bool
+) -> tuple[Tensor, Tensor]:
+    return amax.new_empty(amax.shape, dtype=torch.float32), amax.new_empty(
+        amax.shape, dtype=torch.float32
+    )
+
+
+def _reference_cast(
+    x: Tensor, fp8_dtype: torch.dtype, eps: float, pow2: bool, transpose: bool
+) -> tuple[Tensor, ...]:
+    """``(q, [q_t,] scale (1,), scale_inv (1,), amax ())``: amax -> current scale -> cast."""
+    a = reference.amax(x)
+    scale, scale_inv = reference.current_scale(
+        a, fp8_dtype, amax_epsilon=eps, use_power_2_scales=pow2
+    )
+    if transpose:
+        q = distinct(*reference.cast_transpose(x, scale, fp8_dtype))
+    else:
+        q = (reference.cast_to_fp8(x, scale, fp8_dtype),)
+    return (*q, scale.reshape(1), scale_inv.reshape(1), a)
+
+
+def _current_scaling_cast_ref(
+    x: Tensor, fp8_dtype: torch.dtype, amax_epsilon: float, use_power_2_scales: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _reference_cast(x, fp8_dtype, amax_epsilon, use_power_2_scales, False)
+
+
+def _current_scaling_cast_cuda(
+    x: Tensor, fp8_dtype: torch.dtype, amax_epsilon: float, use_power_2_scales: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    out = current_scaling_cast_triton(x, fp8_dtype, amax_epsilon, use_power_2_scales)
+    return out.data, out.scale, out.scale_inv, out.amax
+
+
+def _current_scaling_cast_fake(
+    x: Tensor, fp8_dtype: torch.dtype, amax_epsilon: float, use_power_2_scales: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return (torch.empty_like(x, dtype=fp8_dtype), *_scales_fake(x))
+
+
+def _current_scaling_cast_transpose_ref(
+    x: Tensor, fp8_dtype: torch.dtype, amax_epsilon: float, use_power_2_scales: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _reference_cast(x, fp8_dtype, amax_epsilon, use_power_2_scales, True)
+
+
+def _current_scaling_cast_transpose_cuda(
+    x: Tensor, fp8_dtype: torch.dtype, amax_epsilon: float, use_power_2_scales: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    out = current_scaling_cast_triton(
+        x, fp8_dtype, amax_epsilon, use_power_2_scales, transpose=True
+    )
+    return out.data, out.data_t, out.scale, out.scale_inv, out.amax
+
+
+def _current_scaling_cast_transpose_fake(
+    x: Tensor, fp8_dtype: torch.dtype, amax_epsilon: float, use_power_2_scales: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    rows, cols = fake_rows_cols(x)
+    q_t = x.new_empty((cols, rows), dtype=fp8_dtype)
+    return (torch.empty_like(x, dtype=fp8_dtype), q_t, *_scales_fake(x))
+
+
+def _scales_fake(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(scale (1,), scale_inv (1,), amax ())``."""
+    f32 = torch.float32
+    return x.new_empty((1,), dtype=f32), x.new_empty((1,), dtype=f32), x.new_empty((), dtype=f32)
+
+
+_amax = register_op("amax", (), reference.amax, amax_triton, _amax_fake)
+_current_scale = register_op(
+    "current_scale", (), _current_scale_ref, _current_scale_cuda, _current_scale_fake
+)
+
+
+def _current_scaling_cast_transpose_eager(
+    x: Tensor, fp8_dtype: torch.dtype, amax_epsilon: float, use_power_2_scales: bool
+) -> CurrentScalingCast:
+    return current_scaling_cast_triton(x, fp8_dtype, amax_epsilon, use_power_2_scales, True)
+
+
+# Eager CUDA calls go to current_scaling_cast_triton itself (as delayed_cast's to
+# delayed.delayed_cast_triton): prepared launches, and the CurrentScalingCast it returns.
+_current_scaling_cast = register_op(
+    "current_scaling_cast", (), _current_scaling_cast_ref, _current_scaling_cast_cuda,
+    _current_scaling_cast_fake, eager_cuda=current_scaling_cast_triton,
+    pack=lambda out: CurrentScalingCast(out[0], None, *out[1:]),
+)  # fmt: skip
+_current_scaling_cast_transpose = register_op(
+    "current_scaling_cast_transpose", (), _current_scaling_cast_transpose_ref,
+    _current_scaling_cast_transpose_cuda, _current_scaling_cast_transpose_fake,
+    eager_cuda=_current_scaling_cast_transpose_eager, pack=lambda out: CurrentScalingCast(*out),
+)  # fmt: skip
+
+
+# ---- public functions ----------------------------------------------------------------------------
+def amax(x: Tensor) -> Tensor:
+    """``reference.amax``: fp32 0-dim ``max|x|``."""
+    return _amax(x)
+
+
+def current_scale(
+    amax: Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    amax_epsilon: float = 0.0,
+    use_power_2_scales: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """``reference.current_scale``: ``(scale, scale_inv)`` with ``amax``'s shape."""
+    return _current_scale(amax, fp8_dtype, float(amax_epsilon), bool(use_power_2_scales))
+
+
+def current_scaling_cast(
+    x: Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    amax_epsilon: float = 0.0,
+    use_power_2_scales: bool = False,
+    transpose: bool = False,
+) -> CurrentScalingCast:
+    """``amax`` -> ``current_scale`` -> ``cast_to_fp8`` (``cast_transpose`` when ``transpose``):
+    two launches and no host sync on CUDA."""
+    op = _current_scaling_cast_transpose if transpose else _current_scaling_cast
+    return op(x, fp8_dtype, float(amax_epsilon), bool(use_power_2_scales))

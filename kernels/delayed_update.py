@@ -1,4 +1,5 @@
-"""Delayed-scaling update in Triton: every slot of a model in one launch.
+"""Delayed-scaling update: every slot of a model in one launch (the Triton kernel, its launcher
+with cached plans) and the op ``delayed_scaling_update_groups`` (``_op.py``).
 
 Matches ``reference.delayed_scaling_update`` bit for bit, for a list of groups
 ``(amax_history (L_i, n_i), scale (n_i,), fp8_max (n_i,) | (1,) | float, margin_i, algo_i)``,
@@ -24,10 +25,13 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
+from dist_quant.kernels import reference
 from dist_quant.kernels._fp8_round import f32_bits, is_finite, is_inf, next_pow2
 from dist_quant.kernels._launch import FastLaunch, LaunchConfig, PreparedLaunch, launch_config
+from dist_quant.kernels._op import register_op
 from dist_quant.kernels._triton import tl, triton
 from dist_quant.kernels.kinds_base import AmaxAlgo, spellings
+from torch import Tensor
 
 _FIELDS = 14  # int64 table columns, in the order the kernel reads them
 
@@ -277,3 +281,95 @@ def delayed_scaling_update_triton(
 ) -> None:
     """``reference.delayed_scaling_update`` for one group (one launch)."""
     delayed_scaling_update_groups_triton([(amax_history, scale, fp8_max_per_slot, margin, algo)])
+
+
+# ---- the op: reference call, fake, registration ------------------------------------------------
+# The op takes the groups as five lists (a schema has no list of tuples) and the algorithms as
+# integer codes (``AmaxAlgo.code``: a schema has no list of strings).
+def _update_ref(
+    histories: list[Tensor],
+    scales: list[Tensor],
+    fp8_maxes: list[Tensor],
+    margins: list[float],
+    algos: list[int],
+) -> None:
+    for history, scale, limit, margin, code in zip(histories, scales, fp8_maxes, margins, algos):
+        reference.delayed_scaling_update(
+            history, scale, limit, margin=margin, algo=AmaxAlgo.of_code(code)
+        )
+
+
+def _update_cuda(
+    histories: list[Tensor],
+    scales: list[Tensor],
+    fp8_maxes: list[Tensor],
+    margins: list[float],
+    algos: list[int],
+) -> None:
+    delayed_scaling_update_groups_triton(
+        [
+            (h, s, limit, margin, AmaxAlgo.of_code(code))
+            for h, s, limit, margin, code in zip(histories, scales, fp8_maxes, margins, algos)
+        ]
+    )
+
+
+def _update_fake(*args: object) -> None:
+    """Tracing sees only the declared writes: the op returns nothing."""
+    return None
+
+
+def _op_args(groups: Sequence[Sequence]) -> tuple[list, list, list, list, list]:
+    """The op's five lists from ``(amax_history, scale, fp8_max, margin, algo)`` groups."""
+    for i, g in enumerate(groups):
+        if len(g) != 5 or g[4] not in tuple(AmaxAlgo):
+            raise ValueError(
+                f"delayed_scaling_update: group {i}: expected (amax_history, scale, fp8_max, "
+                f"margin, algo) with algo {spellings(AmaxAlgo)}, got {g!r}"
+            )
+    limits = [
+        g[2] if isinstance(g[2], Tensor) else torch.tensor(float(g[2]), device=g[0].device)
+        for g in groups
+    ]
+    return (
+        [g[0] for g in groups],
+        [g[1] for g in groups],
+        [limit.float() for limit in limits],
+        [float(g[3]) for g in groups],
+        [AmaxAlgo(g[4]).code for g in groups],
+    )
+
+
+# Eager CUDA calls take the groups as they are to the launcher, whose plan for a list of buffers
+# costs a dict lookup and one launch of host time; its plans also keep it opaque under compile.
+_update = register_op(
+    "delayed_scaling_update_groups", ("histories", "scales"), _update_ref, _update_cuda,
+    _update_fake, traceable=False, eager_cuda=delayed_scaling_update_groups_triton,
+    to_op=_op_args,
+)  # fmt: skip
+
+
+# ---- public functions ----------------------------------------------------------------------------
+def delayed_scaling_update_groups(groups: Sequence[Sequence]) -> None:
+    """Every ``(amax_history, scale, fp8_max, margin, algo)`` group in place
+    (``reference.delayed_scaling_update`` of each): one op call, one launch on CUDA."""
+    if not groups:
+        return
+    if len(groups[0]) != 5 or not isinstance(groups[0][0], Tensor):
+        raise ValueError(
+            "delayed_scaling_update: group 0: expected (amax_history, scale, fp8_max, margin, "
+            f"algo), got {groups[0]!r}"
+        )
+    _update(groups)
+
+
+def delayed_scaling_update(
+    amax_history: Tensor,
+    scale: Tensor,
+    fp8_max_per_slot: Tensor | float,
+    *,
+    margin: float,
+    algo: AmaxAlgo | str,
+) -> None:
+    """``reference.delayed_scaling_update`` as a one-group ``delayed_scaling_update_groups``."""
+    delayed_scaling_update_groups([(amax_history, scale, fp8_max_per_slot, margin, algo)])

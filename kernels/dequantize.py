@@ -1,4 +1,5 @@
-"""FP8 dequantize in Triton for every layout: per-tensor, MXFP8 (E8M0) and Float8 blocks.
+"""FP8 dequantize for every layout: per-tensor, MXFP8 (E8M0) and Float8 blocks; the Triton kernels,
+their launchers and the ops ``dequantize``, ``mxfp8_dequantize``, ``block_dequantize`` (``_op.py``).
 
 Matches ``reference.dequantize``, ``reference.mxfp8_dequantize`` and ``reference.block_dequantize``
 bit for bit: the FP8 byte is decoded exactly on its bits, multiplied by its scale in fp32, then
@@ -13,6 +14,7 @@ row ``r`` using scale row ``r // ROW_GROUP`` (1 for rowwise blocks, 128 for 128x
 from __future__ import annotations
 
 import torch
+from dist_quant.kernels import reference
 from dist_quant.kernels._fp8_round import (
     flat_pair,
     fp8_decode,
@@ -23,7 +25,9 @@ from dist_quant.kernels._fp8_round import (
     to_bf16_bits,
 )
 from dist_quant.kernels._launch import FastLaunch
+from dist_quant.kernels._op import as_scale, register_op
 from dist_quant.kernels._triton import tl, triton
+from torch import Tensor
 
 _OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -229,3 +233,77 @@ def block_dequantize_triton(
         e8m0=False, what=what,
     )  # fmt: skip
     return out.reshape(q.shape)
+
+
+# ---- the ops: reference calls, fakes, registration -----------------------------------------------
+def _dequantize_ref(q: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
+    return reference.dequantize(q, scale_inv, dtype)
+
+
+def _dequantize_cuda(q: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
+    return dequantize_triton(q, scale_inv, dtype)
+
+
+def _dequantize_fake(q: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
+    return torch.empty_like(q, dtype=dtype)
+
+
+def _mxfp8_dequantize_ref(q: Tensor, e8m0: Tensor, columnwise: bool, dtype: torch.dtype) -> Tensor:
+    return reference.mxfp8_dequantize(q, e8m0, columnwise=columnwise, dtype=dtype)
+
+
+def _mxfp8_dequantize_cuda(q: Tensor, e8m0: Tensor, columnwise: bool, dtype: torch.dtype) -> Tensor:
+    return mxfp8_dequantize_triton(q, e8m0, columnwise=columnwise, dtype=dtype)
+
+
+def _mxfp8_dequantize_fake(q: Tensor, e8m0: Tensor, columnwise: bool, dtype: torch.dtype) -> Tensor:
+    # columnwise: the (rows, cols) matrix is the transpose of q's (cols, rows) layout
+    out = q.new_empty(tuple(q.shape), dtype=dtype)
+    return out.t() if columnwise else out
+
+
+def _block_dequantize_ref(
+    q: Tensor, scale_inv: Tensor, block_dim: int, dtype: torch.dtype
+) -> Tensor:
+    return reference.block_dequantize(q, scale_inv, block_dim=block_dim, dtype=dtype).contiguous()
+
+
+def _block_dequantize_cuda(
+    q: Tensor, scale_inv: Tensor, block_dim: int, dtype: torch.dtype
+) -> Tensor:
+    return block_dequantize_triton(q, scale_inv, block_dim=block_dim, dtype=dtype).contiguous()
+
+
+def _block_dequantize_fake(
+    q: Tensor, scale_inv: Tensor, block_dim: int, dtype: torch.dtype
+) -> Tensor:
+    return q.new_empty(q.shape, dtype=dtype)
+
+
+_dequantize = register_op("dequantize", (), _dequantize_ref, _dequantize_cuda, _dequantize_fake)
+_mxfp8_dequantize = register_op(
+    "mxfp8_dequantize", (), _mxfp8_dequantize_ref, _mxfp8_dequantize_cuda, _mxfp8_dequantize_fake
+)
+_block_dequantize = register_op(
+    "block_dequantize", (), _block_dequantize_ref, _block_dequantize_cuda, _block_dequantize_fake
+)
+
+
+# ---- public functions ----------------------------------------------------------------------------
+def dequantize(q: Tensor, scale_inv: Tensor | float, dtype: torch.dtype = torch.float32) -> Tensor:
+    """``reference.dequantize`` (a Python-float ``scale_inv`` becomes a tensor first)."""
+    return _dequantize(q, as_scale(scale_inv, q), dtype)
+
+
+def mxfp8_dequantize(
+    q: Tensor, e8m0: Tensor, *, columnwise: bool = False, dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """``reference.mxfp8_dequantize``."""
+    return _mxfp8_dequantize(q, e8m0, bool(columnwise), dtype)
+
+
+def block_dequantize(
+    q: Tensor, scale_inv: Tensor, *, block_dim: int, dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """``reference.block_dequantize``."""
+    return _block_dequantize(q, scale_inv, block_dim, dtype)

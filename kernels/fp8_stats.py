@@ -28,6 +28,7 @@ from dist_quant.kernels._fp8_round import (
     is_gpu,
     scalar_fp32,
 )
+from dist_quant.kernels._op import as_scale, register_op
 from dist_quant.kernels._triton import tl, triton
 
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -113,10 +114,35 @@ def cast_stats_triton(
     return reference.CastStats(total[0], total[1], total[2], amax)
 
 
+# ---- the op: reference call, fake, registration ------------------------------------------------
+def _cast_stats_ref(
+    x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tuple(reference.cast_stats(x, scale, fp8_dtype))
+
+
+def _cast_stats_cuda(
+    x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tuple(cast_stats_triton(x, scale, fp8_dtype))
+
+
+def _cast_stats_fake(
+    x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    counts = [x.new_empty((), dtype=torch.int64) for _ in range(3)]
+    return (*counts, x.new_empty((), dtype=torch.float32))
+
+
+# opaque under compile: the launcher launches through Triton's JIT, not `_launch`
+_cast_stats = register_op(
+    "cast_stats", (), _cast_stats_ref, _cast_stats_cuda, _cast_stats_fake, traceable=False,
+    eager_cuda=cast_stats_triton, pack=lambda out: reference.CastStats(*out),
+)  # fmt: skip
+
+
 def cast_stats(
     x: torch.Tensor, scale: torch.Tensor | float, fp8_dtype: torch.dtype
 ) -> reference.CastStats:
-    """Triton for CUDA tensors, the reference otherwise (the dispatcher of this op)."""
-    if x.is_cuda:
-        return cast_stats_triton(x, scale, fp8_dtype)
-    return reference.cast_stats(x, scale, fp8_dtype)
+    """``reference.cast_stats``: Triton for CUDA tensors, the reference elsewhere."""
+    return _cast_stats(x, as_scale(scale, x), fp8_dtype)

@@ -1,4 +1,5 @@
-"""MXFP8 cast in Triton: 32-element blocks with a shared E8M0 (power-of-two) scale.
+"""MXFP8 cast: 32-element blocks with a shared E8M0 (power-of-two) scale; the Triton kernels, their
+launcher and the op ``mxfp8_cast`` (``_op.py``).
 
 Matches ``reference.mxfp8_cast`` bit for bit. Rowwise: blocks along the last dim of the 2D view,
 ``q`` in ``x``'s shape (contiguous), E8M0 ``(rows, ceil(cols/32))``. Columnwise: blocks along the
@@ -15,6 +16,7 @@ from __future__ import annotations
 import struct
 
 import torch
+from dist_quant.kernels import reference
 from dist_quant.kernels._fp8_round import (
     abs_bits,
     amax_from_bits,
@@ -25,7 +27,9 @@ from dist_quant.kernels._fp8_round import (
     rows_cols,
 )
 from dist_quant.kernels._launch import FastLaunch
+from dist_quant.kernels._op import fake_rows_cols, register_op
 from dist_quant.kernels._triton import tl, triton
+from torch import Tensor
 
 MXFP8_BLOCK = 32
 
@@ -186,3 +190,32 @@ def mxfp8_cast_triton(
             interpreted=not gpu,
         )
     return q, e8m0
+
+
+# ---- the op: reference call, fake, registration ------------------------------------------------
+def _mxfp8_cast_ref(x: Tensor, fp8_dtype: torch.dtype, columnwise: bool) -> tuple[Tensor, Tensor]:
+    q, e8m0 = reference.mxfp8_cast(x, fp8_dtype, columnwise=columnwise)
+    return q.contiguous(), e8m0.contiguous()
+
+
+def _mxfp8_cast_cuda(x: Tensor, fp8_dtype: torch.dtype, columnwise: bool) -> tuple[Tensor, Tensor]:
+    return mxfp8_cast_triton(x, fp8_dtype, columnwise=columnwise)
+
+
+def _mxfp8_cast_fake(x: Tensor, fp8_dtype: torch.dtype, columnwise: bool) -> tuple[Tensor, Tensor]:
+    rows, cols = fake_rows_cols(x)
+    if columnwise:
+        q_shape, s_shape = (cols, rows), (cols, -(-rows // MXFP8_BLOCK))
+    else:
+        q_shape, s_shape = tuple(x.shape), (rows, -(-cols // MXFP8_BLOCK))
+    return x.new_empty(q_shape, dtype=fp8_dtype), x.new_empty(s_shape, dtype=torch.uint8)
+
+
+_mxfp8_cast = register_op("mxfp8_cast", (), _mxfp8_cast_ref, _mxfp8_cast_cuda, _mxfp8_cast_fake)
+
+
+def mxfp8_cast(
+    x: Tensor, fp8_dtype: torch.dtype, *, columnwise: bool = False
+) -> tuple[Tensor, Tensor]:
+    """``reference.mxfp8_cast``: ``(q, e8m0)``, both contiguous."""
+    return _mxfp8_cast(x, fp8_dtype, bool(columnwise))

@@ -1,4 +1,4 @@
-"""NVFP4 cast in Triton, and its ``torch.library`` op ``dist_quant::nvfp4_cast``.
+"""NVFP4 cast: the Triton kernels, their launcher and the op ``nvfp4_cast`` (``_op.py``).
 
 Matches ``reference_nvfp4.nvfp4_cast`` bit for bit: one pass over ``x`` writes the packed E2M1
 codes ``(R, K // 2)``, the E4M3 block scales ``(R, K // 16)`` and ``S_dec``, where ``(R, K)`` is
@@ -48,8 +48,8 @@ from dist_quant.kernels._fp8_round import (
     reciprocal,
 )
 from dist_quant.kernels._launch import FastLaunch
+from dist_quant.kernels._op import register_op
 from dist_quant.kernels._triton import tl, triton
-from dist_quant.kernels.ops import register_op
 from torch import Tensor
 
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -355,7 +355,7 @@ def nvfp4_cast_triton(
     return ref.NVFP4Cast(data, scales, s_dec.reshape(()))
 
 
-# ---- the op ---------------------------------------------------------------------------------------
+# ---- the op: reference call, fake, registration ------------------------------------------------
 def _nvfp4_cast_ref(
     x: Tensor, amax: Tensor, columnwise: bool, block_2d: bool, rht: bool, stochastic: bool,
     seed: int, offset: int,
@@ -390,3 +390,26 @@ def _nvfp4_cast_fake(
 
 
 nvfp4_cast_op = register_op("nvfp4_cast", (), _nvfp4_cast_ref, _nvfp4_cast_cuda, _nvfp4_cast_fake)
+
+
+def nvfp4_cast(
+    x: Tensor,
+    amax: Tensor | float,
+    *,
+    columnwise: bool = False,
+    block_2d: bool = False,
+    rht: bool = False,
+    stochastic: bool = False,
+    seed: int = 0,
+    offset: int = 0,
+) -> ref.NVFP4Cast:
+    """``reference_nvfp4.nvfp4_cast``: one Triton pass on CUDA (the columnwise cast reads ``x`` in
+    place), the reference elsewhere. ``amax`` may stay on the device: nothing is synchronised
+    with the host."""
+    amax_t = torch.as_tensor(amax, dtype=torch.float32, device=x.device).reshape(1)
+    return ref.NVFP4Cast(
+        *nvfp4_cast_op(
+            x, amax_t.detach(), bool(columnwise), bool(block_2d), bool(rht), bool(stochastic),
+            int(seed), int(offset),
+        )
+    )  # fmt: skip

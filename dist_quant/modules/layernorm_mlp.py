@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dist_quant.kernels import swiglu, swiglu_backward
 from dist_quant.kinds import ParallelMode
 from dist_quant.modules.base import check_sizes
 from dist_quant.modules.layernorm_linear import (
@@ -50,8 +51,23 @@ def activate(h: torch.Tensor, activation: str) -> torch.Tensor:
     h2 are the first and second halves of fc1's output."""
     if activation == "gelu":
         return F.gelu(h, approximate="tanh")
-    gate, up = h.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return _SwiGLU.apply(h)
+
+
+class _SwiGLU(torch.autograd.Function):
+    """``silu(gate) * up`` and its gradient, one kernel each way (``kernels/swiglu.py``: the bits
+    of eager torch's ops on the halves, without their strided passes and the gradients' concat);
+    keeps fc1's output for the backward, not the silu it recomputes."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, h: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(h)
+        return swiglu(h)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, dy: torch.Tensor) -> torch.Tensor:
+        (h,) = ctx.saved_tensors
+        return swiglu_backward(dy, h)
 
 
 class LayerNormMLP(LinearBase):

@@ -16,7 +16,7 @@ import importlib
 import inspect
 
 import torch
-from dist_quant.kernels import block, block_gemm, cast, current, delayed_update, mxfp8
+from dist_quant.kernels import block, block_gemm, cast, current, delayed, delayed_update, mxfp8
 from dist_quant.kernels._launch import PLAN_LIMIT, FastLaunch, remember
 
 # the package exports a `dequantize` function, which hides the submodule's attribute
@@ -38,7 +38,7 @@ def _run_every_launcher() -> None:
     x = torch.randn(96, 160, generator=g).to(DEVICE, torch.bfloat16)
     scale, slot = torch.tensor([0.5], device=DEVICE), torch.zeros(1, device=DEVICE)
     cast.cast_to_fp8_triton(x, scale, E4M3, amax_out=slot)
-    cast.delayed_cast_triton(x, scale, E4M3, slot, transpose=True)
+    delayed.delayed_cast_triton(x, scale, E4M3, slot, transpose=True)
     current.current_scaling_cast_triton(x, E4M3, transpose=True)
     current.amax_triton(x)
     current.current_scale_triton(torch.tensor([3.0], device=DEVICE), E4M3)

@@ -8,7 +8,8 @@ import pytest
 import torch
 from dist_quant.kernels import cast_to_fp8_with_amax, cast_transpose_with_amax, delayed_cast
 from dist_quant.kernels import reference as ref
-from dist_quant.kernels.cast import cast_to_fp8_triton, cast_transpose_triton, delayed_cast_triton
+from dist_quant.kernels.cast import cast_to_fp8_triton, cast_transpose_triton
+from dist_quant.kernels.delayed import delayed_cast_triton
 from triton_cases import (
     DEVICE,
     FP8_DTYPES,
