@@ -40,8 +40,14 @@ from torch.library import Library, register_fake
 from dist_quant import context as _context
 from dist_quant import recompute
 from dist_quant.amax import discard_step, enrol_backward, name_groups
-from dist_quant.binding import BoundModule, ForwardPlan, QuantBinding, assign_role_names, bound
-from dist_quant.binding import planned_root as _planned_root
+from dist_quant.binding import (
+    BoundModule,
+    ForwardPlan,
+    QuantBinding,
+    assign_role_names,
+    bound,
+    planned_root,
+)
 from dist_quant.runtime import (
     ModuleRuntime,
     dist_quant_modules,
@@ -195,7 +201,7 @@ def _resolve(
         else:
             # A new recipe switches every unpinned module of the planned model at once, so that a
             # failure anywhere leaves the whole model on its old recipe (as apply_recipe does).
-            root = _planned_root(module)
+            root = planned_root(module)
             modules = [module]
             if root is not None and pinned is None:
                 unpinned = [

@@ -64,9 +64,10 @@ class LinearSlots:
     grad_input: Quantizer | None = None
     bwd_groups: tuple = ()
     reduction_group: Any = None
+    """The plan's amax reduction group: the backward's `bwd_groups` reduce over it."""
     enrol_key: int | torch.Tensor = -1
-    """The owning module's `enrol.module_key` (its tag tensor in a traced plan): its backward
-    enrols `bwd_groups` through it."""
+    """The owning module's `QuantBinding.enrol_key` (its tag tensor in a traced plan): a traced
+    backward enrols through it."""
     forward_mode: PassMode = PassMode.QUANTIZED
     """The recipe's `forward_override` (see the module docstring)."""
     backward_mode: PassMode = PassMode.QUANTIZED
