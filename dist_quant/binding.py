@@ -111,6 +111,7 @@ class QuantBinding:
         self.grad_input_role: QuantizerRole | None = None
         self.role_revision = 0
         self.planned = False
+        self._root: weakref.ref[nn.Module] | None = None  # see `planned_root`
         self._register()
         self._runtime: ModuleRuntime | None = None
         self._pinned: Recipe | None = None
@@ -142,6 +143,13 @@ class QuantBinding:
         _by_key[self.enrol_key] = weakref.ref(
             self, lambda _r, k=self.enrol_key: _by_key.pop(k, None)
         )
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a copy or an unpickled module keeps its names but not its planned root (a weak
+        # reference, which neither pickles nor belongs to the copy): its next plan records one
+        state = self.__dict__.copy()
+        state["_root"] = None
+        return state
 
     def copied(self) -> QuantBinding:
         """This binding for a copy of its module (deepcopy, unpickling): its own weight cache and
@@ -292,9 +300,6 @@ def binding_of(module: nn.Module) -> QuantBinding | None:
 # ---- modules not planned yet (read by autocast's call planner in `dist_quant.context`) -----------
 _unplanned: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 _unplanned_generation = 0
-_planned_roots: weakref.WeakKeyDictionary[nn.Module, weakref.ref[nn.Module]] = (
-    weakref.WeakKeyDictionary()
-)
 _walked: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 
 
@@ -308,9 +313,9 @@ def any_unplanned() -> bool:
     return bool(_unplanned)
 
 
-def planned_root(module: nn.Module) -> nn.Module | None:
+def planned_root(module: BoundModule) -> nn.Module | None:
     """The outermost model `module` was planned in (its unit of a lazy recipe switch), if alive."""
-    ref = _planned_roots.get(module)
+    ref = module.quant_binding._root
     return None if ref is None else ref()
 
 
@@ -368,7 +373,7 @@ def assign_role_names(model: nn.Module, names: Mapping[nn.Module, str] | None = 
             module._wire_boundary_roles()
         root = planned_root(module)
         if root is None or id(root) in inside:
-            _planned_roots[module] = weakref.ref(model)
+            binding._root = weakref.ref(model)
         _unplanned.discard(module)
 
 
@@ -394,8 +399,7 @@ def provisional_role_names(model: nn.Module) -> Iterator[None]:
         (
             m,
             b,
-            (b.path_name, b.output_role, b.grad_input_role, b.role_revision, b.planned),
-            _planned_roots.get(m),
+            (b.path_name, b.output_role, b.grad_input_role, b.role_revision, b.planned, b._root),
             m in _unplanned,
         )
         for m, b in bindings
@@ -403,12 +407,10 @@ def provisional_role_names(model: nn.Module) -> Iterator[None]:
     try:
         yield
     finally:
-        for m, b, fields, root, unplanned in saved:
-            b.path_name, b.output_role, b.grad_input_role, b.role_revision, b.planned = fields
+        for m, b, fields, unplanned in saved:
+            (b.path_name, b.output_role, b.grad_input_role, b.role_revision, b.planned, b._root) = (
+                fields
+            )
             b._seen_revision = -1
-            if root is None:
-                _planned_roots.pop(m, None)
-            else:
-                _planned_roots[m] = root
             if unplanned:
                 add_unplanned(m)
