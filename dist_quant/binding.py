@@ -159,6 +159,8 @@ class QuantBinding:
         other.fp8_gathered_weights = dict(self.fp8_gathered_weights)
         other._register()
         other._seen_revision = -1
+        # a deep copy's runtime holds new buffers: named and enrolled afresh under the new key
+        other._named_runtime = other._traced_runtime = other._traced_group = None
         return other
 
     def plan_key(self) -> int | torch.Tensor:

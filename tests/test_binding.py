@@ -81,6 +81,17 @@ def test_a_copy_gets_its_own_binding_and_quantizes_like_the_original():
     assert torch.equal(step(twin, x), step(lin, x)), "same scales, same quantization"
 
 
+def test_a_deep_copy_names_its_own_delayed_groups_for_the_amax_packing():
+    lin = dq.Linear(32, 16, name="proj")
+    dq.apply_recipe(lin, DELAYED)
+    step(lin, torch.randn(8, 32))
+    twin = copy.deepcopy(lin)
+    step(twin, torch.randn(8, 32))
+    groups = [*twin.quant_binding.runtime.delayed_groups(fwd=True)]
+    groups += twin.quant_binding.runtime.delayed_groups(fwd=False)
+    assert [amax._name_of(g) for g in groups] == ["proj"] * len(groups) and groups
+
+
 def test_clear_drops_runtime_pin_and_cached_weights():
     lin = dq.Linear(32, 16)
     dq.apply_recipe(lin, DELAYED)
