@@ -234,7 +234,7 @@ class QuantBinding:
 
     @property
     def last_runtime(self) -> ModuleRuntime | None:
-        """The runtime of the module's last eager forward (None: autocast was off), for recompute."""
+        """The runtime of the module's last eager forward (None: autocast off), for recompute."""
         return self._last_runtime
 
     def install(self, runtime: ModuleRuntime, plan: ForwardPlan | None = None) -> None:

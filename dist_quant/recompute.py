@@ -7,10 +7,10 @@ its amaxes into the history a second time, and a backward outside `autocast` wou
 precision. `activation_checkpoint` wraps the block in a frame that, during the forward, records for
 every dist-quant module call (in call order) the forward plan it ran (its runtime and the autocast
 region's amax reduction group) and a copy of its forward delayed-scaling scales; the recompute
-replays those calls: the same plan whether or not autocast is active, the recorded scales swapped into the scale
-buffers, no amax enrolment, and every scale and amax-history row the recompute touched restored when
-it ends. The result is the forward's quantization, bit for bit, and the scaling state of the run
-without checkpointing.
+replays those calls: the same plan whether or not autocast is active, the recorded scales swapped
+into the scale buffers, no amax enrolment, and every scale and amax-history row the recompute
+touched restored when it ends. The result is the forward's quantization, bit for bit, and the
+scaling state of the run without checkpointing.
 
 A dist-quant forward that runs during backward outside such a frame is a plain torch recompute. It is
 exact only when neither the recompute nor the module's last forward quantize anything (autocast off,
