@@ -71,7 +71,7 @@ from dist_quant.coordinator.wire import (
 )
 from torch import nn
 
-from dist_quant.modules.base import assign_role_names
+from dist_quant.binding import assign_role_names
 from dist_quant.telemetry import Telemetry
 
 TRANSPORTS = ("auto", *(k.value for k in TransportKind))

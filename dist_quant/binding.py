@@ -1,12 +1,13 @@
 """A dist-quant module's quantization binding, and the planning of a model's structure.
 
-Every dist-quant module holds one `QuantBinding` (`module.quant_binding`): its role names and
-boundary roles, the runtime the runtime layer installed (`ModuleRuntime`), the recipe pinned by
-`apply_recipe` / the coordinator, the forward plan built with that runtime (per GEMM: quantizers,
-groups, everything the forward needs), the cached quantized weights and when they are invalid, and
-the bookkeeping of the forward's fast path. The runtime (`dist_quant.runtime`), checkpoint loads and
-CUDA graphs read and write a module's quantization only through this object; a module's forward
-reads it once.
+Every dist-quant module holds one `QuantBinding` (`module.quant_binding`), the only per-module
+store: its role names and boundary roles, the runtime the runtime layer installed (`ModuleRuntime`),
+the recipe pinned by `apply_recipe` / the coordinator, the forward plan built with that runtime (per
+GEMM: quantizers, groups, the amax reduction group, everything the forward needs), the cached
+quantized weights and when they are invalid, the key that names the module to the enrolment ops
+(`bound(key)` finds the binding), and the private bookkeeping of the forward's fast path, which only
+`dist_quant.forward` reads and writes. The runtime (`dist_quant.runtime`), checkpoint loads and CUDA
+graphs read and write a module's quantization only through this object's methods.
 
 A module that owns quantizers declares its slots to the runtime through `BoundModule` (slot counts,
 roles, device, validation, the forward plan); `assign_role_names` plans a model's structure: names
@@ -19,6 +20,7 @@ modules are still unplanned, and the runtime plans against the protocol declared
 from __future__ import annotations
 
 import copy
+import itertools
 import warnings
 import weakref
 from collections.abc import Hashable, Iterator, Mapping
@@ -49,7 +51,7 @@ class ForwardPlan:
     None where that GEMM runs in high precision)."""
     enrol_anchor: torch.Tensor | None
     """One of the runtime's delayed-scaling scale buffers when the forward must enrol its groups in
-    the region's amax reduction (see `modules/enrol.py`); None when there is nothing to enrol."""
+    the region's amax reduction (see `dist_quant.forward`); None when there is nothing to enrol."""
 
 
 class BoundModule(Protocol):
@@ -78,8 +80,6 @@ class BoundModule(Protocol):
     def _wire_boundary_roles(self) -> None: ...
 
 
-_NOT_RUN = object()  # `QuantBinding.last_reduction_group` before the module's first forward
-
 STATE_DICT_TRANSPARENT = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module")
 """Attributes under which torch's wrappers hold the module they wrap and which their state-dict
 hooks drop from the keys: the activation-checkpoint and offload wrappers (`checkpoint_wrapper`,
@@ -91,39 +91,28 @@ state-dict keys keep `_orig_mod`), so a module is named by its place in the mode
 
 
 def _key_tag(key: int) -> torch.Tensor:
-    """A 0-dim int64 CPU tensor holding `key` (see `dist_quant.modules.enrol`); on the CPU even
+    """A 0-dim int64 CPU tensor holding `key` (see `dist_quant.forward`); on the CPU even
     when the module is built under `with torch.device("meta")` (torchtitan's trainer), where a
     default-device tag would hold no key."""
     return torch.tensor(key, dtype=torch.int64, device="cpu")
 
 
 class QuantBinding:
-    """One module's quantization binding. Read freely; the runtime layer writes it (`install`,
-    `pin`, `clear`), role names are written by planning (`assign_role_names`)."""
+    """One module's quantization binding, the only per-module store: names and roles, the installed
+    runtime and pinned recipe, the forward plan, the weight cache and the enrolment key. Read
+    freely. Writers: the runtime layer (`install`, `pin`, `clear`), planning (role names,
+    `set_output_role` / `set_grad_input_role`, `gather_weight_in_fp8`) and `dist_quant.forward`,
+    which alone reads and writes the private fields of the forward's fast path."""
 
-    def __init__(self, explicit_name: str | None, enrol_key: int) -> None:
+    def __init__(self, explicit_name: str | None) -> None:
         self.explicit_name = explicit_name
         self.path_name: str | None = None
         self.output_role: QuantizerRole | None = None
         self.grad_input_role: QuantizerRole | None = None
         self.role_revision = 0
         self.planned = False
-        self.enrol_key = enrol_key
-        """The module's key for the enrolment ops (`modules/enrol.module_key`)."""
-        self.enrol_tag = _key_tag(enrol_key)
-        """`enrol_key` as the ops take it in traced code (a graph input, not a constant)."""
-        self.last_forward_runtime: ModuleRuntime | None = None
-        """The runtime of the module's last forward (None: autocast was off), for recompute."""
-        self.last_reduction_group: Any = _NOT_RUN
-        self.forward_plan: ForwardPlan | None = None
-        """The installed runtime's plan for `forward_plan.reduction_group`, or None (not built)."""
-        # the forward's fast path: the recipe revision at which `runtime` was last found current
-        # (-1: resolve at the next forward), autocast's recipe key then, and the role revision the
-        # runtime was planned from
-        self.seen_revision = -1
-        self.resolved_for: Any = None
-        self.planned_roles = -1
-        self.warned_override = False
+        self._root: weakref.ref[nn.Module] | None = None  # see `planned_root`
+        self._register()
         self._runtime: ModuleRuntime | None = None
         self._pinned: Recipe | None = None
         self._weights: dict[str, tuple[tuple, Any]] = {}  # slot -> (tag, quantized weight)
@@ -131,16 +120,47 @@ class QuantBinding:
         """Forward weight slot -> its parameter's name, for the weights FSDP2 all-gathers in FP8
         (`dist_quant.fsdp.enable_fp8_all_gather`): every runtime planned for the module must give
         those slots a quantizer the gather can serve (the module's `validate_quantizers`)."""
+        # ---- the forward's fast path (`dist_quant.forward` reads and writes these) ----
+        self._plan: ForwardPlan | None = None
+        # the recipe revision at which `_runtime` was last found current (-1: resolve at the next
+        # forward), autocast's recipe key then, and the role revision the runtime was planned from
+        self._seen_revision = -1
+        self._resolved_for: Any = None
+        self._planned_roles = -1
+        self._warned_override = False
+        self._last_runtime: ModuleRuntime | None = None
+        # the runtime whose delayed groups carry this module's name (named once per runtime), and
+        # what the last compiled forward enrolled, for its compiled backward (which gets the key)
+        self._named_runtime: ModuleRuntime | None = None
+        self._traced_runtime: ModuleRuntime | None = None
+        self._traced_group: Any = None
 
-    def copied(self, enrol_key: int) -> QuantBinding:
+    def _register(self) -> None:
+        self.enrol_key = next(_keys)
+        """The key naming the module to the enrolment ops (`bound(key)` finds this binding)."""
+        self.enrol_tag = _key_tag(self.enrol_key)
+        """`enrol_key` as the ops take it in traced code (a graph input, not a constant)."""
+        _by_key[self.enrol_key] = weakref.ref(
+            self, lambda _r, k=self.enrol_key: _by_key.pop(k, None)
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a copy or an unpickled module keeps its names but not its planned root (a weak
+        # reference, which neither pickles nor belongs to the copy): its next plan records one
+        state = self.__dict__.copy()
+        state["_root"] = None
+        return state
+
+    def copied(self) -> QuantBinding:
         """This binding for a copy of its module (deepcopy, unpickling): its own weight cache and
         enrolment key, names kept, the fast path reset."""
         other = copy.copy(self)
         other._weights = dict(self._weights)
         other.fp8_gathered_weights = dict(self.fp8_gathered_weights)
-        other.enrol_key = enrol_key
-        other.enrol_tag = _key_tag(enrol_key)
-        other.seen_revision = -1
+        other._register()
+        other._seen_revision = -1
+        # a deep copy's runtime holds new buffers: named and enrolled afresh under the new key
+        other._named_runtime = other._traced_runtime = other._traced_group = None
         return other
 
     def plan_key(self) -> int | torch.Tensor:
@@ -168,10 +188,26 @@ class QuantBinding:
             self.path_name = name
             self.roles_changed()
 
+    def set_output_role(self, role: QuantizerRole | None) -> None:
+        """Who consumes the module's output (a block wires it between its children)."""
+        if role != self.output_role:
+            self.output_role = role
+            self.roles_changed()
+
+    def set_grad_input_role(self, role: QuantizerRole | None) -> None:
+        """Who consumes the module's input gradient."""
+        if role != self.grad_input_role:
+            self.grad_input_role = role
+            self.roles_changed()
+
     def roles_changed(self) -> None:
         """A role of the module moved: its next forward re-plans its runtime."""
         self.role_revision += 1
-        self.seen_revision = -1
+        self._seen_revision = -1
+
+    def gather_weight_in_fp8(self, slot: int, name: str) -> None:
+        """FSDP2 all-gathers the weight of forward `slot` (parameter `name`) in FP8."""
+        self.fp8_gathered_weights[slot] = name
 
     # ---- the installed runtime ----------------------------------------------------------------
     @property
@@ -190,28 +226,34 @@ class QuantBinding:
         it whatever autocast's `recipe=` says; None: it follows autocast."""
         return self._pinned
 
+    @property
+    def forward_plan(self) -> ForwardPlan | None:
+        """The installed runtime's plan for the amax reduction group of the module's last forward
+        (built at publish, or by that forward), or None: not built yet."""
+        return self._plan
+
+    @property
+    def last_runtime(self) -> ModuleRuntime | None:
+        """The runtime of the module's last eager forward (None: autocast off), for recompute."""
+        return self._last_runtime
+
     def install(self, runtime: ModuleRuntime, plan: ForwardPlan | None = None) -> None:
         """Make `runtime` active (publish); `plan` is its forward plan where one was built."""
         self._runtime = runtime
-        self.forward_plan = plan
+        self._plan = plan
         # A cached FP8 weight is only valid under the runtime key it was quantized with.
         self.invalidate_weight_cache(keep_runtime_key=runtime.key)
-        self.seen_revision = -1
-        self.planned_roles = self.role_revision  # planned just now, from these roles
+        self._seen_revision = -1
+        self._planned_roles = self.role_revision  # planned just now, from these roles
 
     def pin(self, recipe: Recipe | None) -> None:
         self._pinned = recipe
 
     def clear(self) -> None:
         """No runtime, no pinned recipe, no cached weight (a checkpoint taken before any recipe)."""
-        self._runtime, self._pinned, self.forward_plan = None, None, None
+        self._runtime, self._pinned, self._plan = None, None, None
         self.invalidate_weight_cache()
-        self.seen_revision = -1
-
-    @property
-    def reduction_group_known(self) -> bool:
-        """Whether a forward ran, so `last_reduction_group` is the group plans are built for."""
-        return self.last_reduction_group is not _NOT_RUN
+        self._seen_revision = -1
 
     # ---- cached quantized weights --------------------------------------------------------------
     def cached_weight(self, slot: str, tag: tuple | None = None) -> Any:
@@ -238,6 +280,19 @@ class QuantBinding:
         }
 
 
+_keys = itertools.count()
+_by_key: dict[int, weakref.ref[QuantBinding]] = {}
+
+
+def bound(key: int) -> QuantBinding:
+    """The live binding of enrolment key `key`, or RuntimeError naming the key."""
+    ref = _by_key.get(key)
+    binding = None if ref is None else ref()
+    if binding is None:
+        raise RuntimeError(f"dist_quant::enrol: no live module has key {key}")
+    return binding
+
+
 def binding_of(module: nn.Module) -> QuantBinding | None:
     """`module`'s binding, or None for a module that is not a dist-quant module."""
     binding = module.__dict__.get("quant_binding")
@@ -247,9 +302,6 @@ def binding_of(module: nn.Module) -> QuantBinding | None:
 # ---- modules not planned yet (read by autocast's call planner in `dist_quant.context`) -----------
 _unplanned: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 _unplanned_generation = 0
-_planned_roots: weakref.WeakKeyDictionary[nn.Module, weakref.ref[nn.Module]] = (
-    weakref.WeakKeyDictionary()
-)
 _walked: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 
 
@@ -263,9 +315,9 @@ def any_unplanned() -> bool:
     return bool(_unplanned)
 
 
-def planned_root(module: nn.Module) -> nn.Module | None:
+def planned_root(module: BoundModule) -> nn.Module | None:
     """The outermost model `module` was planned in (its unit of a lazy recipe switch), if alive."""
-    ref = _planned_roots.get(module)
+    ref = module.quant_binding._root
     return None if ref is None else ref()
 
 
@@ -323,7 +375,7 @@ def assign_role_names(model: nn.Module, names: Mapping[nn.Module, str] | None = 
             module._wire_boundary_roles()
         root = planned_root(module)
         if root is None or id(root) in inside:
-            _planned_roots[module] = weakref.ref(model)
+            binding._root = weakref.ref(model)
         _unplanned.discard(module)
 
 
@@ -349,8 +401,7 @@ def provisional_role_names(model: nn.Module) -> Iterator[None]:
         (
             m,
             b,
-            (b.path_name, b.output_role, b.grad_input_role, b.role_revision, b.planned),
-            _planned_roots.get(m),
+            (b.path_name, b.output_role, b.grad_input_role, b.role_revision, b.planned, b._root),
             m in _unplanned,
         )
         for m, b in bindings
@@ -358,12 +409,10 @@ def provisional_role_names(model: nn.Module) -> Iterator[None]:
     try:
         yield
     finally:
-        for m, b, fields, root, unplanned in saved:
-            b.path_name, b.output_role, b.grad_input_role, b.role_revision, b.planned = fields
-            b.seen_revision = -1
-            if root is None:
-                _planned_roots.pop(m, None)
-            else:
-                _planned_roots[m] = root
+        for m, b, fields, unplanned in saved:
+            (b.path_name, b.output_role, b.grad_input_role, b.role_revision, b.planned, b._root) = (
+                fields
+            )
+            b._seen_revision = -1
             if unplanned:
                 add_unplanned(m)

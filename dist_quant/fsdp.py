@@ -43,6 +43,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from dist_quant import kernels as fp8_kernels
+from dist_quant.forward import current_runtime
 from dist_quant.fsdp_tensor import GatheredFloat8Weight, GatherOrigin, gatherable_in_fp8
 from dist_quant.modules import GroupedLinear, LayerNormLinear, LayerNormMLP, Linear
 from dist_quant.modules.base import QuantizedModule
@@ -199,7 +200,7 @@ def _weight_quantizer(info: _WeightInfo) -> Float8Quantizer | Float8CurrentScali
     """The weight slot's quantizer under the recipe the coming forward runs (resolved as the
     forward resolves it), or RuntimeError where FP8 all-gather cannot be exact."""
     owner = info.owner
-    runtime = owner._current_runtime()
+    runtime = current_runtime(owner)
     if runtime is None:
         raise RuntimeError(
             f"{info.name}: FP8 all-gather (dist_quant.fsdp) needs the forward under dq.autocast; "
@@ -282,7 +283,7 @@ def enable_fp8_all_gather(model: nn.Module) -> int:
     for module, param_name, slot, qualified, param in found:
         wrapped = FP8AllGatherWeight(param.data, _WeightInfo(module, slot, qualified))
         setattr(module, param_name, nn.Parameter(wrapped, requires_grad=param.requires_grad))
-        module.quant_binding.fp8_gathered_weights[slot] = qualified
+        module.quant_binding.gather_weight_in_fp8(slot, qualified)
     return len(found)
 
 

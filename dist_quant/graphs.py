@@ -35,7 +35,7 @@ from torch import nn
 
 from dist_quant import context as _context
 from dist_quant.amax import enrol_backward
-from dist_quant.modules.enrol import Recorder, recording
+from dist_quant.forward import Recorder, recording
 from dist_quant.runtime import dist_quant_modules
 
 

@@ -5,12 +5,12 @@ rebuild the activations. Plain `torch.utils.checkpoint` cannot make the second r
 first: delayed-scaling scales were updated at the autocast exit in between, the recompute would fold
 its amaxes into the history a second time, and a backward outside `autocast` would recompute in high
 precision. `activation_checkpoint` wraps the block in a frame that, during the forward, records for
-every dist-quant module call (in call order) the runtime it ran with, the autocast region's amax
-reduction group and a copy of its forward delayed-scaling scales; the recompute replays those calls:
-the same runtime whether or not autocast is active, the recorded scales swapped into the scale
-buffers, no amax enrolment, and every scale and amax-history row the recompute touched restored when
-it ends. The result is the forward's quantization, bit for bit, and the scaling state of the run
-without checkpointing.
+every dist-quant module call (in call order) the forward plan it ran (its runtime and the autocast
+region's amax reduction group) and a copy of its forward delayed-scaling scales; the recompute
+replays those calls: the same plan whether or not autocast is active, the recorded scales swapped
+into the scale buffers, no amax enrolment, and every scale and amax-history row the recompute
+touched restored when it ends. The result is the forward's quantization, bit for bit, and the
+scaling state of the run without checkpointing.
 
 A dist-quant forward that runs during backward outside such a frame is a plain torch recompute. It is
 exact only when neither the recompute nor the module's last forward quantize anything (autocast off,
@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import CheckpointPolicy
 
 from dist_quant import context as _context
-from dist_quant.binding import WRAPPER_ATTRIBUTES, BoundModule
+from dist_quant.binding import WRAPPER_ATTRIBUTES, BoundModule, ForwardPlan, QuantBinding
 from dist_quant.quantizers import IdentityQuantizer
 
 if TYPE_CHECKING:
@@ -53,8 +53,7 @@ class RecomputeError(RuntimeError):
 @dataclass
 class _CallRecord:
     module: BoundModule
-    runtime: ModuleRuntime | None
-    reduction_group: Any
+    plan: ForwardPlan | None  # None: the forward ran with autocast off
     scales: list[torch.Tensor]  # the forward delayed groups' scales when the call ran
 
 
@@ -68,8 +67,7 @@ class _Frame:
     cursor: int = 0
     # id(group) -> (group, its live scale, its live amax row 0), saved before the first swap
     live: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    groups: dict[int, Any] = field(default_factory=dict)  # id(module) -> its reduction group
-    # id(module) -> [(group, its forward scale)] of delayed-scaling modules whose forward ran
+    # id(binding) -> [(group, its forward scale)] of delayed-scaling modules whose forward ran
     # compiled: their calls leave no record, the frame swaps these scales in for the recompute
     compiled: dict[int, list[tuple[Any, torch.Tensor]]] = field(default_factory=dict)
 
@@ -77,17 +75,15 @@ class _Frame:
         self.replaying, self.recorded = self.recorded, True
         self.cursor = 0
 
-    def record(self, module: BoundModule, runtime: ModuleRuntime | None) -> None:
-        ctx = _context.current_context()
+    def record(self, module: BoundModule, plan: ForwardPlan | None) -> None:
         scales = []
-        if runtime is not None:
+        if plan is not None:
             # bookkeeping stays invisible to selective checkpointing's op caches
             with _disable_current_modes(), torch.no_grad():
-                scales = [g.scale.clone() for g in runtime.delayed_groups(fwd=True)]
-        group = ctx.region.reduction_group if ctx is not None else None
-        self.records.append(_CallRecord(module, runtime, group, scales))
+                scales = [g.scale.clone() for g in plan.runtime.delayed_groups(fwd=True)]
+        self.records.append(_CallRecord(module, plan, scales))
 
-    def replay(self, module: BoundModule) -> ModuleRuntime | None:
+    def replay(self, module: BoundModule) -> ForwardPlan | None:
         if self.cursor >= len(self.records) or self.records[self.cursor].module is not module:
             expected = (
                 _name(self.records[self.cursor].module)
@@ -101,14 +97,13 @@ class _Frame:
             )
         rec = self.records[self.cursor]
         self.cursor += 1
-        self.groups[id(module)] = rec.reduction_group
-        if rec.runtime is not None and rec.scales:
+        if rec.plan is not None and rec.scales:
             with _disable_current_modes(), torch.no_grad():
-                for g, scale in zip(rec.runtime.delayed_groups(fwd=True), rec.scales):
+                for g, scale in zip(rec.plan.runtime.delayed_groups(fwd=True), rec.scales):
                     if id(g) not in self.live:
                         self.live[id(g)] = (g, g.scale.clone(), g.amax_history[0].clone())
                     g.scale.copy_(scale)
-        return rec.runtime
+        return rec.plan
 
     def swap_in_compiled_scales(self) -> None:
         """Before a recompute: the forward scales of every compiled module, the live ones kept."""
@@ -135,7 +130,6 @@ class _Frame:
                     g.scale.copy_(scale)
                     g.amax_history[0].copy_(row)
         self.live.clear()
-        self.groups.clear()
 
 
 class _Local(threading.local):
@@ -150,35 +144,26 @@ def _name(module: BoundModule) -> str:
     return module.role_name or type(module).__name__
 
 
-def record_compiled_forward(module: BoundModule, groups: list) -> None:
+def record_compiled_forward(binding: QuantBinding, groups: list) -> None:
     """A compiled forward enrolled its delayed-scaling `groups` (`dist_quant::enrol_forward`; an
-    eager forward records itself in `runtime_for`): inside a recording frame, keep a copy of their
+    eager forward records itself in `record`): inside a recording frame, keep a copy of their
     scales, which the recompute swaps back in (the graph's casts read the scale buffers)."""
     frame = _local.frame
-    if frame is None or frame.replaying or id(module) in frame.compiled:
+    if frame is None or frame.replaying or id(binding) in frame.compiled:
         return
     with _disable_current_modes(), torch.no_grad():
-        frame.compiled[id(module)] = [(g, g.scale.clone()) for g in groups]
+        frame.compiled[id(binding)] = [(g, g.scale.clone()) for g in groups]
 
 
 def intercepts() -> bool:
-    """Whether a dist-quant forward must go through `runtime_for`: inside a checkpoint frame, or
-    during backward (a recompute)."""
+    """Whether a dist-quant forward must be recorded or replayed (`record` / `replay`): inside a
+    checkpoint frame, or during backward (a recompute)."""
     return _local.frame is not None or torch._C._current_graph_task_id() != -1
 
 
 def replaying() -> bool:
     frame = _local.frame
     return frame is not None and frame.replaying
-
-
-def reduction_group(module: BoundModule) -> Any:
-    """The amax reduction group of this forward: the recorded one in a replay, else the region's."""
-    frame = _local.frame
-    if frame is not None and frame.replaying:
-        return frame.groups.get(id(module))
-    ctx = _context.current_context()
-    return ctx.region.reduction_group if ctx is not None else None
 
 
 def quantizes(runtime: ModuleRuntime | None) -> bool:
@@ -189,17 +174,22 @@ def quantizes(runtime: ModuleRuntime | None) -> bool:
     return any(q is not None and not isinstance(q, IdentityQuantizer) for q in slots)
 
 
-def runtime_for(
-    module: BoundModule, resolve: Callable[[], ModuleRuntime | None]
-) -> ModuleRuntime | None:
-    """The runtime of a forward inside a frame (recorded or replayed) or during backward."""
+def replay(module: BoundModule) -> ForwardPlan | None:
+    """In a replaying frame: the plan `module`'s forward ran (None: autocast was off), its
+    forward scales swapped in; RecomputeError when the recompute takes another path."""
+    return _local.frame.replay(module)
+
+
+def record(
+    module: BoundModule, plan: ForwardPlan | None, last_runtime: ModuleRuntime | None
+) -> None:
+    """An eager forward inside a recording frame or during backward ran `plan` (None: autocast
+    off): the frame records it; outside a frame (torch's own recompute), RecomputeError unless
+    neither this run nor the module's last forward (`last_runtime`) quantizes anything."""
     frame = _local.frame
-    if frame is not None and frame.replaying:
-        return frame.replay(module)
-    runtime = resolve()
     if frame is not None:
-        frame.record(module, runtime)
-    elif quantizes(runtime) or quantizes(module.quant_binding.last_forward_runtime):
+        frame.record(module, plan)
+    elif quantizes(None if plan is None else plan.runtime) or quantizes(last_runtime):
         raise RecomputeError(
             f"module {_name(module)!r} ({type(module).__name__}) runs its forward during backward, "
             "as torch.utils.checkpoint's recompute does, with FP8 quantization in the forward or "
@@ -208,7 +198,6 @@ def runtime_for(
             "in high precision). Checkpoint the block with dist_quant.activation_checkpoint(fn, "
             "*args), or checkpoint_wrapper(block, checkpoint_fn=dist_quant.activation_checkpoint)."
         )
-    return runtime
 
 
 def activation_checkpoint(

@@ -82,7 +82,7 @@ class ModuleCandidate:
     state_notes: list[str] = field(default_factory=list)
     on_publish: list[Callable[[], None]] = field(default_factory=list)
     forward_plan: ForwardPlan | None = None
-    """Built for the amax reduction group of the module's last forward (None before its first)."""
+    """Built for the amax reduction group of the module's installed plan (None without one)."""
 
 
 @dataclass
@@ -197,9 +197,10 @@ def plan_module(
     rt = ModuleRuntime(recipe, recipe_key, fwd_roles, bwd_roles, fwd_state, bwd_state, fwd_q, bwd_q)
     candidate = ModuleCandidate(module, rt, unchanged=False, state_notes=notes, on_publish=hooks)
     validate_candidate(candidate)
-    if binding.reduction_group_known:
+    last = binding.forward_plan
+    if last is not None:  # a forward ran: plan for the amax reduction group it ran under
         try:
-            candidate.forward_plan = module.plan_forward(rt, binding.last_reduction_group)
+            candidate.forward_plan = module.plan_forward(rt, last.reduction_group)
         except (ValueError, TypeError, NotImplementedError) as e:
             raise _error(name, e) from e
     return candidate

@@ -2,12 +2,17 @@
 forward reuses, what copies and checkpoint loads do to it, and the layering it allows."""
 
 import copy
+import gc
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import dist_quant as dq
+from dist_quant import amax
+from dist_quant.binding import bound
+from dist_quant.kinds import Direction
 
 DELAYED = dq.DelayedScaling(amax_history_len=4)
 
@@ -76,6 +81,17 @@ def test_a_copy_gets_its_own_binding_and_quantizes_like_the_original():
     assert torch.equal(step(twin, x), step(lin, x)), "same scales, same quantization"
 
 
+def test_a_deep_copy_names_its_own_delayed_groups_for_the_amax_packing():
+    lin = dq.Linear(32, 16, name="proj")
+    dq.apply_recipe(lin, DELAYED)
+    step(lin, torch.randn(8, 32))
+    twin = copy.deepcopy(lin)
+    step(twin, torch.randn(8, 32))
+    groups = [*twin.quant_binding.runtime.delayed_groups(fwd=True)]
+    groups += twin.quant_binding.runtime.delayed_groups(fwd=False)
+    assert [amax._name_of(g) for g in groups] == ["proj"] * len(groups) and groups
+
+
 def test_clear_drops_runtime_pin_and_cached_weights():
     lin = dq.Linear(32, 16)
     dq.apply_recipe(lin, DELAYED)
@@ -88,6 +104,42 @@ def test_clear_drops_runtime_pin_and_cached_weights():
     assert dq.current_recipe(lin) is None
     step(lin, torch.randn(8, 32), dq.Float8CurrentScaling())  # plans again, lazily
     assert isinstance(dq.current_recipe(lin), dq.Float8CurrentScaling)
+
+
+def test_backward_reduces_over_the_group_its_forward_ran_under(monkeypatch):
+    # the plan carries the region's reduction group: a second forward under another group before
+    # the first one's backward must not redirect that backward's amax reduction
+    reductions = []
+    real = amax.reduce_and_update
+
+    def spy(groups, group, *, direction=Direction.FORWARD):
+        reductions.append((direction, group))
+        real(groups, None, direction=direction)  # objects stand in for process groups here
+
+    monkeypatch.setattr(amax, "reduce_and_update", spy)  # the backward region's reduction
+    lin = dq.Linear(32, 16)
+    dq.apply_recipe(lin, DELAYED)
+    first, second = object(), object()
+    x = torch.randn(8, 32, requires_grad=True)
+    with dq.autocast(amax_reduction_group=first):
+        y_first = lin(x)
+    assert lin.quant_binding.forward_plan.reduction_group is first
+    with dq.autocast(amax_reduction_group=second):
+        lin(x)
+    y_first.float().sum().backward()
+    assert reductions == [(Direction.BACKWARD, first)]
+
+
+def test_an_enrolment_key_names_its_binding_while_the_module_lives():
+    lin = dq.Linear(8, 8)
+    key = lin.quant_binding.enrol_key
+    assert bound(key) is lin.quant_binding
+    twin = copy.deepcopy(lin)
+    assert bound(twin.quant_binding.enrol_key) is twin.quant_binding
+    del lin
+    gc.collect()
+    with pytest.raises(RuntimeError, match=f"no live module has key {key}"):
+        bound(key)
 
 
 def test_binding_context_and_runtime_import_no_module_code():

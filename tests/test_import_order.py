@@ -62,6 +62,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("binding", ("dist_quant.binding",)),
     ("context", ("dist_quant.context",)),
     ("runtime", ("dist_quant.runtime", "dist_quant.recompute")),
+    # what a forward runs (eager, traced, recomputed) and its amax enrolment: below the modules
+    ("forward", ("dist_quant.forward",)),
     # a module's extra-state format: the modules' get/set_extra_state call it
     ("module state", ("dist_quant.checkpoint.module_state",)),
     (

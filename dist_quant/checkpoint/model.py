@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from dist_quant.binding import STATE_DICT_TRANSPARENT
+from dist_quant.binding import STATE_DICT_TRANSPARENT, assign_role_names, provisional_role_names
 from dist_quant.checkpoint.module_state import (
     FORMAT,
     checkpoint_names,
@@ -30,7 +30,7 @@ from dist_quant.checkpoint.module_state import (
     rebuild_recipe,
     stage_extra_state,
 )
-from dist_quant.modules.base import QuantizedModule, assign_role_names, provisional_role_names
+from dist_quant.modules.base import QuantizedModule
 from dist_quant.recipes import Recipe
 
 CHECKPOINT_FORMAT = "dist_quant.checkpoint/1"

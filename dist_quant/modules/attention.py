@@ -42,9 +42,9 @@ import torch.nn.functional as F
 import torch.torch_version
 
 from dist_quant.binding import ForwardPlan
+from dist_quant.forward import delayed_anchor, enrol_backward_from, forward_plan
 from dist_quant.kinds import ScalingKind
-from dist_quant.modules.base import QuantizedModule, check_sizes, delayed_anchor
-from dist_quant.modules.enrol import enrol_backward_from
+from dist_quant.modules.base import QuantizedModule, check_sizes
 from dist_quant.modules.functional import fake_quantize
 from dist_quant.parallel import group_size, tp_amax_quantizer
 from dist_quant.quantizers import Quantizer
@@ -70,6 +70,8 @@ class _AttentionSlots:
     dp: Quantizer | None
     dqkv: Quantizer | None
     bwd_groups: tuple
+    reduction_group: Any
+    """The plan's amax reduction group, which the backward's groups reduce over."""
     enrol_key: int | torch.Tensor
     """The module's enrolment key (its tag tensor in a traced plan), for the backward's groups."""
 
@@ -94,7 +96,9 @@ class _FakeQuant(torch.autograd.Function):
         if ctx.bwd_q is not None:
             grad = fake_quantize(ctx.bwd_q, grad.contiguous())
             if ctx.slots.bwd_groups:
-                enrol_backward_from(grad, ctx.slots.enrol_key)
+                enrol_backward_from(
+                    grad, ctx.slots.enrol_key, ctx.slots.bwd_groups, ctx.slots.reduction_group
+                )
         return grad, None, None, None
 
 
@@ -265,11 +269,11 @@ class DotProductAttention(QuantizedModule):
     def plan_forward(self, runtime: ModuleRuntime, reduction_group: Any) -> ForwardPlan:
         """The quantizers FP8 attention applies (the plan's one "GEMM"), or None when attention
         runs in high precision (no `fp8_dpa`, or every slot identity); then nothing is enrolled."""
-        slots = self._fp8_slots(runtime)
+        slots = self._fp8_slots(runtime, reduction_group)
         anchor = None if slots is None else delayed_anchor(runtime)
         return ForwardPlan(runtime, reduction_group, (slots,), anchor)
 
-    def _fp8_slots(self, runtime: ModuleRuntime) -> _AttentionSlots | None:
+    def _fp8_slots(self, runtime: ModuleRuntime, reduction_group: Any) -> _AttentionSlots | None:
         if not getattr(runtime.recipe, "fp8_dpa", False):
             return None
         # identity: nothing to round; an unsupported kind (only possible on a boundary slot
@@ -285,6 +289,7 @@ class DotProductAttention(QuantizedModule):
         return _AttentionSlots(
             *applied,
             bwd_groups=tuple(runtime.delayed_groups(fwd=False)),
+            reduction_group=reduction_group,
             enrol_key=self.quant_binding.plan_key(),
         )
 
@@ -343,7 +348,7 @@ class DotProductAttention(QuantizedModule):
         )
         sq, sk = q.shape[2], k.shape[2]
         padding = self._checked_padding(attention_mask)
-        plan = self.forward_plan()
+        plan = forward_plan(self)
         slots = None if plan is None else plan.gemms[0]
         if slots is None:
             # causal alone is SDPA's own flag: no (sq, sk) mask is built (64 MB at seq 8192)

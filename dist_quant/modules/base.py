@@ -1,45 +1,29 @@
 """`QuantizedModule`: what every dist-quant module shares.
 
-A module that owns quantizers declares its slots (`num_quantizers`, `get_quantizer_roles`) and its
-forward plan (`plan_forward`: per GEMM, the slot objects its forward runs), and reads its
-`quant_binding` (`dist_quant.binding.QuantBinding`) once per forward through `forward_plan()`. That
-is the hot path: one autocast context read and one integer comparison (the recipe revision) when
-nothing moved since the last forward, then the plan the runtime built at publish. Otherwise it
-resolves the recipe (pinned by `apply_recipe` / the coordinator, else autocast's, else the default)
-and, if the runtime key changed, plans, validates and publishes this module (or its planned root).
+A module that owns quantizers declares its slots (`num_quantizers`, `get_quantizer_roles`), its
+boundary roles, its extra state and its forward plan (`plan_forward`: per GEMM, the slot objects its
+forward runs), and keeps the cache of its quantized weights. It decides nothing about what a forward
+runs: its forward asks `dist_quant.forward.forward_plan(self)` once, which reads and writes the
+module's `quant_binding` (`dist_quant.binding.QuantBinding`).
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
 from dist_quant import context as _context
-from dist_quant import recompute
-from dist_quant.binding import (  # noqa: F401 - provisional_role_names: the modules layer's name
-    ForwardPlan,
-    QuantBinding,
-    assign_role_names,
-    planned_root,
-    provisional_role_names,
-)
+from dist_quant.binding import ForwardPlan, QuantBinding
 from dist_quant.checkpoint.module_state import load_module_extra_state, module_extra_state
+from dist_quant.forward import delayed_anchor
 from dist_quant.fsdp_tensor import gatherable_in_fp8
 from dist_quant.kinds import PassMode
-from dist_quant.modules.enrol import enrol_forward, enrol_forward_now, module_key
 from dist_quant.quantizers import IdentityQuantizer, Quantizer
 from dist_quant.recipes import Recipe
 from dist_quant.roles import QuantizerRole
-from dist_quant.runtime import (
-    ModuleRuntime,
-    dist_quant_modules,
-    plan_module,
-    plan_modules,
-    publish_candidates,
-)
+from dist_quant.runtime import ModuleRuntime
 
 
 def check_sizes(owner: str, **sizes: object) -> None:
@@ -64,14 +48,14 @@ class QuantizedModule(nn.Module):
         super().__init__()
         if name is not None and not isinstance(name, str):
             raise ValueError(f"{type(self).__name__}(name=...) must be a str, got {name!r}")
-        self.quant_binding = QuantBinding(name, module_key(self))
+        self.quant_binding = QuantBinding(name)
         _context.track_unplanned(self)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # a copy or an unpickled module keeps its names but not its planned root: the next plan
         # (or call under autocast) records the root again; it enrols as itself
         super().__setstate__(state)
-        self.quant_binding = self.quant_binding.copied(module_key(self))
+        self.quant_binding = self.quant_binding.copied()
         _context.track_unplanned(self)
 
     # ---- names and roles -------------------------------------------------------------------
@@ -114,10 +98,7 @@ class QuantizedModule(nn.Module):
     def output_quantizer_role(self, role: QuantizerRole | None) -> None:
         if role is not None and not isinstance(role, QuantizerRole):
             raise ValueError(f"output_quantizer_role must be a QuantizerRole or None, got {role!r}")
-        binding = self.quant_binding
-        if role != binding.output_role:
-            binding.output_role = role
-            binding.roles_changed()
+        self.quant_binding.set_output_role(role)
 
     @property
     def grad_input_quantizer_role(self) -> QuantizerRole | None:
@@ -130,10 +111,7 @@ class QuantizedModule(nn.Module):
             raise ValueError(
                 f"grad_input_quantizer_role must be a QuantizerRole or None, got {role!r}"
             )
-        binding = self.quant_binding
-        if role != binding.grad_input_role:
-            binding.grad_input_role = role
-            binding.roles_changed()
+        self.quant_binding.set_grad_input_role(role)
 
     # ---- checkpoints: recipe and scaling state (format and rules in checkpoint/module_state.py) --
     def get_extra_state(self) -> dict[str, Any]:
@@ -185,145 +163,6 @@ class QuantizedModule(nn.Module):
         enrols the runtime's delayed-scaling groups, if any, and runs no GEMM."""
         return ForwardPlan(runtime, reduction_group, (), delayed_anchor(runtime))
 
-    # ---- the forward's binding ---------------------------------------------------------------
-    def forward_plan(self) -> ForwardPlan | None:
-        """This forward's plan, or None when autocast is off (exact high precision); enrols the
-        plan's delayed-scaling groups in the autocast region. In an activation-checkpoint
-        recompute: the forward's runtime (`dist_quant.recompute`), enrolling nothing."""
-        binding = self.quant_binding
-        if torch.compiler.is_compiling() or recompute.intercepts():
-            return self._intercepted_plan()
-        ctx = _context.current_context()
-        if ctx is None or not ctx.enabled:
-            binding.last_forward_runtime = None
-            return None
-        if binding.seen_revision != _context.recipe_revision():  # -1 while no runtime is installed
-            self._resolve_runtime(ctx)
-        plan = binding.forward_plan
-        group = ctx.region.reduction_group
-        if plan is None or plan.reduction_group is not group:
-            plan = self._store_plan(binding.runtime, group)
-        binding.last_forward_runtime = plan.runtime
-        if plan.enrol_anchor is not None:
-            enrol_forward_now(binding.enrol_key, plan.runtime, ctx)
-        return plan
-
-    def _store_plan(self, runtime: ModuleRuntime, reduction_group: Any) -> ForwardPlan:
-        binding = self.quant_binding
-        plan = binding.forward_plan = self.plan_forward(runtime, reduction_group)
-        binding.last_reduction_group = reduction_group
-        return plan
-
-    def _intercepted_plan(self) -> ForwardPlan | None:
-        """`forward_plan` while torch.compile traces, in a checkpoint frame, or during backward."""
-        runtime = self.active_runtime()
-        if runtime is None:
-            return None
-        binding = self.quant_binding
-        if torch.compiler.is_compiling():
-            # built in the graph's trace, not stored on the module (a traced forward must not
-            # mutate it)
-            plan = self.plan_forward(runtime, _context.current_context().region.reduction_group)
-        else:
-            group = recompute.reduction_group(self)  # the recorded one in a recompute
-            plan = binding.forward_plan
-            if plan is None or plan.runtime is not runtime or plan.reduction_group is not group:
-                if runtime is binding.runtime:
-                    plan = self._store_plan(runtime, group)
-                else:
-                    plan = self.plan_forward(runtime, group)
-        if plan.enrol_anchor is not None and not recompute.replaying():
-            # an op, so that a compiled forward enrols on every call, not once while tracing; not
-            # in a recompute: the forward enrolled them
-            enrol_forward(plan.enrol_anchor, binding.enrol_tag)
-        return plan
-
-    def active_runtime(self) -> ModuleRuntime | None:
-        """The runtime for this forward, or None when autocast is off (exact high precision).
-        In an activation-checkpoint recompute: the forward's (`dist_quant.recompute`)."""
-        if torch.compiler.is_compiling():
-            return self._current_runtime()  # a recompute of a compiled region is eager
-        if recompute.intercepts():
-            return recompute.runtime_for(self, self._current_runtime)
-        runtime = self.quant_binding.last_forward_runtime = self._current_runtime()
-        return runtime
-
-    def _current_runtime(self) -> ModuleRuntime | None:
-        ctx = _context.current_context()
-        if ctx is None or not ctx.enabled:
-            return None
-        if torch.compiler.is_compiling():
-            return self._traced_runtime(ctx)
-        binding = self.quant_binding
-        if binding.seen_revision == _context.recipe_revision() and binding.runtime is not None:
-            return binding.runtime
-        return self._resolve_runtime(ctx)
-
-    def _traced_runtime(self, ctx: _context.AutocastContext) -> ModuleRuntime:
-        """`active_runtime` while torch.compile traces: the revision counter is not read (a graph
-        would be specialised on its value and recompiled at every bump); freshness is decided from
-        values the graph's guards can hold (autocast's recipe key, the role revision), so a switch
-        retraces. Planning allocates state and cannot be traced: a stale runtime is resolved
-        eagerly, outside the graph (a graph break; under fullgraph=True, dynamo refuses it)."""
-        binding = self.quant_binding
-        rt = binding.runtime
-        stale = (
-            rt is None
-            or binding.planned_roles != binding.role_revision
-            or (binding.pinned_recipe is None and binding.resolved_for != ctx.recipe_key)
-        )
-        return _resolve_outside_graph(self) if stale else rt
-
-    def _resolve_runtime(self, ctx: _context.AutocastContext) -> ModuleRuntime:
-        binding = self.quant_binding
-        if not binding.planned:
-            # built or first called where no planned model reaches it: it is its own root
-            assign_role_names(self)
-        revision = _context.recipe_revision()
-        pinned = binding.pinned_recipe
-        if pinned is not None:
-            recipe = pinned
-            if (
-                ctx.recipe is not None
-                and ctx.recipe_key != recipe.key()
-                and not binding.warned_override
-            ):
-                binding.warned_override = True
-                warnings.warn(
-                    f"module {self.role_name!r} runs the recipe pinned by apply_recipe / the "
-                    "coordinator; autocast's recipe argument is ignored for it",
-                    stacklevel=4,
-                )
-        else:
-            recipe = ctx.recipe if ctx.recipe is not None else _context.default_recipe()
-        key = recipe.key()
-        try:
-            if binding.runtime is not None and binding.runtime.recipe_key == key:
-                candidates = [plan_module(self, recipe, key)]  # only this module's roles moved
-            else:
-                # A new recipe switches every unpinned module of the planned model at once, so
-                # that a failure anywhere leaves the whole model on its old recipe (as
-                # apply_recipe does).
-                root = planned_root(self)
-                modules = [self]
-                if root is not None and pinned is None:
-                    unpinned = [
-                        m for m in dist_quant_modules(root) if m.quant_binding.pinned_recipe is None
-                    ]
-                    if any(m is self for m in unpinned):
-                        modules = unpinned
-                candidates = plan_modules(modules, recipe, key)
-        except Exception:
-            ctx.region.failed = True
-            raise
-        if any(not c.unchanged for c in candidates):
-            publish_candidates(candidates, key)
-            revision = _context.recipe_revision()
-        binding.seen_revision = revision
-        binding.resolved_for = ctx.recipe_key
-        binding.planned_roles = binding.role_revision
-        return binding.runtime
-
     # ---- cached quantized weights ------------------------------------------------------------
     def quantize_weight(
         self,
@@ -353,18 +192,3 @@ class QuantizedModule(nn.Module):
         qw = quantizer.quantize(weight)
         binding.cache_weight(slot, tag, qw)
         return qw
-
-
-def delayed_anchor(runtime: ModuleRuntime) -> torch.Tensor | None:
-    """The tensor a forward enrols `runtime`'s delayed-scaling groups with (one of their scales),
-    or None when it has none in either direction."""
-    groups = runtime.delayed_groups(fwd=True) or runtime.delayed_groups(fwd=False)
-    return groups[0].scale if groups else None
-
-
-@torch.compiler.disable
-def _resolve_outside_graph(module: QuantizedModule) -> ModuleRuntime:
-    """A compiled forward found `module`'s runtime stale (a lazy `autocast(recipe=...)` switch or a
-    role change): plan it eagerly. Under `torch.compile(..., fullgraph=True)` this graph break is
-    refused; switch with `apply_recipe` (or the coordinator) instead, whose publish retraces."""
-    return module.active_runtime()

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from dist_quant.forward import enrol_backward_from
 from dist_quant.gemm import gemm, per_tensor_gemm
 from dist_quant.kinds import ParallelMode, PassMode
-from dist_quant.modules.enrol import enrol_backward_from
 from dist_quant.parallel import (
     TPLayout,
     all_gather_quantized,
@@ -64,9 +64,10 @@ class LinearSlots:
     grad_input: Quantizer | None = None
     bwd_groups: tuple = ()
     reduction_group: Any = None
+    """The plan's amax reduction group: the backward's `bwd_groups` reduce over it."""
     enrol_key: int | torch.Tensor = -1
-    """The owning module's `enrol.module_key` (its tag tensor in a traced plan): its backward
-    enrols `bwd_groups` through it."""
+    """The owning module's `QuantBinding.enrol_key` (its tag tensor in a traced plan): a traced
+    backward enrols through it."""
     forward_mode: PassMode = PassMode.QUANTIZED
     """The recipe's `forward_override` (see the module docstring)."""
     backward_mode: PassMode = PassMode.QUANTIZED
@@ -208,7 +209,7 @@ class _QuantizedLinear(torch.autograd.Function):
             slots.grad_output.set_usage(rowwise=need_dx, columnwise=need_dw)
             dy_q = slots.grad_output.quantize(dy2d)
         if slots.bwd_groups:
-            enrol_backward_from(dy2d, slots.enrol_key)
+            enrol_backward_from(dy2d, slots.enrol_key, slots.bwd_groups, slots.reduction_group)
         dx = dw = db = None
         if need_dx:
             if tp is not None and tp.mode is ParallelMode.COLUMN:
@@ -377,7 +378,7 @@ class _PerTensorLinear(torch.autograd.Function):
         dy2d = (dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])).contiguous()
         dy_data, dy_t, dy_scale_inv = slots.grad_output.cast(dy2d, transpose=need_dw)
         if slots.bwd_groups:
-            enrol_backward_from(dy2d, slots.enrol_key)
+            enrol_backward_from(dy2d, slots.enrol_key, slots.bwd_groups, slots.reduction_group)
         dx = dw = db = None
         if need_dx:
             dx = per_tensor_gemm(dy_data, dy_scale_inv, w_t, w_scale_inv, out_dtype=x_dtype)

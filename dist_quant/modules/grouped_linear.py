@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dist_quant.forward import forward_plan
 from dist_quant.fsdp_tensor import GatheredFloat8Weight, empty_gemm
 from dist_quant.modules.base import check_sizes
 from dist_quant.modules.functional import LinearSlots
@@ -145,7 +146,7 @@ class GroupedLinear(LinearBase):
         """`x`: (..., in_features), its rows (all leading dims flattened) split by `m_splits`."""
         x2d = x.reshape(-1, self.in_features)  # (tokens, in_features)
         splits = self._check_splits(m_splits, x2d.shape[0])
-        plan = self.forward_plan()
+        plan = forward_plan(self)
         runtime = None
         slots: Sequence[LinearSlots | None] = [None] * self.num_gemms
         align = 1

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dist_quant.forward import forward_plan
 from dist_quant.kernels import swiglu, swiglu_backward
 from dist_quant.kinds import ParallelMode
 from dist_quant.modules.base import check_sizes
@@ -172,7 +173,7 @@ class LayerNormMLP(LinearBase):
         return (self.fc1_weight, self.fc2_weight)
 
     def forward(self, x: torch.Tensor, *, is_first_microbatch: bool | None = None) -> torch.Tensor:
-        plan = self.forward_plan()
+        plan = forward_plan(self)
         runtime = fc1_slots = fc2_slots = None
         if plan is not None:
             runtime, (fc1_slots, fc2_slots) = plan.runtime, plan.gemms

@@ -19,9 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from dist_quant.binding import ForwardPlan
+from dist_quant.forward import delayed_anchor, forward_plan
 from dist_quant.fsdp_tensor import GatheredFloat8Weight, gathered_weight_operand
 from dist_quant.kinds import NVFP4_BLOCK, ParallelMode, PassMode, ScalingKind
-from dist_quant.modules.base import QuantizedModule, check_sizes, delayed_anchor
+from dist_quant.modules.base import QuantizedModule, check_sizes
 from dist_quant.modules.functional import LinearSlots, parallel_linear_hp, quantized_linear
 from dist_quant.parallel import TPLayout, group_size, mark_sequence_parallel, mark_tp_split
 from dist_quant.roles import QuantizerRole
@@ -266,7 +267,7 @@ class LinearBase(QuantizedModule):
         fp8_output: bool = False,
         fp8_grad_input: bool = False,
     ) -> torch.Tensor:
-        plan = self.forward_plan()
+        plan = forward_plan(self)
         runtime, slots = (None, None) if plan is None else (plan.runtime, plan.gemms[0])
         tp = self._tp_layout(self.parallel_mode)
         return self._linear(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from dist_quant.forward import active_runtime
 from dist_quant.kinds import ParallelMode
 from dist_quant.modules.attention import DotProductAttention, check_gqa_groups
 from dist_quant.modules.base import QuantizedModule, check_sizes
@@ -137,7 +138,7 @@ class MultiheadAttention(QuantizedModule):
         *,
         is_first_microbatch: bool | None = None,
     ) -> torch.Tensor:
-        runtime = self.core_attention.active_runtime()
+        runtime = active_runtime(self.core_attention)
         fp8_mha = runtime is not None and getattr(runtime.recipe, "fp8_mha", False)
         mixed = self.qkv(hidden_states, is_first_microbatch=is_first_microbatch, fp8_output=fp8_mha)
         # (s, b, (heads + 2 kv_heads) * d / tp) -> q (s, b, heads / tp, d), k and v

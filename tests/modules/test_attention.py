@@ -17,6 +17,7 @@ from module_ref import (
 
 import dist_quant as dq
 from dist_quant import factories
+from dist_quant.forward import active_runtime
 
 S, B, H, D = 12, 2, 2, 16
 FP8_DPA = dq.Float8CurrentScaling(fp8_dpa=True)
@@ -218,7 +219,7 @@ def test_dpa_delayed_scaling_buffers_survive_a_role_change():
     dpa.output_quantizer_role = dq.QuantizerRole("linear", "input", "proj")
     dpa.grad_input_quantizer_role = dq.QuantizerRole("linear", "grad_output", "qkv")
     with dq.autocast(recipe=recipe):
-        runtime = dpa.active_runtime()
+        runtime = active_runtime(dpa)
     assert runtime.fwd_roles[2] == dq.QuantizerRole("linear", "input", "proj")
     for s, (scale, hist, scale_val, hist_val) in zip([runtime.fwd_state, runtime.bwd_state], old):
         assert s.scale is scale and s.amax_history is hist

@@ -14,6 +14,7 @@ from module_ref import (
 
 import dist_quant as dq
 from dist_quant import factories
+from dist_quant.forward import active_runtime
 
 HIDDEN, FFN = 32, 48
 
@@ -175,7 +176,7 @@ def test_delayed_scaling_buffers_survive_an_output_role_change():
     assert old[0][2].ne(1).any(), "one step must have moved the scales off their initial 1"
     mod.output_quantizer_role = dq.QuantizerRole("linear", "input", "head")
     with dq.autocast(recipe=dq.DelayedScaling()):
-        runtime = mod.active_runtime()
+        runtime = active_runtime(mod)
     assert runtime.fwd_roles[5] == dq.QuantizerRole("linear", "input", "head")
     for g, (scale, hist, scale_val, hist_val) in zip(runtime.fwd_state.delayed_groups(), old):
         assert g.scale is scale and g.amax_history is hist
