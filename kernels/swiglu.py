@@ -46,25 +46,25 @@ def _silu_parts(g):
 
 
 @triton.jit
-def _rounded(x, out_ty, BF16: tl.constexpr):
-    """`x` rounded to the output dtype, as fp32. bf16 rounds on the bits (the interpreter's
-    conversion truncates and flushes subnormals; on the GPU the same round to nearest even)."""
-    if BF16:
+def _rounded(x, out_ty, BITS: tl.constexpr):
+    """`x` rounded to the output dtype, as fp32. BITS (bf16 in the interpreter, whose conversion
+    truncates and flushes subnormals): round to nearest even on the bits instead."""
+    if BITS:
         return (to_bf16_bits(x).to(tl.int32) << 16).to(tl.float32, bitcast=True)
     return x.to(out_ty).to(tl.float32)
 
 
 @triton.jit
-def _store(ptr, x, mask, BF16: tl.constexpr):
-    """Store `x`, already rounded; for bf16 `ptr` is the output's int16 view."""
-    if BF16:
+def _store(ptr, x, mask, BITS: tl.constexpr):
+    """Store `x`, already rounded; under BITS `ptr` is the bf16 output's int16 view."""
+    if BITS:
         tl.store(ptr, to_bf16_bits(x), mask=mask)
     else:
         tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _swiglu_fwd_kernel(h_ptr, out_ptr, FFN, BLOCK: tl.constexpr, BF16: tl.constexpr):
+def _swiglu_fwd_kernel(h_ptr, out_ptr, FFN, BLOCK: tl.constexpr, BITS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < FFN
@@ -73,12 +73,12 @@ def _swiglu_fwd_kernel(h_ptr, out_ptr, FFN, BLOCK: tl.constexpr, BF16: tl.conste
     g = tl.load(gate_ptr, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(gate_ptr + FFN, mask=ok, other=0.0).to(tl.float32)
     silu, _ = _silu_parts(g)
-    out = _rounded(_rounded(silu, out_ty, BF16) * u, out_ty, BF16)
-    _store(out_ptr + row * FFN + cols, out, ok, BF16)
+    out = _rounded(_rounded(silu, out_ty, BITS) * u, out_ty, BITS)
+    _store(out_ptr + row * FFN + cols, out, ok, BITS)
 
 
 @triton.jit
-def _swiglu_bwd_kernel(dy_ptr, h_ptr, dh_ptr, FFN, BLOCK: tl.constexpr, BF16: tl.constexpr):
+def _swiglu_bwd_kernel(dy_ptr, h_ptr, dh_ptr, FFN, BLOCK: tl.constexpr, BITS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < FFN
@@ -88,11 +88,11 @@ def _swiglu_bwd_kernel(dy_ptr, h_ptr, dh_ptr, FFN, BLOCK: tl.constexpr, BF16: tl
     g = tl.load(h_ptr + gate_off, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(h_ptr + gate_off + FFN, mask=ok, other=0.0).to(tl.float32)
     silu, sig = _silu_parts(g)
-    silu = _rounded(silu, out_ty, BF16)
-    d_silu = _rounded(dy * u, out_ty, BF16)
-    d_gate = _rounded(d_silu * sig * (1.0 + g * (1.0 - sig)), out_ty, BF16)
-    _store(dh_ptr + gate_off, d_gate, ok, BF16)
-    _store(dh_ptr + gate_off + FFN, _rounded(dy * silu, out_ty, BF16), ok, BF16)
+    silu = _rounded(silu, out_ty, BITS)
+    d_silu = _rounded(dy * u, out_ty, BITS)
+    d_gate = _rounded(d_silu * sig * (1.0 + g * (1.0 - sig)), out_ty, BITS)
+    _store(dh_ptr + gate_off, d_gate, ok, BITS)
+    _store(dh_ptr + gate_off + FFN, _rounded(dy * silu, out_ty, BITS), ok, BITS)
 
 
 def _rows(h: Tensor, what: str) -> tuple[Tensor, int]:
@@ -105,6 +105,11 @@ def _rows(h: Tensor, what: str) -> tuple[Tensor, int]:
             f"shape {tuple(h.shape)}"
         )
     return h.contiguous().view(-1, h.shape[-1]), h.shape[-1] // 2
+
+
+def _bits(h: Tensor) -> bool:
+    """Round bf16 on the bits: only the interpreter needs it (its conversion truncates)."""
+    return h.dtype == torch.bfloat16 and bool(_INTERPRETED.value)
 
 
 def _grid(rows: int, ffn: int, block: int) -> tuple[int, int]:
@@ -122,9 +127,9 @@ def swiglu_triton(h: Tensor) -> Tensor:
     out = torch.empty(*h.shape[:-1], ffn, dtype=h.dtype, device=h.device)
     if out.numel():
         block, warps = _block(h)
-        bf16 = h.dtype == torch.bfloat16
+        bits = _bits(h)
         _swiglu_fwd_kernel[_grid(h2.shape[0], ffn, block)](
-            h2, out.view(torch.int16) if bf16 else out, ffn, BLOCK=block, BF16=bf16,
+            h2, out.view(torch.int16) if bits else out, ffn, BLOCK=block, BITS=bits,
             num_warps=warps,
         )  # fmt: skip
     return out
@@ -140,15 +145,11 @@ def swiglu_backward_triton(dy: Tensor, h: Tensor) -> Tensor:
     dh = torch.empty(h.shape, dtype=h.dtype, device=h.device)
     if dh.numel():
         block, warps = _block(h)
+        bits = _bits(h)
         _swiglu_bwd_kernel[_grid(h2.shape[0], ffn, block)](
-            dy.contiguous(),
-            h2,
-            dh,
-            ffn,
-            BLOCK=block,
-            BF16=h.dtype == torch.bfloat16,
-            num_warps=warps,
-        )
+            dy.contiguous(), h2, dh.view(torch.int16) if bits else dh, ffn, BLOCK=block,
+            BITS=bits, num_warps=warps,
+        )  # fmt: skip
     return dh
 
 
