@@ -39,6 +39,7 @@ import resource
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 from e2e_models import MODELS, TINY, VARIANTS, Dims, build, missing
@@ -105,7 +106,8 @@ def measure(step, device: str, warmup: int, steps: int) -> dict:
     }
 
 
-def run_variant(name: str, d: Dims, device: str, backend: str, warmup: int, steps: int) -> dict:
+def variant_step(name: str, d: Dims, device: str, backend: str = "inductor") -> Callable[[], None]:
+    """One forward + backward of variant `name` on fixed random input (a fresh model)."""
     built = build(name, d, device, backend)
     g = torch.Generator(device="cpu").manual_seed(1)
     shape = (d.seq, d.batch, d.dim) if built.sbhd else (d.batch, d.seq, d.dim)
@@ -122,6 +124,11 @@ def run_variant(name: str, d: Dims, device: str, backend: str, warmup: int, step
         with torch.autograd.set_multithreading_enabled(not caller):
             y.backward(dy)
 
+    return step
+
+
+def run_variant(name: str, d: Dims, device: str, backend: str, warmup: int, steps: int) -> dict:
+    step = variant_step(name, d, device, backend)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     out = measure(step, device, warmup, steps)
@@ -177,16 +184,21 @@ def table(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def parse(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def add_dims_arguments(p: argparse.ArgumentParser) -> None:
+    """The model options `dims_from` reads (shared with profile_e2e.py and gaps_e2e.py)."""
     p.add_argument("--model", choices=sorted(MODELS), default="8b")
     p.add_argument("--tiny", action="store_true", help="tiny dims (a smoke run), 2 steps")
     p.add_argument("--dims", help="DIM,FFN,HEADS,KV_HEADS,HEAD_DIM")
     p.add_argument("--layers", type=int)
     p.add_argument("--seq", type=int)
     p.add_argument("--batch", type=int)
+
+
+def parse(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_dims_arguments(p)
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend")

@@ -14,29 +14,13 @@ import tempfile
 from pathlib import Path
 
 import torch
-from bench_e2e import dims_from
-from e2e_models import MODELS, VARIANTS, build
+from bench_e2e import add_dims_arguments, dims_from, variant_step
+from e2e_models import VARIANTS
 from profile_e2e import short
 
 
 def trace_events(name: str, args: argparse.Namespace) -> list[dict]:
-    d = dims_from(args)
-    built = build(name, d, "cuda")
-    g = torch.Generator(device="cpu").manual_seed(1)
-    shape = (d.seq, d.batch, d.dim) if built.sbhd else (d.batch, d.seq, d.dim)
-    x = torch.randn(shape, generator=g).to("cuda", torch.bfloat16).requires_grad_(True)
-    dy = torch.randn(shape, generator=g).to("cuda", torch.bfloat16)
-    caller = not VARIANTS[name].compiled
-
-    def step() -> None:
-        x.grad = None
-        for p in built.model.parameters():
-            p.grad = None
-        with built.context():
-            y = built.model(x)
-        with torch.autograd.set_multithreading_enabled(not caller):
-            y.backward(dy)
-
+    step = variant_step(name, dims_from(args), "cuda")
     for _ in range(4):
         step()
     torch.cuda.synchronize()
@@ -54,15 +38,10 @@ def trace_events(name: str, args: argparse.Namespace) -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("variant", choices=sorted(VARIANTS))
-    p.add_argument("--model", choices=sorted(MODELS), default="8b")
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--min-us", type=float, default=20.0)
     p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--tiny", action="store_true")
-    p.add_argument("--dims")
-    p.add_argument("--layers", type=int)
-    p.add_argument("--seq", type=int)
-    p.add_argument("--batch", type=int)
+    add_dims_arguments(p)
     args = p.parse_args()
     events = [e for e in trace_events(args.variant, args) if e.get("ph") == "X"]
     kernels = sorted(

@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-from bench_e2e import dims_from
-from e2e_models import MODELS, VARIANTS, build
+from bench_e2e import add_dims_arguments, dims_from, variant_step
+from e2e_models import VARIANTS
 
 
 def short(kernel: str) -> str:
@@ -22,23 +22,7 @@ def short(kernel: str) -> str:
 
 
 def profile(name: str, args: argparse.Namespace) -> None:
-    d = dims_from(args)
-    built = build(name, d, "cuda")
-    g = torch.Generator(device="cpu").manual_seed(1)
-    shape = (d.seq, d.batch, d.dim) if built.sbhd else (d.batch, d.seq, d.dim)
-    x = torch.randn(shape, generator=g).to("cuda", torch.bfloat16).requires_grad_(True)
-    dy = torch.randn(shape, generator=g).to("cuda", torch.bfloat16)
-    caller = not VARIANTS[name].compiled
-
-    def step() -> None:
-        x.grad = None
-        for p in built.model.parameters():
-            p.grad = None
-        with built.context():
-            y = built.model(x)
-        with torch.autograd.set_multithreading_enabled(not caller):
-            y.backward(dy)
-
+    step = variant_step(name, dims_from(args), "cuda")
     for _ in range(4):
         step()
     torch.cuda.synchronize()
@@ -59,14 +43,9 @@ def profile(name: str, args: argparse.Namespace) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("variants", nargs="+", choices=sorted(VARIANTS))
-    p.add_argument("--model", choices=sorted(MODELS), default="8b")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--tiny", action="store_true")
-    p.add_argument("--dims")
-    p.add_argument("--layers", type=int)
-    p.add_argument("--seq", type=int)
-    p.add_argument("--batch", type=int)
+    add_dims_arguments(p)
     args = p.parse_args()
     for name in args.variants:
         profile(name, args)
