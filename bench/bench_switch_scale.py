@@ -19,7 +19,7 @@ step beyond its sleep, i.e. every rank's boundary, then the wait for the other p
 of the coordinator's threads per switch, CPU of all simulated ranks together (`ranks_cpu_ms`: on
 2 cores the ranks' own work, which a cluster runs in parallel, dominates the latencies above a
 few hundred ranks), messages the coordinator sent and received, and connections open at rank
-0's server (for `ray`: calls in flight inside the actor, each holding one of its threads).
+0's server (for `ray`: calls in flight inside the actor, each a coroutine on its event loop).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from switch_scale_ranks import (
     RECIPE_B,
     THREAD_STACK,
     ActorCalls,
+    ActorLoop,
     Counted,
     Ranks,
     server_connections,
@@ -99,6 +100,7 @@ class Bench:
             from dist_quant.coordinator.transport_ray import _CoordinatorActor
 
             self.server = None
+            self.actor_loop = ActorLoop()
             self.actor = _CoordinatorActor()
             self.actor.start(self.token, world, tp_groups, str(tmp / "decisions.jsonl"), (), 0.5)
         self.coordinator_threads = [t for t in threading.enumerate() if t not in before]
@@ -108,7 +110,7 @@ class Bench:
             from dist_quant.coordinator.attach import connect_endpoint
 
             return connect_endpoint(self.endpoint)
-        return ActorCalls(self.actor, self.gauge, self._gauge_lock)
+        return ActorCalls(self.actor, self.actor_loop, self.gauge, self._gauge_lock)
 
     def _left(self) -> float:
         left = self.deadline - time.monotonic()
@@ -234,7 +236,8 @@ class Bench:
             self.coordinator.stop()
             self.server.close()
         else:
-            self.actor.stop()
+            self.actor_loop.call(self.actor.stop())
+            self.actor_loop.close()
 
 
 def measure(args: argparse.Namespace, world: int) -> dict[str, Any]:
@@ -313,8 +316,12 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=20.0)
     parser.add_argument("--at-step-ahead", type=int, default=0,
                         help="request at_step = the ranks' step + this (0: no at_step)")  # fmt: skip
-    parser.add_argument("--ranks-per-process", type=int, default=256,
-                        help="simulated ranks per worker process (their threads share its GIL)")
+    parser.add_argument(
+        "--ranks-per-process",
+        type=int,
+        default=256,
+        help="simulated ranks per worker process (their threads share its GIL)",
+    )
     parser.add_argument("--lease-s", type=float, default=30.0,
                         help="store: the coordinator's liveness lease; the library's 2 s assumes "
                         "each rank has a CPU of its own, here thousands share 2 cores and a live "

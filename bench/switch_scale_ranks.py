@@ -4,11 +4,14 @@ in lockstep. Imported by the bench and by its worker processes."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from dist_quant.coordinator.transport import TransportError
 
 # Simulated ranks are many threads; their stacks stay tiny.
 THREAD_STACK = 256 * 1024
@@ -75,12 +78,37 @@ class Counted:
         self.inner.close()
 
 
-class ActorCalls:
-    """The Ray transport without Ray: each call goes straight to the actor body, and the number
-    of calls inside the actor at once (each one of its `max_concurrency` threads) is tracked."""
+class ActorLoop:
+    """The actor's event loop, on a thread of its own, as Ray runs an asyncio actor's calls."""
 
-    def __init__(self, actor: Any, gauge: dict[str, int], lock: threading.Lock) -> None:
-        self._actor, self._gauge, self._lock = actor, gauge, lock
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+    def call(self, coroutine: Any) -> Any:
+        """The coroutine's result; `TransportError` once the actor is gone (as Ray raises for a
+        dead actor), e.g. for a participant closed after the bench stopped the actor."""
+        if self.loop.is_closed():
+            coroutine.close()
+            raise TransportError("the coordinator actor is stopped")
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+
+class ActorCalls:
+    """The Ray transport without Ray: each call runs the actor body's coroutine on its event
+    loop, and the number of calls inside the actor at once (each a coroutine on that loop) is
+    tracked."""
+
+    def __init__(
+        self, actor: Any, loop: ActorLoop, gauge: dict[str, int], lock: threading.Lock
+    ) -> None:
+        self._actor, self._loop, self._gauge, self._lock = actor, loop, gauge, lock
 
     def _enter(self) -> None:
         with self._lock:
@@ -95,7 +123,7 @@ class ActorCalls:
     def push(self, queue: str, data: bytes) -> None:
         self._enter()
         try:
-            self._actor.push(queue, data)
+            self._loop.call(self._actor.push(queue, data))
         finally:
             self._leave(True)
 
@@ -103,7 +131,7 @@ class ActorCalls:
         self._enter()
         data = None
         try:
-            data = self._actor.pop(queue, timeout)
+            data = self._loop.call(self._actor.pop(queue, timeout))
             return data
         finally:
             self._leave(data is not None)

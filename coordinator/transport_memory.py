@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 
 from dist_quant.coordinator.transport import TransportError
 
@@ -22,12 +23,17 @@ class _Queue:
 
 
 class MemoryHub:
-    """The queues themselves; thread-safe. Every `MemoryTransport` on one hub sees the same ones."""
+    """The queues themselves; thread-safe. Every `MemoryTransport` on one hub sees the same ones.
 
-    def __init__(self) -> None:
+    `on_push(queue)`, if given, is called after every push (outside the lock, on the pushing
+    thread) and once with None on close: how readers that do not block in `pop` (the Ray actor's
+    coroutines) learn that an item or the end has come."""
+
+    def __init__(self, on_push: Callable[[str | None], None] | None = None) -> None:
         self._lock = threading.Lock()
         self._queues: dict[str, _Queue] = {}
         self._closed = False
+        self._on_push = on_push
 
     def _queue(self, name: str) -> _Queue:
         """Called with the lock held."""
@@ -43,6 +49,8 @@ class MemoryHub:
             q = self._queue(queue)
             q.items.append(bytes(data))
             q.ready.notify()  # one item, one reader
+        if self._on_push is not None:
+            self._on_push(queue)
 
     def pop(self, queue: str, timeout: float | None = None) -> bytes | None:
         with self._lock:
@@ -64,6 +72,8 @@ class MemoryHub:
             self._closed = True
             for q in self._queues.values():
                 q.ready.notify_all()
+        if self._on_push is not None:
+            self._on_push(None)
 
 
 class MemoryTransport:

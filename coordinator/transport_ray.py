@@ -2,14 +2,17 @@
 
 The actor ("dist_quant.coordinator", in a namespace of the job's own) keeps a `MemoryHub`; its
 `push` / `pop` methods are the transport, and the coordinator thread inside it reads the hub
-directly, so the protocol code is the same as under torchrun. The actor is threaded
-(`max_concurrency`) because every rank's listener keeps one `pop` call blocked in it. It is placed
+directly, so the protocol code is the same as under torchrun. Every rank's listener keeps one
+`pop` call waiting in the actor: the actor is an asyncio actor, so a waiting call is a coroutine on
+its one event loop, not a thread (a threaded actor needed 2N + 16 threads for N ranks); a push, from
+a caller or from the coordinator's threads, wakes the coroutines waiting on its queue. It is placed
 on the node of the rank that creates it (rank 0) so the decision log and `coordinator.json` share
 one filesystem. Ray is imported only here, and only when this transport is used.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 import socket
@@ -29,11 +32,14 @@ CONNECT_TIMEOUT_S = 3.0  # a live GCS accepts a connection at once
 
 
 class _CoordinatorActor:
-    """The actor's body (wrapped with `ray.remote` on first use)."""
+    """The actor's body (wrapped with `ray.remote` on first use). Its `push`, `pop` and `stop`
+    are coroutines, run on the actor's event loop."""
 
     def __init__(self) -> None:
-        self._hub = MemoryHub()
+        self._hub = MemoryHub(on_push=self._pushed)
         self._coordinator: Coordinator | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._waiting: dict[str, set[asyncio.Future]] = {}
 
     def start(
         self,
@@ -55,16 +61,53 @@ class _CoordinatorActor:
         )
         self._coordinator.start()
 
-    def push(self, queue: str, data: bytes) -> None:
+    def _pushed(self, queue: str | None) -> None:
+        """The hub's hook (any thread): wake the coroutines waiting on `queue` (None: all)."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._wake, queue)
+
+    def _wake(self, queue: str | None) -> None:
+        waiting = self._waiting.values() if queue is None else [self._waiting.get(queue, ())]
+        for futures in waiting:
+            for fut in futures:
+                if not fut.done():
+                    fut.set_result(None)
+
+    async def push(self, queue: str, data: bytes) -> None:
+        self._loop = asyncio.get_running_loop()
         self._hub.push(queue, data)
 
-    def pop(self, queue: str, timeout: float | None) -> bytes | None:
-        return self._hub.pop(queue, timeout)
+    async def pop(self, queue: str, timeout: float | None) -> bytes | None:
+        """The oldest item of `queue`, waiting up to `timeout` seconds (None: for ever) without
+        holding a thread; None when the time is up. Raises `TransportError` once stopped."""
+        loop = self._loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while True:
+            fut = loop.create_future()
+            waiting = self._waiting.setdefault(queue, set())
+            waiting.add(fut)  # before looking: a push after the look wakes it
+            try:
+                item = self._hub.pop(queue, 0)
+                if item is not None:
+                    return item
+                left = None if deadline is None else deadline - loop.time()
+                if left is not None and left <= 0:
+                    return None
+                try:
+                    await asyncio.wait_for(fut, left)
+                except asyncio.TimeoutError:
+                    return None
+            finally:
+                waiting.discard(fut)
+                if not waiting:
+                    self._waiting.pop(queue, None)
 
-    def stop(self) -> None:
+    async def stop(self) -> None:
+        self._loop = asyncio.get_running_loop()
         if self._coordinator is not None:
-            self._coordinator.stop()
-        self._hub.close()
+            await asyncio.to_thread(self._coordinator.stop)  # joins its threads
+        self._hub.close()  # every waiting pop wakes and raises TransportError
 
 
 def _probe_cluster(gcs_address: str) -> None:
@@ -99,7 +142,8 @@ def create_coordinator_actor(world_size: int) -> tuple[Any, str]:
             name=ACTOR_NAME,
             namespace=namespace,
             num_cpus=0,
-            # one blocked pop per rank listener, plus the coordinator's pump and clients
+            # calls in flight at once (coroutines, not threads): a waiting pop per rank
+            # listener and relay, plus pushes and clients
             max_concurrency=2 * world_size + 16,
             scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
         )
