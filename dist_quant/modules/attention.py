@@ -11,11 +11,16 @@ output gradient; `dp` the gradient of the scores (the operand of dS K and dS^T Q
 gradients of q, k and v. `MultiheadAttention` gives the `o` / `dqkv` slots the roles of the linears
 that consume them (`linear/input@<proj>`, `linear/grad_output@<qkv>`).
 
-No FP8 attention kernel exists yet, so FP8 attention is emulated: fp32 math with a
-quantize-dequantize on every slot's tensor (forward slots on the way in, backward slots on the
-gradient's way back, through a straight-through autograd Function). Without `fp8_dpa` (or with
-autocast off) attention is exactly `torch.nn.functional.scaled_dot_product_attention`; the roles
-and their quantizers exist either way, so a recipe switch never changes the slot layout.
+With per-tensor FP8 (delayed or current scaling) on the qkv, s, do and dp slots, FP8 attention is
+`fp8_attention.flash_fp8_attention`: on CUDA (head dims 64 and 128) the Triton flash kernels of
+`kernels/attention.py`, FP8 GEMMs with fp32 accumulation and no seq x seq buffer; on CPU their
+float64 definition (`kernels/reference_attention.py`), which the kernels match within the tolerance
+of docs/fp8_attention.md. Other kinds on those slots (MXFP8, identity) are emulated: fp32 math with
+a quantize-dequantize on every slot's tensor (forward slots on the way in, backward slots on the
+gradient's way back, through a straight-through autograd Function), on any device. Without
+`fp8_dpa` (or with autocast off) attention is exactly
+`torch.nn.functional.scaled_dot_product_attention`; the roles and their quantizers exist either
+way, so a recipe switch never changes the slot layout.
 
 FP8 attention supports per-tensor FP8 (delayed or current), MXFP8 and identity quantizers. The
 check needs the recipe's `fp8_dpa`, which the planning hook does not see, so it runs once per new
@@ -34,7 +39,6 @@ attention product. Tensor parallelism splits the KV heads over the ranks with th
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,12 +46,11 @@ import torch.nn.functional as F
 import torch.torch_version
 
 from dist_quant.binding import ForwardPlan
-from dist_quant.forward import delayed_anchor, enrol_backward_from, forward_plan
+from dist_quant.forward import delayed_anchor, forward_plan
 from dist_quant.kinds import ScalingKind
 from dist_quant.modules.base import QuantizedModule, check_sizes
-from dist_quant.modules.functional import fake_quantize
+from dist_quant.modules.fp8_attention import AttentionSlots, flash_fp8_attention, round_slots
 from dist_quant.parallel import group_size, tp_amax_quantizer
-from dist_quant.quantizers import Quantizer
 from dist_quant.roles import QuantizerRole
 from dist_quant.runtime import ModuleRuntime
 
@@ -57,62 +60,6 @@ FWD_SLOTS = ("qkv", "s", "o")
 BWD_SLOTS = ("do", "dp", "dqkv")
 # SDPA broadcasts KV heads itself from torch 2.5 (`enable_gqa`); before, k and v are repeated
 _SDPA_HAS_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
-
-
-@dataclass(frozen=True)
-class _AttentionSlots:
-    """The six quantizers of one FP8 attention call (None: stays in high precision)."""
-
-    qkv: Quantizer | None
-    s: Quantizer | None
-    o: Quantizer | None
-    do: Quantizer | None
-    dp: Quantizer | None
-    dqkv: Quantizer | None
-    bwd_groups: tuple
-    reduction_group: Any
-    """The plan's amax reduction group, which the backward's groups reduce over."""
-    enrol_key: int | torch.Tensor
-    """The module's enrolment key (its tag tensor in a traced plan), for the backward's groups."""
-
-
-class _FakeQuant(torch.autograd.Function):
-    """Forward: round `x` through `fwd_q`; backward: round the gradient through `bwd_q`. Either may
-    be None (pass through): the straight-through estimator of a quantize-dequantize pair."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        x: torch.Tensor,
-        fwd_q: Quantizer | None,
-        bwd_q: Quantizer | None,
-        slots: _AttentionSlots,
-    ) -> torch.Tensor:
-        ctx.bwd_q, ctx.slots = bwd_q, slots
-        return fake_quantize(fwd_q, x) if fwd_q is not None else x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        if ctx.bwd_q is not None:
-            grad = fake_quantize(ctx.bwd_q, grad.contiguous())
-            if ctx.slots.bwd_groups:
-                enrol_backward_from(
-                    grad, ctx.slots.enrol_key, ctx.slots.bwd_groups, ctx.slots.reduction_group
-                )
-        return grad, None, None, None
-
-
-def _round(
-    x: torch.Tensor, fwd_q: Quantizer | None, bwd_q: Quantizer | None, slots: _AttentionSlots
-) -> torch.Tensor:
-    if fwd_q is None and bwd_q is None:
-        return x
-    for q in (fwd_q, bwd_q):
-        # the rowwise bytes are all a fake quantization reads; set here, outside the Function,
-        # where torch.compile may trace the change (inside, `fake_quantize`'s set is then a no-op)
-        if q is not None:
-            q.set_usage(rowwise=True, columnwise=False)
-    return _FakeQuant.apply(x, fwd_q, bwd_q, slots)
 
 
 def repeat_kv(t: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -127,22 +74,26 @@ def fp8_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     masked: torch.Tensor | None,
-    slots: _AttentionSlots,
+    slots: AttentionSlots,
 ) -> torch.Tensor:
     """Emulated FP8 attention on (batch, heads, seq, head_dim) tensors, k and v with their own
     (KV) head count; fp32 math, output in q's dtype. `masked` (broadcast to (b, h, sq, sk)) is
-    True where a query may not see a key."""
+    True where a query may not see a key. The path of slots `flash_fp8_attention` does not take
+    (MXFP8, or identity on one of qkv/s/do/dp): P is rounded normalised, dS with its slot's own
+    scale."""
     # contiguous: the layout permutes leave strided views, and cast kernels want dense rows
-    q_, k_, v_ = (_round(t.float().contiguous(), slots.qkv, slots.dqkv, slots) for t in (q, k, v))
+    q_, k_, v_ = (
+        round_slots(t.float().contiguous(), slots.qkv, slots.dqkv, slots) for t in (q, k, v)
+    )
     # after the rounding: dk and dv are rounded once summed over their query group
     k_, v_ = repeat_kv(k_, q.shape[1]), repeat_kv(v_, q.shape[1])
     scores = (q_ @ k_.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (b, h, sq, sk)
-    scores = _round(scores, None, slots.dp, slots)
+    scores = round_slots(scores, None, slots.dp, slots)
     if masked is not None:
         scores = scores.masked_fill(masked, float("-inf"))
-    p = _round(torch.softmax(scores, dim=-1), slots.s, None, slots)
+    p = round_slots(torch.softmax(scores, dim=-1), slots.s, None, slots)
     out = (p @ v_).to(q.dtype)  # (b, h, sq, d)
-    return _round(out, slots.o, slots.do, slots)
+    return round_slots(out, slots.o, slots.do, slots)
 
 
 def check_gqa_groups(
@@ -273,7 +224,7 @@ class DotProductAttention(QuantizedModule):
         anchor = None if slots is None else delayed_anchor(runtime)
         return ForwardPlan(runtime, reduction_group, (slots,), anchor)
 
-    def _fp8_slots(self, runtime: ModuleRuntime, reduction_group: Any) -> _AttentionSlots | None:
+    def _fp8_slots(self, runtime: ModuleRuntime, reduction_group: Any) -> AttentionSlots | None:
         if not getattr(runtime.recipe, "fp8_dpa", False):
             return None
         # identity: nothing to round; an unsupported kind (only possible on a boundary slot
@@ -286,7 +237,7 @@ class DotProductAttention(QuantizedModule):
             applied = [None if q is None else tp_amax_quantizer(q, self.tp_group) for q in applied]
         if all(q is None for q in applied):
             return None
-        return _AttentionSlots(
+        return AttentionSlots(
             *applied,
             bwd_groups=tuple(runtime.delayed_groups(fwd=False)),
             reduction_group=reduction_group,
@@ -362,6 +313,9 @@ class DotProductAttention(QuantizedModule):
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=keep, is_causal=causal_only, **gqa
             )
+        elif slots.flash:  # masks applied tile by tile: nothing of size (sq, sk) is built
+            causal = self.attn_mask_type.endswith("causal")
+            out = flash_fp8_attention(q, k, v, padding, causal, slots)
         else:
             masked = self._masked(padding, sq, sk, q.device)
             out = fp8_attention(q, k, v, masked, slots)

@@ -5,6 +5,7 @@ The reference paths and everything else still run: see test_without_triton.py.""
 import importlib.util
 
 NEEDS_TRITON = [
+    "compile_attention_targets.py",
     "compile_targets.py",
     "test_block_gemm.py",
     "test_encode_targets.py",
@@ -17,6 +18,9 @@ NEEDS_TRITON = [
     "test_triton_delayed_update.py",
     "test_triton_dequantize.py",
     "test_triton_gpu.py",
+    "test_attention_targets.py",
+    "test_triton_attention.py",
+    "test_triton_gpu_attention.py",
 ]
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None

@@ -35,6 +35,16 @@ def _cases() -> dict[str, tuple]:
     q, e8m0 = ref.mxfp8_cast(x, E4M3)
     q_b, s_b = ref.block_cast(x, E5M2, block_dim=2)
     history, scales = torch.rand(4, 3, generator=g), torch.ones(3)
+    # attention: 4 query heads on 2 KV heads, 5 queries, 7 keys (ragged), a padding mask
+    a_q = torch.randn(2, 4, 5, 16, generator=g).to(E4M3)
+    a_k, a_v = (torch.randn(2, 2, 7, 16, generator=g).to(E4M3) for _ in range(2))
+    a_si, a_mask = torch.tensor([0.5]), torch.rand(2, 1, 1, 7, generator=g) > 0.7
+    a_out = torch.randn(2, 4, 5, 16, generator=g).to(torch.bfloat16)
+    a_do, a_lse = a_out.float().to(E5M2), torch.rand(2, 4, 5, generator=g) + 3.0
+    attn_fwd = (a_q, a_k, a_v, a_si, a_si, a_si, torch.tensor([448.0]), torch.zeros(1), E4M3,
+                a_mask, True, torch.bfloat16)  # fmt: skip
+    attn_bwd = (a_q, a_k, a_v, a_out, a_do, a_si, a_si, a_si, a_si, a_lse, torch.tensor([448.0]),
+                E4M3, torch.tensor([4.0]), torch.zeros(1), E5M2, None, False)  # fmt: skip
     return {
         "cast_to_fp8": (x3, scale, E4M3),
         "cast_transpose": (x3, scale, E5M2),
@@ -57,6 +67,8 @@ def _cases() -> dict[str, tuple]:
         "mxfp8_dequantize": (q, e8m0, False, torch.float32),
         "block_dequantize": (q_b, s_b, 2, torch.float16),
         "cast_stats": (x, scale, E4M3),
+        "fp8_attention_fwd": attn_fwd,
+        "fp8_attention_bwd": attn_bwd,
         "swiglu": (x3,),
         "swiglu_backward": (x3[..., :20].contiguous(), x3),
         "nvfp4_cast": (

@@ -8,11 +8,11 @@ conversions of `x * scale` in fp32, dequantized as `q * (1 / scale)` in fp32. A 
 the test (`"qkv.input"`, `"dpa.dqkv"`...): one name per quantizer of the module under test, so a
 quantizer shared by several tensors (attention's qkv slot rounds q, k and v) shares one name.
 
-`gqa_attention` is plain softmax attention on (batch, heads, seq, head_dim) tensors with k and v
-holding fewer (KV) heads, each repeated for its group of consecutive query heads; its FP8 slots
-sit where cuDNN's FP8 attention rounds: q/k/v at their own (KV) shape, before the repeat (so dk
-and dv are rounded once summed over their query group), the score gradient, the softmax output,
-the output and its gradient.
+`gqa_attention` is softmax attention on (batch, heads, seq, head_dim) tensors with k and v
+holding fewer (KV) heads, each repeated for its group of consecutive query heads; in FP8 it is
+`flash_ref.flash_attention` with q/k/v rounded at their own (KV) shape, before the repeat (so dk
+and dv are rounded once summed over their query group), P and dS rounded inside with the `s` /
+`dp` slots' scales, the output and its gradient rounded outside.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import math
 from typing import Any
 
 import torch
+from flash_ref import cast, flash_attention
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
@@ -76,15 +77,44 @@ class _RoundTrip(torch.autograd.Function):
 
 def gqa_attention(q, k, v, masked, sc: Scaling, *, fp8: bool = True) -> torch.Tensor:
     """(b, h, s, d) queries, (b, g, s, d) keys and values; `fp8=False`: no rounding at all."""
-    r = sc.qdq if fp8 else (lambda x, fwd, bwd: x)
-    q, k, v = (r(t, "dpa.qkv", "dpa.dqkv") for t in (q, k, v))
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = r(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), None, "dpa.dp")
-    if masked is not None:
-        scores = scores.masked_fill(masked, float("-inf"))
-    p = r(torch.softmax(scores, -1), "dpa.s", None)
-    return r(p @ v, "dpa.o", "dpa.do")
+    if not fp8 or sc.kind == "none":
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+        if masked is not None:
+            scores = scores.masked_fill(masked, float("-inf"))
+        return torch.softmax(scores, -1) @ v
+    q, k, v = (sc.qdq(t, "dpa.qkv", "dpa.dqkv") for t in (q, k, v))
+    return sc.qdq(flash_attention(q, k, v, masked, _Inner(sc)), "dpa.o", "dpa.do")
+
+
+class _Inner:
+    """What the `s` and `dp` slots round inside FP8 attention (`flash_ref.py`), with `sc`'s state:
+    current scaling, the scale of P's bound 1 and of dS's bound; delayed scaling, the slot's
+    history (and the amax recorded for the next step)."""
+
+    def __init__(self, sc: Scaling) -> None:
+        self.sc = sc
+        self.p_scale = None
+
+    def _scale(self, x: torch.Tensor, slot: str, fmt: torch.dtype, bound) -> torch.Tensor:
+        fp8_max = torch.tensor(FP8_MAX[fmt], dtype=torch.float32)
+        if self.sc.kind == "current":
+            return fp8_max / torch.as_tensor(bound).float()
+        prev = self.sc.this_step.get(slot, torch.tensor(0.0))
+        self.sc.this_step[slot] = torch.maximum(prev, x.detach().abs().max().float())
+        seen = self.sc.history.get(slot)
+        return torch.tensor(1.0) if seen is None else fp8_max / seen
+
+    def p(self, x: torch.Tensor) -> torch.Tensor:
+        self.p_scale = self._scale(x, "dpa.s", FWD, 1.0)
+        return cast(x, self.p_scale, FWD)
+
+    def p_backward(self, x: torch.Tensor) -> torch.Tensor:
+        return cast(x, self.p_scale, FWD)
+
+    def ds(self, x: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+        return cast(x, self._scale(x, "dpa.dp", BWD, bound), BWD)
 
 
 def linear(x, w, b, sc: Scaling, name: str) -> torch.Tensor:

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from flash_ref import CurrentInner, flash_attention
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -91,14 +92,15 @@ def ref_activation(h, activation: str):
 
 
 def ref_attention(q, k, v, masked, *, fp8: bool = True):
-    """(b, h, s, d) attention; FP8 rounding where cuDNN's FP8 attention rounds: q/k/v (grads
-    E5M2), the score gradient (E5M2), the softmax output (E4M3), the output (grad E5M2)."""
-    q, k, v = (qdq(t, E4M3, E5M2, fp8=fp8) for t in (q, k, v))
-    scores = qdq(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), None, E5M2, fp8=fp8)
-    if masked is not None:
-        scores = scores.masked_fill(masked, float("-inf"))
-    p = qdq(torch.softmax(scores, -1), E4M3, fp8=fp8)
-    return qdq(p @ v, E4M3, E5M2, fp8=fp8)
+    """(b, h, s, d) attention under per-tensor current scaling (`flash_ref.py`): q/k/v E4M3 (grads
+    E5M2), P and dS rounded inside attention, the output E4M3 (grad E5M2)."""
+    if not fp8:
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+        if masked is not None:
+            scores = scores.masked_fill(masked, float("-inf"))
+        return torch.softmax(scores, -1) @ v
+    q, k, v = (qdq(t, E4M3, E5M2) for t in (q, k, v))
+    return qdq(flash_attention(q, k, v, masked, CurrentInner()), E4M3, E5M2)
 
 
 def math_sdpa():

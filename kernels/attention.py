@@ -1,0 +1,285 @@
+"""FP8 flash attention in Triton: forward, and a backward in two kernels (dK/dV, dQ); the launchers
+here, the kernels in ``attention_fwd.py`` and ``attention_bwd.py``.
+
+The math is ``reference_attention.py``'s, tile by tile: QK^T, P V, dO V^T, P^T dO, dS K and dS^T Q
+are ``tl.dot`` of FP8 operands with fp32 accumulation (FP8 tensor cores on sm89+), the softmax is
+online in fp32 and base 2, P and dS are rounded to FP8 in registers with the `s` / `dp` scales.
+Nothing of size seq x seq is stored: the forward keeps the per-row log-sum-exp, the backward
+recomputes P from it.
+
+Layouts. Hopper's FP8 MMA reads both operands K-major, so an operand contracted along its sequence
+dim is read from a transposed copy (``(b, heads, d, s)``, made by the launcher): V for P V, Q and dO
+for dK and dV, K for dQ. Every other operand is the row-major ``(b, heads, s, d)`` tensor.
+
+Grouped-query attention: K and V stay at KV-head shape; a forward or dQ program reads the KV head
+of its query head, and a dK/dV program loops over the query heads of its group, so the group's sum
+needs no atomics.
+
+Every FP8 rounding is the contract's saturating round-to-nearest-even (the hardware conversion on
+sm89+, ``fp8_encode``'s explicit rounding under the interpreter), so the codes are the reference's
+casts of the same fp32 values.
+
+The ops ``dist_quant::fp8_attention_fwd`` / ``_bwd`` (``fp8_attention_fwd``, ``fp8_attention_bwd``)
+run the kernels for CUDA tensors of head dim 64 or 128 on sm89+, and the float64 definition
+everywhere else: the CPU, other head dims, GPUs without FP8 tensor cores. The amax buffers a
+delayed-scaling `s` / `dp` slot records into are declared as written in place. The launchers call
+Triton's JIT (not ``_launch``), so the ops stay opaque under compile. The forward also returns a
+copy of the scale it rounded P with, for the backward: a delayed scale changes in place before the
+backward runs, and a copy made outside the op could be recomputed from the changed buffer by a
+compiled backward.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from dist_quant.kernels import reference_attention as ref
+from dist_quant.kernels._fp8_round import cdiv, fp8_spec, hw_rounding, is_gpu
+from dist_quant.kernels._op import register_op
+from dist_quant.kernels.attention_bwd import _bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel
+from dist_quant.kernels.attention_fwd import _fwd_kernel
+from dist_quant.kernels.reference import FP8_DTYPES
+from dist_quant.kernels.reference_attention import LOG2E
+from torch import Tensor
+
+# GPU tiles (BM query rows x BN keys), warps and pipeline stages; the interpreter runs 16 x 16
+# tiles. d128: the fastest of `bench/bench_fp8_attention.py --sweep` on the H200 (2026-12-04,
+# seq 8192, 32/8 heads, causal; BENCHMARKS.md): forward 0.87 ms (128 x 64 x 8 warps: 0.98),
+# whole backward 4.9 ms with dQ on 64 x 64 x 4 warps (6.3 with 8), dK/dV on 64 x 128 x 8 warps
+# (5.7 vs 6.3). d64: picked without a GPU, for the fewest register spills (`ptxas -v`, sm_90a).
+GPU_FWD = {64: (128, 128, 8, 3), 128: (64, 128, 4, 3)}  # d -> (BM, BN, warps, stages)
+GPU_BWD_DKDV = {64: (32, 128, 8, 2), 128: (64, 128, 8, 2)}
+GPU_BWD_DQ = {64: (128, 64, 8, 3), 128: (64, 64, 4, 3)}
+HEAD_DIMS = (16, 32, 64, 128)  # the interpreter's; the GPU runs GPU_HEAD_DIMS
+GPU_HEAD_DIMS = tuple(GPU_FWD)
+
+
+# ---- launchers ---------------------------------------------------------------------------------
+
+
+class _Common(NamedTuple):
+    b: int
+    h: int
+    hkv: int
+    sq: int
+    sk: int
+    d: int
+    mask: torch.Tensor
+    mask_strides: tuple[int, int, int]
+    has_mask: bool
+
+
+def _common(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad_mask: torch.Tensor | None
+) -> _Common:
+    """Sizes and the mask's view, after checking what the kernels assume of their operands."""
+    b, h, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    if d not in HEAD_DIMS:
+        raise ValueError(f"FP8 attention kernel: head dim {d} is not one of {HEAD_DIMS}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype not in FP8_DTYPES or not t.is_contiguous():
+            raise ValueError(
+                f"FP8 attention kernel: {name} must be a contiguous float8 tensor, got {t.dtype} "
+                f"with strides {t.stride()}"
+            )
+    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d or h % hkv:
+        raise ValueError(
+            f"FP8 attention kernel: q {tuple(q.shape)} and k, v {tuple(k.shape)}, "
+            f"{tuple(v.shape)} must be (b, h, sq, d) and (b, hkv, sk, d) with hkv dividing h"
+        )
+    if pad_mask is None:
+        return _Common(b, h, hkv, sq, sk, d, q, (0, 0, 0), False)
+    # (b, 1, sq, sk) view with stride 0 where the mask broadcasts: each tile reads what it needs
+    m = pad_mask.expand(b, 1, sq, sk).view(torch.uint8)
+    return _Common(b, h, hkv, sq, sk, d, m, (m.stride(0), m.stride(2), m.stride(3)), True)
+
+
+def _fmt(fp8_dtype: torch.dtype, what: str) -> dict[str, int]:
+    spec = fp8_spec(fp8_dtype, f"FP8 attention kernel ({what})")
+    return {"MAX_BITS": spec.max_bits, "MANT": spec.mant_bits, "MIN_EXP": spec.min_exp}
+
+
+def _transposed(x: torch.Tensor) -> torch.Tensor:
+    """(b, heads, s, d) -> (b, heads, d, s) contiguous: the K-major copy of an operand contracted
+    along its sequence dim."""
+    return x.transpose(-2, -1).contiguous()
+
+
+def _tiles(table: dict, d: int, gpu: bool) -> tuple[int, int, int, int]:
+    if not gpu:
+        return 16, 16, 1, 1
+    if d not in table:
+        raise ValueError(
+            f"FP8 attention kernel: head dim {d} on the GPU; the tiles are sized for "
+            f"{GPU_HEAD_DIMS} (FP8 tensor cores contract at least 32 elements)"
+        )
+    return table[d]
+
+
+def attention_fwd_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_scale_inv: torch.Tensor,
+    k_scale_inv: torch.Tensor,
+    v_scale_inv: torch.Tensor,
+    s_scale: torch.Tensor,
+    s_amax: torch.Tensor,
+    s_dtype: torch.dtype,
+    pad_mask: torch.Tensor | None,
+    causal: bool,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (b, h, sq, d) in ``out_dtype``, lse (b, h, sq) fp32, base 2); ``s_amax`` (1-element
+    fp32, >= 0) becomes ``max(s_amax, max p)`` in place. Inputs contiguous FP8."""
+    c = _common(q, k, v, pad_mask)
+    out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
+    lse = torch.empty(c.b, c.h, c.sq, dtype=torch.float32, device=q.device)
+    bm, bn, warps, stages = _tiles(GPU_FWD, c.d, is_gpu(q))
+    s = _fmt(s_dtype, "s")
+    _fwd_kernel[(c.b * c.h, cdiv(c.sq, bm))](
+        q, k, _transposed(v), out, lse,
+        q_scale_inv, k_scale_inv, v_scale_inv, s_scale, s_amax.view(torch.int32),
+        c.mask, *c.mask_strides,
+        c.h, c.sq, c.sk, LOG2E / math.sqrt(c.d),
+        GROUP=c.h // c.hkv, D=c.d, BM=bm, BN=bn, CAUSAL=causal, HAS_MASK=c.has_mask,
+        S_MAX_BITS=s["MAX_BITS"], S_MANT=s["MANT"], S_MIN_EXP=s["MIN_EXP"], HW=hw_rounding(q),
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out, lse
+
+
+def attention_bwd_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    do: torch.Tensor,
+    q_scale_inv: torch.Tensor,
+    k_scale_inv: torch.Tensor,
+    v_scale_inv: torch.Tensor,
+    do_scale_inv: torch.Tensor,
+    lse: torch.Tensor,
+    s_scale: torch.Tensor,
+    s_dtype: torch.dtype,
+    dp_scale: torch.Tensor,
+    dp_amax: torch.Tensor,
+    dp_dtype: torch.dtype,
+    pad_mask: torch.Tensor | None,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) fp32 in the shapes of q, k, v; ``dp_amax`` becomes ``max(dp_amax, max|dS|)``
+    in place."""
+    c = _common(q, k, v, pad_mask)
+    gpu, hw = is_gpu(q), hw_rounding(q)
+    delta = torch.empty(c.b, c.h, c.sq, dtype=torch.float32, device=q.device)
+    rows, br = c.b * c.h * c.sq, (64 if gpu else 16)
+    _bwd_delta_kernel[(cdiv(rows, br),)](do, out, delta, do_scale_inv, rows, D=c.d, BR=br)
+    dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.empty(k.shape, dtype=torch.float32, device=q.device)
+    dv = torch.empty(v.shape, dtype=torch.float32, device=q.device)
+    s, dp = _fmt(s_dtype, "s"), _fmt(dp_dtype, "dp")
+    mask_args = (c.mask, *c.mask_strides)
+    sizes = (c.h, c.sq, c.sk, LOG2E / math.sqrt(c.d), 1.0 / math.sqrt(c.d))
+    bm, bn, warps, stages = _tiles(GPU_BWD_DKDV, c.d, gpu)
+    _bwd_dkdv_kernel[(c.b * c.hkv, cdiv(c.sk, bn))](
+        q, _transposed(q), k, v, do, _transposed(do), lse, delta, dk, dv,
+        q_scale_inv, k_scale_inv, v_scale_inv, do_scale_inv, s_scale, dp_scale,
+        *mask_args, *sizes,
+        GROUP=c.h // c.hkv, D=c.d, BM=bm, BN=bn, CAUSAL=causal, HAS_MASK=c.has_mask,
+        S_MAX_BITS=s["MAX_BITS"], S_MANT=s["MANT"], S_MIN_EXP=s["MIN_EXP"],
+        DP_MAX_BITS=dp["MAX_BITS"], DP_MANT=dp["MANT"], DP_MIN_EXP=dp["MIN_EXP"], HW=hw,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    bm, bn, warps, stages = _tiles(GPU_BWD_DQ, c.d, gpu)
+    _bwd_dq_kernel[(c.b * c.h, cdiv(c.sq, bm))](
+        q, k, _transposed(k), v, do, lse, delta, dq,
+        q_scale_inv, k_scale_inv, v_scale_inv, do_scale_inv, dp_scale, dp_amax.view(torch.int32),
+        *mask_args, *sizes,
+        GROUP=c.h // c.hkv, D=c.d, BM=bm, BN=bn, CAUSAL=causal, HAS_MASK=c.has_mask,
+        DP_MAX_BITS=dp["MAX_BITS"], DP_MANT=dp["MANT"], DP_MIN_EXP=dp["MIN_EXP"], HW=hw,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+# ---- the ops: the kernels or the definition, fakes, registration -------------------------------
+
+
+def _kernels_run(q: Tensor) -> bool:
+    """The Triton kernels take CUDA tensors of a head dim they are built for, on a GPU with FP8
+    tensor cores (sm89+; older GPUs only emulate FP8, with DIST_QUANT_EMULATE_FP8=1)."""
+    return q.shape[-1] in GPU_HEAD_DIMS and hw_rounding(q)
+
+
+def _fold_amax(amax: Tensor, value: Tensor) -> None:
+    """``amax = max(amax, value)`` in place (NaN propagates, as the kernels' integer max does)."""
+    amax.copy_(torch.maximum(amax, value.float().reshape(1)))
+
+
+# One implementation per op serves as both its reference and its CUDA kernel: the definition
+# wherever the kernels do not run, CUDA included, so the two registrations would be one function.
+def _fp8_attention_fwd_impl(
+    q: Tensor, k: Tensor, v: Tensor, q_scale_inv: Tensor, k_scale_inv: Tensor,
+    v_scale_inv: Tensor, s_scale: Tensor, s_amax: Tensor, s_dtype: torch.dtype,
+    pad_mask: Tensor | None, causal: bool, out_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    operands = (q, k, v, q_scale_inv, k_scale_inv, v_scale_inv, s_scale)
+    if _kernels_run(q):
+        out, lse = attention_fwd_triton(*operands, s_amax, s_dtype, pad_mask, causal, out_dtype)
+        return out, lse, s_scale.clone()
+    r = ref.attention_fwd(*operands, s_dtype, pad_mask, causal)
+    _fold_amax(s_amax, r.s_amax)
+    return r.out.to(out_dtype), r.lse.float(), s_scale.clone()
+
+
+def _fp8_attention_fwd_fake(
+    q: Tensor, k: Tensor, v: Tensor, q_scale_inv: Tensor, k_scale_inv: Tensor,
+    v_scale_inv: Tensor, s_scale: Tensor, s_amax: Tensor, s_dtype: torch.dtype,
+    pad_mask: Tensor | None, causal: bool, out_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+    return q.new_empty(q.shape, dtype=out_dtype), lse, s_scale.new_empty(s_scale.shape)
+
+
+def _fp8_attention_bwd_impl(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, do: Tensor, q_scale_inv: Tensor,
+    k_scale_inv: Tensor, v_scale_inv: Tensor, do_scale_inv: Tensor, lse: Tensor, s_scale: Tensor,
+    s_dtype: torch.dtype, dp_scale: Tensor, dp_amax: Tensor, dp_dtype: torch.dtype,
+    pad_mask: Tensor | None, causal: bool,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    operands = (q, k, v, out, do, q_scale_inv, k_scale_inv, v_scale_inv, do_scale_inv, lse)
+    if _kernels_run(q):
+        return attention_bwd_triton(
+            *operands, s_scale, s_dtype, dp_scale, dp_amax, dp_dtype, pad_mask, causal
+        )
+    r = ref.attention_bwd(*operands, s_scale, s_dtype, dp_scale, dp_dtype, pad_mask, causal)
+    _fold_amax(dp_amax, r.dp_amax)
+    return r.dq.float(), r.dk.float(), r.dv.float()
+
+
+def _fp8_attention_bwd_fake(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, do: Tensor, q_scale_inv: Tensor,
+    k_scale_inv: Tensor, v_scale_inv: Tensor, do_scale_inv: Tensor, lse: Tensor, s_scale: Tensor,
+    s_dtype: torch.dtype, dp_scale: Tensor, dp_amax: Tensor, dp_dtype: torch.dtype,
+    pad_mask: Tensor | None, causal: bool,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    return tuple(t.new_empty(t.shape, dtype=torch.float32) for t in (q, k, v))
+
+
+# The public functions are the ops themselves (no argument needs normalising), with the launchers'
+# arguments and results: the forward returns (out in `out_dtype`, lse fp32 base 2, a copy of
+# `s_scale` for the backward) and folds max P into `s_amax`; the backward returns (dq, dk, dv)
+# fp32 and folds max |dS| into `dp_amax`. Opaque under compile: the launchers launch through
+# Triton's JIT, not `_launch`.
+fp8_attention_fwd = register_op(
+    "fp8_attention_fwd", ("s_amax",), _fp8_attention_fwd_impl, _fp8_attention_fwd_impl,
+    _fp8_attention_fwd_fake, traceable=False,
+)  # fmt: skip
+fp8_attention_bwd = register_op(
+    "fp8_attention_bwd", ("dp_amax",), _fp8_attention_bwd_impl, _fp8_attention_bwd_impl,
+    _fp8_attention_bwd_fake, traceable=False,
+)  # fmt: skip

@@ -1,0 +1,232 @@
+"""FP8 flash attention, backward kernels: delta, dK/dV per key block (looping over the query heads
+of its KV group), dQ per query block (``attention.py`` holds the launchers and the overview)."""
+
+from __future__ import annotations
+
+from dist_quant.kernels._fp8_round import reciprocal
+from dist_quant.kernels._triton import tl, triton
+from dist_quant.kernels.attention_fwd import _to_fp8, _visible
+
+
+@triton.jit
+def _bwd_delta_kernel(
+    do_ptr, out_ptr, delta_ptr, do_si_ptr, ROWS, D: tl.constexpr, BR: tl.constexpr
+):
+    """delta_i = dO_i . out_i over the flattened (b * h * sq, d) rows: the softmax backward's
+    row term, read once by both backward kernels."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    offs = rows.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :]
+    do = tl.load(do_ptr + offs, mask=rows[:, None] < ROWS, other=0.0).to(tl.float32)
+    out = tl.load(out_ptr + offs, mask=rows[:, None] < ROWS, other=0.0).to(tl.float32)
+    tl.store(delta_ptr + rows, tl.sum(do * out, 1) * tl.load(do_si_ptr), mask=rows < ROWS)
+
+
+@triton.jit
+def _dkdv_tile(
+    k, v, dk, dv, q_base, qt_base, do_base, dot_base, lse_base, delta_base, start_m, cols, dd, b,
+    SQ, SK, qk_scale, dp_deq, s_scale, dp_scale,
+    mask_ptr, m_sb, m_sq, m_sk,
+    D: tl.constexpr, BM: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+    MASKED: tl.constexpr,
+    S_MAX_BITS: tl.constexpr, S_MANT: tl.constexpr, S_MIN_EXP: tl.constexpr,
+    DP_MAX_BITS: tl.constexpr, DP_MANT: tl.constexpr, DP_MIN_EXP: tl.constexpr, HW: tl.constexpr,
+):  # fmt: skip
+    """One query tile of a dK/dV program (transposed: keys along dim 0). Keys out of range need
+    no mask here (they only reach dK/dV rows that are never stored); MASKED: queries out of range,
+    before the key (causal) or padding."""
+    rows = start_m + tl.arange(0, BM)
+    row_off = rows[:, None] * D + dd[None, :]  # int32 offsets from the (b, h) base pointers
+    t_off = dd[:, None] * SQ + rows[None, :]
+    if MASKED:
+        q = tl.load(q_base + row_off, mask=rows[:, None] < SQ, other=0.0)
+        do = tl.load(do_base + row_off, mask=rows[:, None] < SQ, other=0.0)
+        do_t = tl.load(dot_base + t_off, mask=rows[None, :] < SQ, other=0.0)
+        q_t = tl.load(qt_base + t_off, mask=rows[None, :] < SQ, other=0.0)
+        lse = tl.load(lse_base + rows, mask=rows < SQ, other=0.0)
+        delta = tl.load(delta_base + rows, mask=rows < SQ, other=0.0)
+    else:
+        q = tl.load(q_base + row_off)
+        do = tl.load(do_base + row_off)
+        do_t = tl.load(dot_base + t_off)
+        q_t = tl.load(qt_base + t_off)
+        lse = tl.load(lse_base + rows)
+        delta = tl.load(delta_base + rows)
+    s_t = tl.dot(k, tl.trans(q)) * qk_scale  # (BN, BM): S^T
+    p_t = tl.math.exp2(s_t - lse[None, :])
+    if MASKED:
+        ok = _visible(
+            rows[None, :], cols[:, None], b, SQ, SK, mask_ptr, m_sb, m_sq, m_sk, CAUSAL, HAS_MASK
+        )
+        p_t = tl.where(ok, p_t, 0.0)
+    p8 = _to_fp8(p_t * s_scale, S_MAX_BITS, S_MANT, S_MIN_EXP, HW)
+    dv += tl.dot(p8, tl.trans(do_t))
+    dp_t = tl.dot(v, tl.trans(do)) * dp_deq  # (BN, BM): dP^T
+    ds = p_t * (dp_t - delta[None, :])
+    ds8 = _to_fp8(ds * dp_scale, DP_MAX_BITS, DP_MANT, DP_MIN_EXP, HW)
+    dk += tl.dot(ds8, tl.trans(q_t))
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    q_ptr, qt_ptr, k_ptr, v_ptr, do_ptr, dot_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    q_si_ptr, k_si_ptr, v_si_ptr, do_si_ptr, s_scale_ptr, dp_scale_ptr,
+    mask_ptr, m_sb, m_sq, m_sk,
+    H, SQ, SK, c_log2, sm_scale,
+    GROUP: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+    S_MAX_BITS: tl.constexpr, S_MANT: tl.constexpr, S_MIN_EXP: tl.constexpr,
+    DP_MAX_BITS: tl.constexpr, DP_MANT: tl.constexpr, DP_MIN_EXP: tl.constexpr, HW: tl.constexpr,
+):  # fmt: skip
+    # KV heads along the grid's fast axis; under causal masking the first key blocks see the most
+    # queries, and run first
+    bkv, pid_n = tl.program_id(0), tl.program_id(1)
+    hkv = H // GROUP
+    b = bkv // hkv
+    cols = pid_n * BN + tl.arange(0, BN)  # this program's keys
+    dd = tl.arange(0, D)
+    kv_base = bkv.to(tl.int64) * SK * D  # 64-bit bases, 32-bit tile offsets (fewer registers)
+    kv_off = cols[:, None] * D + dd[None, :]
+    k = tl.load(k_ptr + kv_base + kv_off, mask=cols[:, None] < SK, other=0.0)
+    v = tl.load(v_ptr + kv_base + kv_off, mask=cols[:, None] < SK, other=0.0)
+    q_si = tl.load(q_si_ptr)
+    qk_scale = q_si * tl.load(k_si_ptr) * c_log2
+    dp_deq = tl.load(v_si_ptr) * tl.load(do_si_ptr)
+    s_scale = tl.load(s_scale_ptr)
+    dp_scale = tl.load(dp_scale_ptr)
+    dk = tl.zeros([BN, D], tl.float32)
+    dv = tl.zeros([BN, D], tl.float32)
+    # query tiles: [lo, a) masked (the diagonal), [a, z) unmasked, [z, SQ) masked (the ragged end)
+    lo = 0
+    z = (SQ // BM) * BM
+    a = 0
+    if CAUSAL:
+        lo = (pid_n * BN // BM) * BM
+        a = tl.minimum(((pid_n * BN + BN - 1 + BM - 1) // BM) * BM, SQ)
+    if HAS_MASK:
+        a = SQ
+    z = tl.maximum(z, a)
+    for g in range(GROUP):
+        bh = (b * H + (bkv % hkv) * GROUP + g).to(tl.int64)
+        q_base, qt_base = q_ptr + bh * SQ * D, qt_ptr + bh * SQ * D
+        do_base, dot_base = do_ptr + bh * SQ * D, dot_ptr + bh * SQ * D
+        lse_base, delta_base = lse_ptr + bh * SQ, delta_ptr + bh * SQ
+        for start_m in range(lo, a, BM):
+            dk, dv = _dkdv_tile(
+                k, v, dk, dv, q_base, qt_base, do_base, dot_base, lse_base, delta_base, start_m,
+                cols, dd, b, SQ, SK, qk_scale, dp_deq, s_scale, dp_scale, mask_ptr, m_sb, m_sq,
+                m_sk, D, BM, CAUSAL, HAS_MASK, True, S_MAX_BITS, S_MANT, S_MIN_EXP, DP_MAX_BITS,
+                DP_MANT, DP_MIN_EXP, HW,
+            )  # fmt: skip
+        for start_m in range(a, z, BM):
+            dk, dv = _dkdv_tile(
+                k, v, dk, dv, q_base, qt_base, do_base, dot_base, lse_base, delta_base, start_m,
+                cols, dd, b, SQ, SK, qk_scale, dp_deq, s_scale, dp_scale, mask_ptr, m_sb, m_sq,
+                m_sk, D, BM, CAUSAL, HAS_MASK, False, S_MAX_BITS, S_MANT, S_MIN_EXP, DP_MAX_BITS,
+                DP_MANT, DP_MIN_EXP, HW,
+            )  # fmt: skip
+        for start_m in range(z, SQ, BM):
+            dk, dv = _dkdv_tile(
+                k, v, dk, dv, q_base, qt_base, do_base, dot_base, lse_base, delta_base, start_m,
+                cols, dd, b, SQ, SK, qk_scale, dp_deq, s_scale, dp_scale, mask_ptr, m_sb, m_sq,
+                m_sk, D, BM, CAUSAL, HAS_MASK, True, S_MAX_BITS, S_MANT, S_MIN_EXP, DP_MAX_BITS,
+                DP_MANT, DP_MIN_EXP, HW,
+            )  # fmt: skip
+    dv = dv * (reciprocal(s_scale) * tl.load(do_si_ptr))
+    dk = dk * (reciprocal(dp_scale) * q_si * sm_scale)
+    tl.store(dk_ptr + kv_base + kv_off, dk, mask=cols[:, None] < SK)
+    tl.store(dv_ptr + kv_base + kv_off, dv, mask=cols[:, None] < SK)
+
+
+@triton.jit
+def _dq_tile(
+    q, do, lse, delta, dq, ds_max, k_base, kt_base, v_base, start_n, rows, dd, b, SQ, SK,
+    qk_scale, dp_deq, dp_scale,
+    mask_ptr, m_sb, m_sq, m_sk,
+    D: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+    MASKED: tl.constexpr,
+    DP_MAX_BITS: tl.constexpr, DP_MANT: tl.constexpr, DP_MIN_EXP: tl.constexpr, HW: tl.constexpr,
+):  # fmt: skip
+    """One key tile of a dQ program (MASKED as in `_fwd_tile`)."""
+    cols = start_n + tl.arange(0, BN)
+    kv_off = cols[:, None] * D + dd[None, :]  # int32 offsets from the (b, kv head) bases
+    t_off = dd[:, None] * SK + cols[None, :]
+    if MASKED:
+        k = tl.load(k_base + kv_off, mask=cols[:, None] < SK, other=0.0)
+        v = tl.load(v_base + kv_off, mask=cols[:, None] < SK, other=0.0)
+        k_t = tl.load(kt_base + t_off, mask=cols[None, :] < SK, other=0.0)
+    else:
+        k = tl.load(k_base + kv_off)
+        v = tl.load(v_base + kv_off)
+        k_t = tl.load(kt_base + t_off)
+    p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
+    if MASKED:
+        ok = _visible(
+            rows[:, None], cols[None, :], b, SQ, SK, mask_ptr, m_sb, m_sq, m_sk, CAUSAL, HAS_MASK
+        )
+        p = tl.where(ok, p, 0.0)
+    dp = tl.dot(do, tl.trans(v)) * dp_deq
+    ds = p * (dp - delta[:, None])
+    ds_max = tl.maximum(ds_max, tl.max(ds.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 1))
+    ds8 = _to_fp8(ds * dp_scale, DP_MAX_BITS, DP_MANT, DP_MIN_EXP, HW)
+    dq += tl.dot(ds8, tl.trans(k_t))
+    return dq, ds_max
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    q_ptr, k_ptr, kt_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+    q_si_ptr, k_si_ptr, v_si_ptr, do_si_ptr, dp_scale_ptr, dp_amax_ptr,
+    mask_ptr, m_sb, m_sq, m_sk,
+    H, SQ, SK, c_log2, sm_scale,
+    GROUP: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+    DP_MAX_BITS: tl.constexpr, DP_MANT: tl.constexpr, DP_MIN_EXP: tl.constexpr, HW: tl.constexpr,
+):  # fmt: skip
+    # heads along the grid's fast axis, so every head's block pid_m runs before any block
+    # pid_m - 1; under causal masking the last query blocks see the most keys: they go first
+    bh, pid_m = tl.program_id(0), tl.program_id(1)
+    if CAUSAL:
+        pid_m = tl.num_programs(1) - 1 - pid_m
+    b = bh // H
+    bkv = (b * (H // GROUP) + (bh % H) // GROUP).to(tl.int64)
+    rows = pid_m * BM + tl.arange(0, BM)
+    dd = tl.arange(0, D)
+    q_base = bh.to(tl.int64) * SQ * D
+    q_off = rows[:, None] * D + dd[None, :]
+    q = tl.load(q_ptr + q_base + q_off, mask=rows[:, None] < SQ, other=0.0)
+    do = tl.load(do_ptr + q_base + q_off, mask=rows[:, None] < SQ, other=0.0)
+    kv_base = bkv * SK * D
+    k_base, kt_base, v_base = k_ptr + kv_base, kt_ptr + kv_base, v_ptr + kv_base
+    # rows out of range read lse = delta = 0: their P is finite and their dS 0 (dO is 0)
+    lse = tl.load(lse_ptr + bh.to(tl.int64) * SQ + rows, mask=rows < SQ, other=0.0)
+    delta = tl.load(delta_ptr + bh.to(tl.int64) * SQ + rows, mask=rows < SQ, other=0.0)
+    k_si = tl.load(k_si_ptr)
+    qk_scale = tl.load(q_si_ptr) * k_si * c_log2
+    dp_deq = tl.load(v_si_ptr) * tl.load(do_si_ptr)
+    dp_scale = tl.load(dp_scale_ptr)
+    dq = tl.zeros([BM, D], tl.float32)
+    ds_max = tl.zeros([BM], tl.int32)  # bits of max |dS| (non-negative fp32 bits order as values)
+    hi = SK
+    full = 0
+    if CAUSAL:
+        hi = tl.minimum(SK, (pid_m + 1) * BM)
+        if not HAS_MASK:
+            full = (tl.minimum(pid_m * BM + 1, SK) // BN) * BN
+    elif not HAS_MASK:
+        full = (SK // BN) * BN
+    for start_n in range(0, full, BN):
+        dq, ds_max = _dq_tile(
+            q, do, lse, delta, dq, ds_max, k_base, kt_base, v_base, start_n, rows, dd, b, SQ,
+            SK, qk_scale, dp_deq, dp_scale, mask_ptr, m_sb, m_sq, m_sk, D, BN, CAUSAL, HAS_MASK,
+            False, DP_MAX_BITS, DP_MANT, DP_MIN_EXP, HW,
+        )  # fmt: skip
+    for start_n in range(full, hi, BN):
+        dq, ds_max = _dq_tile(
+            q, do, lse, delta, dq, ds_max, k_base, kt_base, v_base, start_n, rows, dd, b, SQ,
+            SK, qk_scale, dp_deq, dp_scale, mask_ptr, m_sb, m_sq, m_sk, D, BN, CAUSAL, HAS_MASK,
+            True, DP_MAX_BITS, DP_MANT, DP_MIN_EXP, HW,
+        )  # fmt: skip
+    dq = dq * (reciprocal(dp_scale) * k_si * sm_scale)
+    tl.store(dq_ptr + q_base + q_off, dq, mask=rows[:, None] < SQ)
+    tl.atomic_max(dp_amax_ptr, tl.max(ds_max, 0), sem="relaxed")

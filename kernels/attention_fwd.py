@@ -1,0 +1,151 @@
+"""FP8 flash attention, forward kernel and the tile helpers the backward shares (``attention.py``
+holds the launchers and the overview; ``attention_bwd.py`` the backward kernels)."""
+
+from __future__ import annotations
+
+from dist_quant.kernels._fp8_round import _INTERPRETED, fp8_encode, reciprocal
+from dist_quant.kernels._triton import tl, triton
+
+
+@triton.jit
+def _pow2(e):
+    """``2**e`` for integer-valued fp32 ``e <= 0`` (-inf -> 0), exact (no ``exp2`` rounding)."""
+    e = tl.maximum(e, -127.0)
+    return ((e.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_fp8(x, MAX_BITS: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr, HW: tl.constexpr):
+    """fp32 -> FP8 tensor (E4M3 when MANT is 3, else E5M2) with the contract's saturating RNE.
+
+    On sm89+ the conversion alone is the contract (``cvt.rn.satfinite``: round to nearest even,
+    subnormals included, beyond +-max to +-max, NaN stays NaN), without ``fp8_encode``'s clamp and
+    packing, a dozen integer ops per element in loops bound by elementwise work. Elsewhere (the
+    interpreter) ``fp8_encode`` rounds on the bits."""
+    if HW and not _INTERPRETED:
+        if MANT == 3:
+            return x.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+        else:
+            return x.to(tl.float8e5, fp_downcast_rounding="rtne")
+    else:
+        code = fp8_encode(x, MAX_BITS, MANT, MIN_EXP, HW).to(tl.uint8)
+        if MANT == 3:
+            return code.to(tl.float8e4nv, bitcast=True)
+        else:
+            return code.to(tl.float8e5, bitcast=True)
+
+
+@triton.jit
+def _visible(
+    rows, cols, b, SQ, SK, mask_ptr, m_sb, m_sq, m_sk, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr
+):
+    """Bool tile (rows x cols broadcast): in range, not after the query (causal), not padded."""
+    ok = (rows < SQ) & (cols < SK)
+    if CAUSAL:
+        ok = ok & (cols <= rows)
+    if HAS_MASK:
+        padded = tl.load(mask_ptr + b * m_sb + rows * m_sq + cols * m_sk, mask=ok, other=1)
+        ok = ok & (padded == 0)
+    return ok
+
+
+@triton.jit
+def _fwd_tile(
+    q, k_base, vt_base, start_n, rows, dd, b, SQ, SK, qk_scale, s_scale,
+    m_i, l_i, p_max, acc,
+    mask_ptr, m_sb, m_sq, m_sk,
+    D: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+    MASKED: tl.constexpr,
+    S_MAX_BITS: tl.constexpr, S_MANT: tl.constexpr, S_MIN_EXP: tl.constexpr, HW: tl.constexpr,
+):  # fmt: skip
+    """One key tile of the forward: the online softmax update and P V (MASKED: the tile may hold
+    keys out of range, after the query or padded)."""
+    cols = start_n + tl.arange(0, BN)
+    k_ptrs = k_base + cols[:, None] * D + dd[None, :]
+    vt_ptrs = vt_base + dd[:, None] * SK + cols[None, :]
+    if MASKED:
+        k = tl.load(k_ptrs, mask=cols[:, None] < SK, other=0.0)
+        vt = tl.load(vt_ptrs, mask=cols[None, :] < SK, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        vt = tl.load(vt_ptrs)
+    s = tl.dot(q, tl.trans(k)) * qk_scale  # (BM, BN) fp32, base-2 logits
+    if MASKED:
+        ok = _visible(
+            rows[:, None], cols[None, :], b, SQ, SK, mask_ptr, m_sb, m_sq, m_sk, CAUSAL, HAS_MASK
+        )
+        s = tl.where(ok, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.math.ceil(tl.max(s, 1)))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = _pow2(m_i - m_use)  # exact: both integers
+    p = tl.math.exp2(s - m_use[:, None])  # <= 1; masked -> 0
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p_max = tl.maximum(p_max * alpha, tl.max(p, 1))
+    p8 = _to_fp8(p * s_scale, S_MAX_BITS, S_MANT, S_MIN_EXP, HW)
+    acc = acc * alpha[:, None] + tl.dot(p8, tl.trans(vt))
+    return m_new, l_i, p_max, acc
+
+
+@triton.jit
+def _fwd_kernel(
+    q_ptr, k_ptr, vt_ptr, out_ptr, lse_ptr,
+    q_si_ptr, k_si_ptr, v_si_ptr, s_scale_ptr, s_amax_ptr,
+    mask_ptr, m_sb, m_sq, m_sk,
+    H, SQ, SK, c_log2,
+    GROUP: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+    S_MAX_BITS: tl.constexpr, S_MANT: tl.constexpr, S_MIN_EXP: tl.constexpr, HW: tl.constexpr,
+):  # fmt: skip
+    # heads along the grid's fast axis, so every head's block pid_m runs before any block
+    # pid_m - 1; under causal masking the last query blocks see the most keys: they go first
+    bh, pid_m = tl.program_id(0), tl.program_id(1)
+    if CAUSAL:
+        pid_m = tl.num_programs(1) - 1 - pid_m
+    b = bh // H
+    bkv = b * (H // GROUP) + (bh % H) // GROUP
+    rows = pid_m * BM + tl.arange(0, BM)
+    dd = tl.arange(0, D)
+    q_base = q_ptr + bh.to(tl.int64) * SQ * D
+    q = tl.load(q_base + rows[:, None] * D + dd[None, :], mask=rows[:, None] < SQ, other=0.0)
+    k_base = k_ptr + bkv.to(tl.int64) * SK * D
+    vt_base = vt_ptr + bkv.to(tl.int64) * D * SK
+    qk_scale = tl.load(q_si_ptr) * tl.load(k_si_ptr) * c_log2
+    s_scale = tl.load(s_scale_ptr)
+
+    m_i = tl.full([BM], float("-inf"), tl.float32)  # integer running max (base-2 logits)
+    l_i = tl.zeros([BM], tl.float32)
+    p_max = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, D], tl.float32)
+    # key tiles [0, full) need no mask: in range and (causal) not after any query of the block
+    hi = SK
+    full = 0
+    if CAUSAL:
+        hi = tl.minimum(SK, (pid_m + 1) * BM)
+        if not HAS_MASK:
+            full = (tl.minimum(pid_m * BM + 1, SK) // BN) * BN
+    elif not HAS_MASK:
+        full = (SK // BN) * BN
+    for start_n in range(0, full, BN):
+        m_i, l_i, p_max, acc = _fwd_tile(
+            q, k_base, vt_base, start_n, rows, dd, b, SQ, SK, qk_scale, s_scale,
+            m_i, l_i, p_max, acc, mask_ptr, m_sb, m_sq, m_sk,
+            D, BN, CAUSAL, HAS_MASK, False, S_MAX_BITS, S_MANT, S_MIN_EXP, HW,
+        )  # fmt: skip
+    for start_n in range(full, hi, BN):
+        m_i, l_i, p_max, acc = _fwd_tile(
+            q, k_base, vt_base, start_n, rows, dd, b, SQ, SK, qk_scale, s_scale,
+            m_i, l_i, p_max, acc, mask_ptr, m_sb, m_sq, m_sk,
+            D, BN, CAUSAL, HAS_MASK, True, S_MAX_BITS, S_MANT, S_MIN_EXP, HW,
+        )  # fmt: skip
+
+    m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
+    s_inv = reciprocal(s_scale)
+    has = l_i > 0.0
+    out = acc * (s_inv * tl.load(v_si_ptr)) / tl.where(has, l_i, 1.0)[:, None]
+    out_base = out_ptr + bh.to(tl.int64) * SQ * D
+    o_ptrs = out_base + rows[:, None] * D + dd[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=rows[:, None] < SQ)
+    lse = tl.where(has, m_use + tl.math.log2(tl.where(has, l_i, 1.0)), float("inf"))
+    tl.store(lse_ptr + bh.to(tl.int64) * SQ + rows, lse, mask=rows < SQ)
+    p_max = tl.where(rows < SQ, p_max, 0.0)
+    tl.atomic_max(s_amax_ptr, tl.max(p_max.to(tl.int32, bitcast=True), 0), sem="relaxed")

@@ -1,0 +1,30 @@
+"""The FP8 flash-attention kernels compiled for a CUDA device, at the GPU's tile sizes, against the
+float64 reference on the same FP8 operands (run on the CPU): head dims 64 and 128, causal and not,
+grouped-query attention, sequence lengths that are no multiple of any tile, bf16 output."""
+
+import pytest
+import torch
+from attention_cases import check_forward_and_backward, operands
+from dist_quant.kernels.attention import attention_bwd_triton, attention_fwd_triton
+
+pytestmark = pytest.mark.gpu
+
+CASES = {
+    # b, h, hkv, sq, sk, d
+    "mha_d64": (2, 4, 4, 1000, 1000, 64),
+    "gqa_d128": (1, 8, 2, 1031, 1031, 128),
+    "gqa_d64_odd": (2, 6, 2, 257, 257, 64),
+    "cross_d128": (1, 4, 1, 300, 777, 128),
+}
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernels_match_the_float64_reference_on_gpu(case, causal):
+    ops = operands(*CASES[case], device="cuda", seed=len(case), causal=causal)
+    check_forward_and_backward(attention_fwd_triton, attention_bwd_triton, ops, torch.bfloat16)
+
+
+def test_padding_mask_matches_the_reference_on_gpu():
+    ops = operands(2, 4, 2, 513, 513, 128, device="cuda", seed=3, pad=True, causal=False)
+    check_forward_and_backward(attention_fwd_triton, attention_bwd_triton, ops, torch.bfloat16)
