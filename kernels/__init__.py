@@ -21,6 +21,9 @@ path (eager calls run the launcher or the reference directly; torch.compile trac
 - ``fp8_stats.py``: ``cast_stats`` (telemetry; imported from there, not exported here);
 - ``swiglu.py``: ``swiglu``, ``swiglu_backward`` (LayerNormMLP's activation, torch's bits on
   CUDA in one launch each).
+- ``attention.py``: ``fp8_attention_fwd``, ``fp8_attention_bwd`` (FP8 flash attention, kernels
+  in ``attention_fwd.py`` / ``attention_bwd.py``, held to a tolerance of its float64 definition
+  ``reference_attention.py``; imported from there, not exported here).
 
 ``reference.py`` is the numerics contract every kernel matches; the CPU runs it, and the Triton
 kernels run on the CPU only in the tests, under ``TRITON_INTERPRET=1``.
