@@ -10,6 +10,9 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from dist_quant import amax  # noqa: E402
+from dist_quant.kinds import Direction  # noqa: E402
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
@@ -35,3 +38,19 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def backward_reductions(monkeypatch):
+    """The (direction, group) of every backward amax reduction the test runs: the backward
+    region's `amax.reduce_and_update`, spied on, which reduces over no group (the tests pass plain
+    objects as groups to see which one a backward picks)."""
+    reductions = []
+    real = amax.reduce_and_update
+
+    def spy(groups, group, *, direction=Direction.FORWARD):
+        reductions.append((direction, group))
+        real(groups, None, direction=direction)
+
+    monkeypatch.setattr(amax, "reduce_and_update", spy)
+    return reductions

@@ -106,17 +106,9 @@ def test_clear_drops_runtime_pin_and_cached_weights():
     assert isinstance(dq.current_recipe(lin), dq.Float8CurrentScaling)
 
 
-def test_backward_reduces_over_the_group_its_forward_ran_under(monkeypatch):
+def test_backward_reduces_over_the_group_its_forward_ran_under(backward_reductions):
     # the plan carries the region's reduction group: a second forward under another group before
     # the first one's backward must not redirect that backward's amax reduction
-    reductions = []
-    real = amax.reduce_and_update
-
-    def spy(groups, group, *, direction=Direction.FORWARD):
-        reductions.append((direction, group))
-        real(groups, None, direction=direction)  # objects stand in for process groups here
-
-    monkeypatch.setattr(amax, "reduce_and_update", spy)  # the backward region's reduction
     lin = dq.Linear(32, 16)
     dq.apply_recipe(lin, DELAYED)
     first, second = object(), object()
@@ -127,7 +119,7 @@ def test_backward_reduces_over_the_group_its_forward_ran_under(monkeypatch):
     with dq.autocast(amax_reduction_group=second):
         lin(x)
     y_first.float().sum().backward()
-    assert reductions == [(Direction.BACKWARD, first)]
+    assert backward_reductions == [(Direction.BACKWARD, first)]
 
 
 def test_an_enrolment_key_names_its_binding_while_the_module_lives():

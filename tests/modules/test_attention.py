@@ -16,7 +16,7 @@ from module_ref import (
 )
 
 import dist_quant as dq
-from dist_quant import amax, factories
+from dist_quant import factories
 from dist_quant.forward import active_runtime
 from dist_quant.kinds import Direction
 
@@ -227,18 +227,10 @@ def test_dpa_delayed_scaling_buffers_survive_a_role_change():
         assert torch.equal(s.scale, scale_val) and torch.equal(s.amax_history, hist_val)
 
 
-def test_fp8_attention_backward_reduces_over_the_group_its_forward_ran_under(monkeypatch):
+def test_fp8_attention_backward_reduces_over_the_group_its_forward_ran_under(backward_reductions):
     # the flash path's backward enrols the `do` / `dp` groups with its plan's copy of the
     # reduction group: a second forward under another group before the first one's backward must
     # not redirect that backward's amax reduction
-    reductions = []
-    real = amax.reduce_and_update
-
-    def spy(groups, group, *, direction=Direction.FORWARD):
-        reductions.append((direction, group))
-        real(groups, None, direction=direction)  # objects stand in for process groups here
-
-    monkeypatch.setattr(amax, "reduce_and_update", spy)  # the backward region's reduction
     dpa = dq.DotProductAttention(H, D, name="attn", device=DEVICE)
     dq.apply_recipe(dpa, dq.DelayedScaling(fp8_dpa=True))
     q, k, v = leaves(*qkv(6)[:3], dtype=torch.float32)
@@ -250,7 +242,7 @@ def test_fp8_attention_backward_reduces_over_the_group_its_forward_ran_under(mon
     with dq.autocast(amax_reduction_group=second):
         dpa(q, k, v)
     out_first.sum().backward()
-    assert reductions == [(Direction.BACKWARD, first)]
+    assert backward_reductions == [(Direction.BACKWARD, first)]
 
 
 @pytest.mark.parametrize("fp8_mha", [False, True])
