@@ -261,12 +261,8 @@ def _fp8_attention_bwd_impl(
     return r.dq.float(), r.dk.float(), r.dv.float()
 
 
-def _fp8_attention_bwd_fake(
-    q: Tensor, k: Tensor, v: Tensor, out: Tensor, do: Tensor, q_scale_inv: Tensor,
-    k_scale_inv: Tensor, v_scale_inv: Tensor, do_scale_inv: Tensor, lse: Tensor, s_scale: Tensor,
-    s_dtype: torch.dtype, dp_scale: Tensor, dp_amax: Tensor, dp_dtype: torch.dtype,
-    pad_mask: Tensor | None, causal: bool,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+def _fp8_attention_bwd_fake(q: Tensor, k: Tensor, v: Tensor, *_: object) -> tuple[Tensor, ...]:
+    """The gradients' shapes are the operands' (the op's schema comes from the implementation)."""
     return tuple(t.new_empty(t.shape, dtype=torch.float32) for t in (q, k, v))
 
 

@@ -200,13 +200,9 @@ class _FlashFP8Attention(torch.autograd.Function):
 
 
 def flash_fp8_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    pad_mask: torch.Tensor | None,
-    causal: bool,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad_mask: torch.Tensor | None, causal: bool,
     slots: AttentionSlots,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """FP8 attention on (batch, heads, seq, head_dim) tensors, k and v at KV-head shape; output in
     q's dtype, then rounded through the `o` slot. `pad_mask` True where a key is masked out
     (broadcastable to (b, 1, sq, sk)); `causal` top-left aligned."""

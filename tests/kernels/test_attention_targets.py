@@ -5,28 +5,17 @@ saturating round-to-nearest-even conversion. The interpreter runs in CI never co
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from target_rows import compiled_rows
 
 SCRIPT = Path(__file__).with_name("compile_attention_targets.py")
 
 
 @pytest.fixture(scope="module")
 def compiled() -> dict[tuple[str, int], dict]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SCRIPT.parent), env.get("PYTHONPATH")]))
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=600
-    )
-    if done.returncode != 0 and "ptxas" in done.stderr:
-        pytest.skip(f"this Triton cannot assemble for NVIDIA targets here: {done.stderr[-300:]}")
-    assert done.returncode == 0, done.stderr[-2000:]
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    rows = compiled_rows(SCRIPT, timeout_s=600)
     return {(r["kernel"], r["d"], r["padded"]): r for r in rows}
 
 

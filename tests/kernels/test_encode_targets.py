@@ -10,16 +10,13 @@ may appear (the byte is packed with integer ops) and every kernel must still com
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from dist_quant.kernels._fp8_round import hw_rounding
+from target_rows import compiled_rows
 
 SCRIPT = Path(__file__).with_name("compile_targets.py")
 KERNELS = 3 * 2  # cast+transpose, block, MXFP8 rowwise x E4M3, E5M2
@@ -27,15 +24,7 @@ KERNELS = 3 * 2  # cast+transpose, block, MXFP8 rowwise x E4M3, E5M2
 
 @pytest.fixture(scope="module")
 def compiled() -> list[dict]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SCRIPT.parent), env.get("PYTHONPATH")]))
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=300
-    )
-    if done.returncode != 0 and "ptxas" in done.stderr:
-        pytest.skip(f"this Triton cannot assemble for NVIDIA targets here: {done.stderr[-300:]}")
-    assert done.returncode == 0, done.stderr[-2000:]
-    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return compiled_rows(SCRIPT, timeout_s=300)
 
 
 def _rows(compiled: list[dict], sm: int) -> list[dict]:
