@@ -22,7 +22,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from bench_linear import cuda_median_ms
+from bench_linear import cuda_median_ms, cuda_profile
 from dist_quant.kernels import attention as attn_kernels
 from dist_quant.kernels.attention import attention_bwd_triton, attention_fwd_triton
 
@@ -166,12 +166,7 @@ def main() -> None:
             getattr(attn_kernels, table)[d] = chosen
     print(f"torch {torch.__version__}")
     if args.profile:
-        kernel_step()
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                kernel_step()
-            torch.cuda.synchronize()
+        prof = cuda_profile(kernel_step, warmup=1, iters=5)
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
     check(dpa, q, k, v, do, causal)
     base = None

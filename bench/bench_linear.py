@@ -88,18 +88,23 @@ def bench_shape(m: int, k: int, n: int, recipes: dict) -> dict[str, float]:
     return out
 
 
+def cuda_profile(step, *, warmup: int, iters: int) -> torch.profiler.profile:
+    """`iters` calls of `step` under the CUDA profiler, after `warmup` calls outside it."""
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    return prof
+
+
 def profile_shape(m: int, k: int, n: int, recipe) -> None:
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     lin = dq.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda")
-    step = make_step(lin, x, dy, recipe)
-    for _ in range(5):
-        step()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
-            step()
-        torch.cuda.synchronize()
+    prof = cuda_profile(make_step(lin, x, dy, recipe), warmup=5, iters=10)
     buckets: dict[str, float] = defaultdict(float)
     kernels: list[tuple[float, str]] = []
     for evt in prof.key_averages():
