@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 from dist_quant.kernels import reference_attention as ref
+from dist_quant.kernels.attention import attention_bwd_triton, attention_fwd_triton
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 OUT_TOL = {torch.float32: 1e-4, torch.bfloat16: 4e-3}
@@ -56,13 +57,13 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((a - e).norm() / e.norm()).item()
 
 
-def check_forward_and_backward(fwd, bwd, ops: dict, out_dtype: torch.dtype) -> None:
-    """Run the launchers ``fwd``/``bwd`` and compare with the reference (on the CPU, float64)."""
+def check_forward_and_backward(ops: dict, out_dtype: torch.dtype) -> None:
+    """Run the launchers on ``ops`` and compare with the reference (on the CPU, float64)."""
     dev = ops["q"].device
     cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in ops.items()}
     s_amax, dp_amax = torch.zeros(1, device=dev), torch.zeros(1, device=dev)
     fwd_keys = ("q", "k", "v", "q_scale_inv", "k_scale_inv", "v_scale_inv", "s_scale")
-    out, lse = fwd(
+    out, lse = attention_fwd_triton(
         *(ops[k] for k in fwd_keys), s_amax, ops["s_dtype"], ops["pad_mask"], ops["causal"],
         out_dtype,
     )  # fmt: skip
@@ -79,7 +80,7 @@ def check_forward_and_backward(fwd, bwd, ops: dict, out_dtype: torch.dtype) -> N
 
     bwd_keys = ("q", "k", "v")
     scale_keys = ("q_scale_inv", "k_scale_inv", "v_scale_inv", "do_scale_inv")
-    grads = bwd(
+    grads = attention_bwd_triton(
         *(ops[k] for k in bwd_keys), out, ops["do"], *(ops[k] for k in scale_keys), lse,
         ops["s_scale"], ops["s_dtype"], ops["dp_scale"], dp_amax, ops["dp_dtype"],
         ops["pad_mask"], ops["causal"],

@@ -6,7 +6,6 @@ truncates). The GPU twin is ``test_triton_gpu_attention.py``."""
 import pytest
 import torch
 from attention_cases import check_forward_and_backward, operands
-from dist_quant.kernels.attention import attention_bwd_triton, attention_fwd_triton
 
 CASES = {
     # b, h, hkv, sq, sk, d
@@ -20,7 +19,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_kernels_match_the_float64_reference(case, causal):
     ops = operands(*CASES[case], device="cpu", seed=len(case), causal=causal)
-    check_forward_and_backward(attention_fwd_triton, attention_bwd_triton, ops, torch.float32)
+    check_forward_and_backward(ops, torch.float32)
 
 
 def test_padding_mask_and_fully_masked_rows_match_the_reference():
@@ -31,7 +30,7 @@ def test_padding_mask_and_fully_masked_rows_match_the_reference():
     ops["pad_mask"][0, ..., :] = True
     ops["pad_mask"][0, ..., 25:] = False
     ops["causal"] = True
-    check_forward_and_backward(attention_fwd_triton, attention_bwd_triton, ops, torch.float32)
+    check_forward_and_backward(ops, torch.float32)
 
 
 def test_e4m3_gradients_match_the_reference():
@@ -43,4 +42,4 @@ def test_e4m3_gradients_match_the_reference():
     ops["do"] = (do * scale).clamp(-limit, limit).to(torch.float8_e4m3fn)
     ops["do_scale_inv"] = (1.0 / scale).reshape(1)
     ops["dp_dtype"], ops["dp_scale"] = torch.float8_e4m3fn, torch.tensor([2.0**12])
-    check_forward_and_backward(attention_fwd_triton, attention_bwd_triton, ops, torch.float32)
+    check_forward_and_backward(ops, torch.float32)

@@ -5,7 +5,6 @@ grouped-query attention, sequence lengths that are no multiple of any tile, bf16
 import pytest
 import torch
 from attention_cases import check_forward_and_backward, operands
-from dist_quant.kernels.attention import attention_bwd_triton, attention_fwd_triton
 
 pytestmark = pytest.mark.gpu
 
@@ -22,9 +21,9 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_kernels_match_the_float64_reference_on_gpu(case, causal):
     ops = operands(*CASES[case], device="cuda", seed=len(case), causal=causal)
-    check_forward_and_backward(attention_fwd_triton, attention_bwd_triton, ops, torch.bfloat16)
+    check_forward_and_backward(ops, torch.bfloat16)
 
 
 def test_padding_mask_matches_the_reference_on_gpu():
     ops = operands(2, 4, 2, 513, 513, 128, device="cuda", seed=3, pad=True, causal=False)
-    check_forward_and_backward(attention_fwd_triton, attention_bwd_triton, ops, torch.bfloat16)
+    check_forward_and_backward(ops, torch.bfloat16)
