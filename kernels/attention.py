@@ -207,8 +207,6 @@ def attention_bwd_triton(
 
 
 # ---- the ops: the kernels or the definition, fakes, registration -------------------------------
-
-
 def _kernels_run(q: Tensor) -> bool:
     """The Triton kernels take CUDA tensors of a head dim they are built for, on a GPU with FP8
     tensor cores (sm89+; older GPUs only emulate FP8, with DIST_QUANT_EMULATE_FP8=1)."""
@@ -220,8 +218,9 @@ def _fold_amax(amax: Tensor, value: Tensor) -> None:
     amax.copy_(torch.maximum(amax, value.float().reshape(1)))
 
 
-# One implementation per op serves as both its reference and its CUDA kernel: the definition
-# wherever the kernels do not run, CUDA included, so the two registrations would be one function.
+# Each op registers one implementation as both its reference and its CUDA kernel: the kernels where
+# they run, the float64 definition everywhere else (the CPU, but also CUDA tensors of other head
+# dims and GPUs before sm89), so a separate CUDA function would repeat it.
 def _fp8_attention_fwd_impl(
     q: Tensor, k: Tensor, v: Tensor, q_scale_inv: Tensor, k_scale_inv: Tensor,
     v_scale_inv: Tensor, s_scale: Tensor, s_amax: Tensor, s_dtype: torch.dtype,
