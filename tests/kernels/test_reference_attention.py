@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from attention_cases import E4M3, E5M2, operands, rel_err
+from attention_cases import E4M3, E5M2, forward_row_bounds, operands, rel_err
 from dist_quant.kernels import reference_attention as ref
 from flash_ref import cast, flash_attention
 
@@ -121,6 +121,25 @@ def test_fp8_rounding_inside_attention_is_visible_against_unquantized_attention(
         ops["v_scale_inv"], ops["s_scale"], E4M3, None, False,
     )  # fmt: skip
     assert 3e-3 < rel_err(fwd.out, plain) < 5e-2, rel_err(fwd.out, plain)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_output_row_bound_holds_for_the_definition_and_fails_unrounded_attention(out_dtype):
+    """The kernels' output check (`forward_row_bounds`) admits the definition itself and rejects
+    what a kernel that skipped P's rounding would give: most rows of plain softmax attention on
+    the same FP8 operands lie outside their bound."""
+    ops = operands(1, 4, 2, 96, 96, 32, device="cpu", seed=5, causal=True)
+    args = ("q", "k", "v", "q_scale_inv", "k_scale_inv", "v_scale_inv", "s_scale")
+    fwd = ref.attention_fwd(*(ops[n] for n in args), E4M3, None, True)
+    bound = forward_row_bounds(ops, out_dtype)
+    assert bool(((fwd.out.to(out_dtype).double() - fwd.out).norm(dim=-1) <= bound).all())
+    q, k, v = (dequantized(ops, n) for n in ("q", "k", "v"))
+    k, v = (x.repeat_interleave(2, dim=1) for x in (k, v))
+    hidden = torch.ones(96, 96, dtype=torch.bool).triu(1)
+    logits = (q @ k.transpose(-2, -1) / math.sqrt(32)).masked_fill(hidden, -math.inf)
+    plain = torch.softmax(logits, -1) @ v
+    outside = (plain - fwd.out).norm(dim=-1) > bound
+    assert outside.double().mean() > 0.9, outside.double().mean()
 
 
 def test_a_fully_masked_query_row_gives_zero_output_infinite_lse_and_zero_gradients():
