@@ -39,17 +39,34 @@ def cast(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
     return (x.float() * scale).clamp(-limit, limit).to(fp8_dtype), 1.0 / scale
 
 
-def operands(b, h, hkv, sq, sk, d, *, device, seed=0, pad=False, causal=True):
-    """Everything a forward and backward call takes (keys as the kernel launchers name them)."""
+def _small_codes(g, shape, fp8_dtype, scale_inv, device):
+    """FP8 codes drawn from {0, +-1, +-2, +-4} with a power-of-two ``scale_inv``."""
+    values = torch.tensor([0.0, 1.0, -1.0, 2.0, -2.0, 4.0, -4.0])
+    codes = values[torch.randint(len(values), shape, generator=g)].to(fp8_dtype)
+    return codes.to(device), torch.tensor([scale_inv], device=device)
+
+
+def operands(b, h, hkv, sq, sk, d, *, device, seed=0, pad=False, causal=True, exact=False):
+    """Everything a forward and backward call takes (keys as the kernel launchers name them).
+
+    ``exact``: every q, k, v and dO code is 0, +-1, +-2 or +-4, so QK^T and dO V^T are integers
+    below 2**12 that any FP8 tensor core sums exactly; otherwise random normal operands cast with
+    current scaling, whose products a Hopper FP8 MMA sums with ~2**-12 relative error."""
     g = torch.Generator().manual_seed(seed)
 
     def randn(*shape, std=1.0):
         return (torch.randn(*shape, generator=g) * std).to(device)
 
-    q, q_si = cast(randn(b, h, sq, d), E4M3)
-    k, k_si = cast(randn(b, hkv, sk, d, std=2.0), E4M3)  # sharper softmax than unit scores
-    v, v_si = cast(randn(b, hkv, sk, d), E4M3)
-    do, do_si = cast(randn(b, h, sq, d, std=1e-3), E5M2)
+    if exact:
+        q, q_si = _small_codes(g, (b, h, sq, d), E4M3, 2.0**-1, device)
+        k, k_si = _small_codes(g, (b, hkv, sk, d), E4M3, 2.0**-1, device)
+        v, v_si = _small_codes(g, (b, hkv, sk, d), E4M3, 2.0**-2, device)
+        do, do_si = _small_codes(g, (b, h, sq, d), E5M2, 2.0**-12, device)
+    else:
+        q, q_si = cast(randn(b, h, sq, d), E4M3)
+        k, k_si = cast(randn(b, hkv, sk, d, std=2.0), E4M3)  # sharper softmax than unit scores
+        v, v_si = cast(randn(b, hkv, sk, d), E4M3)
+        do, do_si = cast(randn(b, h, sq, d, std=1e-3), E5M2)
     pad_mask = None
     if pad:
         pad_mask = torch.zeros(b, 1, 1, sk, dtype=torch.bool, device=device)
