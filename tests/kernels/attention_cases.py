@@ -1,16 +1,25 @@
-"""FP8 attention operands and the tolerance check shared by the kernel tests of
+"""FP8 attention operands and the tolerance checks shared by the kernel tests of
 ``kernels/attention.py`` (interpreter and GPU) against ``kernels/reference_attention.py``.
 
-The tolerances are the contract's (docs/fp8_attention.md). The gradients: relative Frobenius error
-against the float64 reference on the same FP8 operands. The output: a bound for every row
-(`forward_row_bounds`), because the forward's P codes may differ from the definition's in two
-known places, each confined to a few elements of a row: where a kernel rounds P against a running
-row max smaller than the final one and the definition's value is subnormal in E4M3 (the kernel's
-grid is finer there), and where an fp32 logit or ``exp2`` lands within rounding of an FP8 midpoint
-(the code flips). A Frobenius tolerance over the tensor cannot tell those from a missing rounding;
-a row bound can: it allows those elements their rounding step and nothing else, so a kernel that
-skipped P's rounding, or rounded it with another scale, exceeds the bound on most rows
-(`test_reference_attention.py` checks that it does).
+The tolerances are the contract's (docs/fp8_attention.md), in two parts.
+
+`check_forward_and_backward`, for operands whose logits the kernel computes to fp32 precision (any
+operands in the interpreter; on a GPU, `operands(exact=True)`, whose QK^T and dO V^T are small
+integers a tensor core sums exactly): the gradients within a relative Frobenius error of the
+float64 reference, the output within a bound for every row (`forward_row_bounds`). The forward's P
+codes may differ from the definition's in two known places, each confined to a few elements of a
+row: where a kernel rounds P against a running row max smaller than the final one and the
+definition's value is subnormal in E4M3 (the kernel's grid is finer there), and where an fp32 logit
+or ``exp2`` lands within rounding of an FP8 midpoint (the code flips). A Frobenius tolerance over
+the tensor cannot tell those from a missing rounding; a row bound can: it allows those elements
+their rounding step, plus P V's accumulation, and nothing else, so a kernel that skipped P's
+rounding exceeds the bound on most rows (`test_reference_attention.py` checks that it does).
+
+`check_within_hardware_tolerance`, for random operands on a GPU: Hopper's FP8 MMA sums products
+with ~2**-12 relative error of their absolute sum (the H200 measured: logits off by up to 5e-3 in
+base-2 units, against 1e-6 for exact operands), which moves many P and dS values across an FP8
+midpoint; the result is then within `HARDWARE_TOL` of the definition, a coarse check (wrong masks,
+head mapping or scales) that the exact cases sharpen.
 """
 
 from __future__ import annotations
@@ -27,8 +36,12 @@ GRAD_TOL = 1e-3
 # either code: fp32 logits (FP8 products summed in fp32), the fp32 product with the log2-scaled
 # softmax scale and the GPU's exp2 (2 ulp) put p within ~2**-20 relative of the float64 value
 MIDPOINT_WINDOW = 2.0**-16
-# fp32 accumulation of P V and of the row sum, and the final division, relative to sum_j |c_j v_j|
-ACCUMULATION_NOISE = 2.0**-18
+# P V on an FP8 tensor core, relative to sum_j |c_j v_j| / l: Hopper's MMA keeps ~13 bits of its
+# partial sums (with exact logits the H200's rows were within 4.6e-4 of the definition)
+ACCUMULATION_NOISE = 2.0**-10
+# random operands on Hopper: relative Frobenius error of the output and each gradient (the H200
+# measured 5.8e-3 to 1.1e-2 at the GPU test's shapes)
+HARDWARE_TOL = 3e-2
 LSE_TOL = 1e-4  # absolute, base-2 units
 
 
@@ -96,7 +109,7 @@ def forward_row_bounds(ops: dict, out_dtype: torch.dtype) -> torch.Tensor:
     then at most ``s_si * v_si * ||sum_j allowance_j |v_j| || / l`` plus fp32 accumulation noise
     and, for a bf16 output, its rounding (2**-9 of each element)."""
     cpu = {x: (t.cpu() if isinstance(t, torch.Tensor) else t) for x, t in ops.items()}
-    h, d, sk = cpu["q"].shape[1], cpu["q"].shape[3], cpu["k"].shape[2]
+    h, d = cpu["q"].shape[1], cpu["q"].shape[3]
     s_scale, s_dtype = cpu["s_scale"].double(), cpu["s_dtype"]
     qd, kd, vd = (
         _values(cpu[x], cpu[f"{x}_scale_inv"], h) for x in ("q", "k", "v")
@@ -127,7 +140,7 @@ def forward_row_bounds(ops: dict, out_dtype: torch.dtype) -> torch.Tensor:
     row_sum = p.sum(-1).clamp_min(torch.finfo(torch.float64).tiny)
     moved = (allowance @ vd.abs()).norm(dim=-1) * s_inv / row_sum
     magnitude = (codes @ vd.abs()).norm(dim=-1) * s_inv / row_sum  # >= ||out_i||
-    noise = (ACCUMULATION_NOISE * (1 + sk / 64)) * magnitude
+    noise = ACCUMULATION_NOISE * magnitude
     rounding = 2.0**-9 * magnitude if out_dtype == torch.bfloat16 else 0.0
     return moved + noise + rounding
 
@@ -137,8 +150,9 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((a - e).norm() / e.norm()).item()
 
 
-def check_forward_and_backward(ops: dict, out_dtype: torch.dtype) -> None:
-    """Run the launchers on ``ops`` and compare with the reference (on the CPU, float64)."""
+def _run(ops: dict, out_dtype: torch.dtype):
+    """The launchers and the float64 reference on ``ops``: (out, lse, s_amax, grads, dp_amax) of
+    the kernels, then the reference's forward and backward (``out`` and ``lse`` the kernel's)."""
     dev = ops["q"].device
     cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in ops.items()}
     s_amax, dp_amax = torch.zeros(1, device=dev), torch.zeros(1, device=dev)
@@ -150,17 +164,6 @@ def check_forward_and_backward(ops: dict, out_dtype: torch.dtype) -> None:
     r = ref.attention_fwd(
         *(cpu[k] for k in fwd_keys), cpu["s_dtype"], cpu["pad_mask"], cpu["causal"]
     )
-    assert out.dtype == out_dtype and out.shape == ops["q"].shape
-    row_err = (out.cpu().double() - r.out).norm(dim=-1)
-    bound = forward_row_bounds(ops, out_dtype)
-    worst = (row_err / bound.clamp_min(1e-300)).max().item()
-    assert bool((row_err <= bound).all()), f"out: a row's error is {worst:.2f}x its bound"
-    finite = torch.isfinite(r.lse)
-    assert torch.equal(torch.isfinite(lse.cpu()), finite), "lse: fully masked rows differ"
-    lse_err = (lse.cpu().double() - r.lse)[finite].abs().max().item()
-    assert lse_err <= LSE_TOL, f"lse: {lse_err:.2e}"
-    assert abs(s_amax.item() - r.s_amax.item()) <= 1e-6, (s_amax.item(), r.s_amax.item())
-
     bwd_keys = ("q", "k", "v")
     scale_keys = ("q_scale_inv", "k_scale_inv", "v_scale_inv", "do_scale_inv")
     grads = attention_bwd_triton(
@@ -173,8 +176,32 @@ def check_forward_and_backward(ops: dict, out_dtype: torch.dtype) -> None:
         lse.cpu(), cpu["s_scale"], cpu["s_dtype"], cpu["dp_scale"], cpu["dp_dtype"],
         cpu["pad_mask"], cpu["causal"],
     )  # fmt: skip
+    assert out.dtype == out_dtype and out.shape == ops["q"].shape
     for name, got, exp in zip(("dq", "dk", "dv"), grads, rb[:3]):
         assert got.shape == exp.shape, f"{name}: shape {tuple(got.shape)}"
+    return (out, lse, s_amax, grads, dp_amax), r, rb
+
+
+def check_forward_and_backward(ops: dict, out_dtype: torch.dtype) -> None:
+    """The launchers against the reference where the kernel's logits are exact (module doc)."""
+    (out, lse, s_amax, grads, dp_amax), r, rb = _run(ops, out_dtype)
+    row_err = (out.cpu().double() - r.out).norm(dim=-1)
+    bound = forward_row_bounds(ops, out_dtype)
+    worst = (row_err / bound.clamp_min(1e-300)).max().item()
+    assert bool((row_err <= bound).all()), f"out: a row's error is {worst:.2f}x its bound"
+    finite = torch.isfinite(r.lse)
+    assert torch.equal(torch.isfinite(lse.cpu()), finite), "lse: fully masked rows differ"
+    lse_err = (lse.cpu().double() - r.lse)[finite].abs().max().item()
+    assert lse_err <= LSE_TOL, f"lse: {lse_err:.2e}"
+    assert abs(s_amax.item() - r.s_amax.item()) <= 1e-6, (s_amax.item(), r.s_amax.item())
+    for name, got, exp in zip(("dq", "dk", "dv"), grads, rb[:3]):
         assert rel_err(got, exp) <= GRAD_TOL, f"{name}: {rel_err(got, exp):.2e}"
     amax_err = abs(dp_amax.item() - rb.dp_amax.item()) / rb.dp_amax.item()
     assert amax_err <= 1e-4, (dp_amax.item(), rb.dp_amax.item())
+
+
+def check_within_hardware_tolerance(ops: dict, out_dtype: torch.dtype) -> None:
+    """The launchers against the reference for random operands on a GPU (module doc)."""
+    (out, _, _, grads, _), r, rb = _run(ops, out_dtype)
+    for name, got, exp in zip(("out", "dq", "dk", "dv"), (out, *grads), (r.out, *rb[:3])):
+        assert rel_err(got, exp) <= HARDWARE_TOL, f"{name}: {rel_err(got, exp):.2e}"

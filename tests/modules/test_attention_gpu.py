@@ -1,8 +1,9 @@
 """DotProductAttention with FP8 attention on CUDA (the Triton flash kernels) against the same module
 on the CPU (the float64 definition they follow), from the same bf16 inputs, two steps so delayed
 scales move off 1. The casts into attention are bit-exact on both devices (the cast kernels'
-contract), so outputs and gradients differ only as the kernels differ from their definition: the
-tolerance is tests/kernels/attention_cases.py's for a bf16 result."""
+contract), so outputs and gradients differ only as the kernels differ from their definition: on
+random inputs by Hopper's FP8 accumulation, the tolerance is tests/kernels/attention_cases.py's
+HARDWARE_TOL (the kernel tests hold exact-logit operands to the contract's tight bounds)."""
 
 import pytest
 import torch
@@ -12,7 +13,9 @@ import dist_quant as dq
 
 pytestmark = pytest.mark.gpu
 
-TOL = 4e-3  # bf16 results: 2**-9 per element, plus the kernels' fp32 accumulation
+# Hopper's FP8 accumulation on random inputs (tests/kernels/attention_cases.py, HARDWARE_TOL)
+HARDWARE_TOL = 3e-2
+
 RECIPES = {
     "delayed": lambda: dq.DelayedScaling(amax_history_len=4, fp8_dpa=True),
     "current": lambda: dq.Float8CurrentScaling(fp8_dpa=True),
@@ -44,4 +47,4 @@ def test_fp8_attention_on_cuda_matches_the_cpu_definition(recipe, mask_type, d):
     for step, (cpu, gpu) in enumerate(zip(results["cpu"], results["cuda"])):
         for name, a, b in zip(("out", "dq", "dk", "dv"), gpu, cpu):
             err = rel_err(a.cpu(), b)
-            assert err <= TOL, f"step {step} {name}: {err:.2e}"
+            assert err <= HARDWARE_TOL, f"step {step} {name}: {err:.2e}"
