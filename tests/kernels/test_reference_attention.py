@@ -139,7 +139,7 @@ def test_the_output_row_bound_holds_for_the_definition_and_fails_unrounded_atten
     logits = (q @ k.transpose(-2, -1) / math.sqrt(32)).masked_fill(hidden, -math.inf)
     plain = torch.softmax(logits, -1) @ v
     outside = (plain - fwd.out).norm(dim=-1) > bound
-    assert outside.double().mean() > 0.9, outside.double().mean()
+    assert outside.double().mean() > 0.75, outside.double().mean()
 
 
 def test_a_fully_masked_query_row_gives_zero_output_infinite_lse_and_zero_gradients():
