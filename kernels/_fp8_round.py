@@ -202,6 +202,19 @@ def to_bf16_bits(f):
     return (rounded | ((bits >> 16) & 0x8000)).to(tl.int16)
 
 
+@triton.jit
+def store_out(ptr, val, mask, OUT_KIND: tl.constexpr):
+    """Store an fp32 result as the output dtype ``OUT_KINDS`` numbers: fp32, bf16 (``ptr`` is the
+    int16 view from ``store_view``; explicit round-to-nearest-even, since the interpreter's bf16
+    conversion truncates) or fp16 (``.to`` rounds to nearest even on both backends)."""
+    if OUT_KIND == 0:
+        tl.store(ptr, val, mask=mask)
+    elif OUT_KIND == 1:
+        tl.store(ptr, to_bf16_bits(val), mask=mask)
+    else:
+        tl.store(ptr, val.to(tl.float16), mask=mask)
+
+
 # ---- launcher-side helpers (plain Python) ----------------------------------------------------
 
 
@@ -276,3 +289,21 @@ def hw_rounding(x: torch.Tensor) -> bool:
 def is_gpu(x: torch.Tensor) -> bool:
     """Launchers size blocks for the GPU, or for the CPU interpreter (few, large programs)."""
     return x.device.type == "cuda"
+
+
+# The output dtypes of kernels that write a high-precision result through ``store_out``.
+OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def out_kind(dtype: torch.dtype, what: str, arg: str = "dtype") -> int:
+    """``store_out``'s ``OUT_KIND`` for ``dtype``; ``ValueError`` naming ``what`` and ``arg`` for
+    any other dtype."""
+    if dtype not in OUT_KINDS:
+        raise ValueError(f"{what}: {arg} must be fp32/bf16/fp16, got {dtype}")
+    return OUT_KINDS[dtype]
+
+
+def store_view(out: torch.Tensor) -> torch.Tensor:
+    """What ``store_out`` writes through: a bf16 output as its int16 bits (rounded in the
+    kernel), any other as it is."""
+    return out.view(torch.int16) if out.dtype == torch.bfloat16 else out
