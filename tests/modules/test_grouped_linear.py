@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from module_ref import DEVICE, assert_fp8_close, leaves, ref_linear
+from recipe_cases import builtin_and_reference_factory
 
 import dist_quant as dq
-from dist_quant import factories
 from dist_quant.modules.functional import LinearSlots
 from dist_quant.modules.grouped_linear import row_alignment
 
@@ -118,16 +118,7 @@ def test_row_alignment_follows_the_quantizers():
     assert row_alignment(slots(dq.IdentityQuantizer()), cuda) == 1
 
 
-@pytest.mark.parametrize(
-    "builtin,factory",
-    [
-        (dq.Float8CurrentScaling(), factories.current_scaling),
-        (dq.DelayedScaling(), factories.delayed_scaling),
-        (dq.MXFP8BlockScaling(), factories.mxfp8),
-        (dq.Float8BlockScaling(), factories.float8_block_scaling),
-    ],
-    ids=["current", "delayed", "mxfp8", "block"],
-)
+@builtin_and_reference_factory
 def test_custom_recipe_of_reference_factory_equals_builtin_bit_for_bit(builtin, factory):
     a, b = make(3), make(3)
     x, dy = inputs(3)

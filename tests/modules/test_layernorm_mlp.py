@@ -11,6 +11,7 @@ from module_ref import (
     ref_linear,
     ref_norm,
 )
+from recipe_cases import builtin_and_reference_factory
 
 import dist_quant as dq
 from dist_quant import factories
@@ -113,16 +114,7 @@ def test_fc1_and_fc2_use_their_own_slots():
     ]
 
 
-@pytest.mark.parametrize(
-    "builtin,factory",
-    [
-        (dq.Float8CurrentScaling(), factories.current_scaling),
-        (dq.DelayedScaling(), factories.delayed_scaling),
-        (dq.MXFP8BlockScaling(), factories.mxfp8),
-        (dq.Float8BlockScaling(), factories.float8_block_scaling),
-    ],
-    ids=["current", "delayed", "mxfp8", "block"],
-)
+@builtin_and_reference_factory
 def test_custom_recipe_of_reference_factory_equals_builtin_bit_for_bit(builtin, factory):
     a, b = make("swiglu", seed=3), make("swiglu", seed=3)
     x, dy = inputs(3)
