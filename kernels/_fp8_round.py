@@ -203,6 +203,23 @@ def to_bf16_bits(f):
 
 
 @triton.jit
+def row_block_tile(pid, rows, cols, n_blocks, BM: tl.constexpr, NB: tl.constexpr, G: tl.constexpr):
+    """Program ``pid``'s ``[BM, NB, G]`` tile of a ``(rows, cols)`` matrix whose rows are cut into
+    ``n_blocks`` blocks of ``G`` (the last may be short), the blocks' axis explicit so a kernel
+    reduces each block with one ``tl.max(..., axis=2)`` and no reshape. Returns the tile's rows
+    ``r`` ``[BM]`` and blocks ``b`` ``[NB]`` (int64 rows), the broadcastable row and column
+    indices ``r3`` ``[BM, 1, 1]`` and ``c3`` ``[1, NB, G]``, and the in-bounds ``mask``. Inlined
+    into each kernel: the same instructions as writing it out."""
+    n_col_tiles = tl.cdiv(n_blocks, NB)
+    r = ((pid // n_col_tiles) * BM + tl.arange(0, BM)).to(tl.int64)
+    b = (pid % n_col_tiles) * NB + tl.arange(0, NB)
+    c = (b[:, None] * G + tl.arange(0, G)[None, :]).to(tl.int64)  # [NB, G]
+    r3 = r[:, None, None]
+    c3 = c[None, :, :]
+    return r, b, r3, c3, (r3 < rows) & (c3 < cols)
+
+
+@triton.jit
 def store_out(ptr, val, mask, OUT_KIND: tl.constexpr):
     """Store an fp32 result as the output dtype ``OUT_KINDS`` numbers: fp32, bf16 (``ptr`` is the
     int16 view from ``store_view``; explicit round-to-nearest-even, since the interpreter's bf16

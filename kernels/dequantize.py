@@ -21,6 +21,7 @@ from dist_quant.kernels._fp8_round import (
     fp8_spec,
     is_gpu,
     out_kind,
+    row_block_tile,
     rows_cols,
     scalar_fp32,
     store_out,
@@ -76,14 +77,7 @@ def _dequantize_grouped_kernel(
     HAS_INF: tl.constexpr,
     OUT_KIND: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    n_col_tiles = tl.cdiv(n_groups, NB)
-    r = ((pid // n_col_tiles) * BM + tl.arange(0, BM)).to(tl.int64)
-    b = (pid % n_col_tiles) * NB + tl.arange(0, NB)
-    c = (b[:, None] * G + tl.arange(0, G)[None, :]).to(tl.int64)  # [NB, G]
-    r3 = r[:, None, None]
-    c3 = c[None, :, :]
-    mask = (r3 < rows) & (c3 < cols)
+    r, b, r3, c3, mask = row_block_tile(tl.program_id(0), rows, cols, n_groups, BM, NB, G)
     q = tl.load(q_ptr + r3 * stride_qr + c3 * stride_qc, mask=mask, other=0)
     s_mask = (r < rows)[:, None] & (b < n_groups)[None, :]
     s_offs = (r // ROW_GROUP)[:, None] * n_groups + b[None, :]

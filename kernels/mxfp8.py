@@ -24,6 +24,7 @@ from dist_quant.kernels._fp8_round import (
     fp8_spec,
     hw_rounding,
     is_gpu,
+    row_block_tile,
     rows_cols,
 )
 from dist_quant.kernels._launch import FastLaunch
@@ -83,14 +84,7 @@ def _mxfp8_rowwise_kernel(
     E0_MAX_BITS: tl.constexpr,
     HW_ROUND: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    n_col_tiles = tl.cdiv(n_blocks, NB)
-    r = ((pid // n_col_tiles) * BM + tl.arange(0, BM)).to(tl.int64)
-    b = (pid % n_col_tiles) * NB + tl.arange(0, NB)
-    c = (b[:, None] * 32 + tl.arange(0, 32)[None, :]).to(tl.int64)  # [NB, 32]
-    r3 = r[:, None, None]
-    c3 = c[None, :, :]
-    mask = (r3 < rows) & (c3 < cols)
+    r, b, r3, c3, mask = row_block_tile(tl.program_id(0), rows, cols, n_blocks, BM, NB, 32)
     x = tl.load(x_ptr + r3 * stride_xr + c3 * stride_xc, mask=mask, other=0.0).to(tl.float32)
     e, mult = _e8m0_and_multiplier(tl.max(abs_bits(x), axis=2), FP8_MAX, E0_MAX_BITS)
     code = fp8_encode(x * mult[:, :, None], MAX_BITS, MANT_BITS, MIN_EXP, HW_ROUND)
