@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from module_ref import DEVICE, assert_fp8_close, leaves, ref_linear
+from module_step import run as run_step
 from recipe_cases import builtin_and_reference_factory
 
 import dist_quant as dq
@@ -25,13 +26,8 @@ def inputs(seed: int = 0, splits=SPLITS):
     return torch.randn(tokens, IN, device=DEVICE), torch.randn(tokens, OUT, device=DEVICE)
 
 
-def run(mod, x, dy, recipe=None, enabled=True, splits=SPLITS):
-    x = x.detach().clone().requires_grad_(True)
-    mod.zero_grad(set_to_none=True)
-    with dq.autocast(enabled=enabled, recipe=recipe):
-        y = mod(x, splits)
-    y.backward(dy)
-    return [y.detach(), x.grad] + [p.grad for p in mod.parameters()]
+def run(mod, x, dy, recipe=None, enabled=True):
+    return run_step(mod, x, dy, recipe, enabled, forward_args=(SPLITS,))
 
 
 def test_disabled_autocast_is_plain_per_expert_linear_bit_for_bit():

@@ -11,6 +11,7 @@ from module_ref import (
     ref_linear,
     ref_norm,
 )
+from module_step import run
 from recipe_cases import builtin_and_reference_factory
 
 import dist_quant as dq
@@ -27,15 +28,6 @@ def make(activation: str = "gelu", seed: int = 0, **kw) -> dq.LayerNormMLP:
         mod.layer_norm_weight.uniform_(0.5, 1.5)
         mod.layer_norm_bias.uniform_(-0.5, 0.5)
     return mod
-
-
-def run(mod, x, dy, recipe=None, enabled=True):
-    x = x.detach().clone().requires_grad_(True)
-    mod.zero_grad(set_to_none=True)
-    with dq.autocast(enabled=enabled, recipe=recipe):
-        y = mod(x)
-    y.backward(dy)
-    return [y.detach(), x.grad] + [p.grad for p in mod.parameters()]
 
 
 def inputs(seed: int = 0):
