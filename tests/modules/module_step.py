@@ -23,3 +23,22 @@ def run(
         y = mod(x, *forward_args)
     y.backward(dy)
     return [y.detach(), x.grad] + [p.grad for p in mod.parameters()]
+
+
+def assert_recipes_agree_bit_for_bit(
+    a: torch.nn.Module,
+    b: torch.nn.Module,
+    x: torch.Tensor,
+    dy: torch.Tensor,
+    recipe_a: dq.Recipe,
+    recipe_b: dq.Recipe,
+    forward_args: tuple = (),
+) -> None:
+    """Three steps of two equal modules, `a` under `recipe_a` and `b` under `recipe_b`, give the
+    same bits; the input grows each step, so delayed scaling's scales of steps 2 and 3 come from
+    its history."""
+    for step in range(3):
+        ra = run(a, x * (step + 1), dy, recipe_a, forward_args=forward_args)
+        rb = run(b, x * (step + 1), dy, recipe_b, forward_args=forward_args)
+        for ta, tb in zip(ra, rb, strict=True):
+            assert torch.equal(ta, tb)
