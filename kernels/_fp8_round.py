@@ -1,4 +1,6 @@
-"""Shared Triton helpers: exact FP8 encode/decode on integer bits, amax bits and scale formulas.
+"""Shared Triton helpers: exact FP8 encode/decode on integer bits, amax bits and scale formulas, the
+row-block tile of the block-scaled kernels (``row_block_tile``) and the fp32/bf16/fp16 result store
+(``store_out``); and the launchers' plain-Python helpers.
 
 Every kernel encodes with ``fp8_encode`` (clamp to +-max, round to nearest even, FP8 subnormals
 included), in one of two ways:
