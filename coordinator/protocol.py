@@ -452,28 +452,11 @@ class CancelDecision(Message):
     summary: str = ""
 
 
-MESSAGE_TYPES: dict[str, type[Message]] = {
-    cls.kind: cls
-    for cls in (
-        SwitchRequest,
-        StatusQuery,
-        Hello,
-        Prepare,
-        Vote,
-        Decision,
-        Ack,
-        Reply,
-        Stop,
-        Alive,
-        Bundle,
-        DecisionQuery,
-        Mark,
-        CancelRequest,
-        CancelPrepare,
-        CancelVote,
-        CancelDecision,
-    )
-}
+# Every message class by its `kind`, read off the classes themselves (each declares its own tag), so
+# a new message needs no second registration.
+MESSAGE_TYPES: dict[str, type[Message]] = {cls.kind: cls for cls in Message.__subclasses__()}
+if len(MESSAGE_TYPES) != len(Message.__subclasses__()) or "" in MESSAGE_TYPES:
+    raise TypeError("coordinator.protocol: every Message subclass needs its own non-empty kind")
 
 
 def decide(

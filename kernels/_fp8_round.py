@@ -1,4 +1,6 @@
-"""Shared Triton helpers: exact FP8 encode/decode on integer bits, amax bits and scale formulas.
+"""Shared Triton helpers: exact FP8 encode/decode on integer bits, amax bits and scale formulas, the
+row-block tile of the block-scaled kernels (``row_block_tile``) and the fp32/bf16/fp16 result store
+(``store_out``); and the launchers' plain-Python helpers.
 
 Every kernel encodes with ``fp8_encode`` (clamp to +-max, round to nearest even, FP8 subnormals
 included), in one of two ways:
@@ -202,6 +204,36 @@ def to_bf16_bits(f):
     return (rounded | ((bits >> 16) & 0x8000)).to(tl.int16)
 
 
+@triton.jit
+def row_block_tile(pid, rows, cols, n_blocks, BM: tl.constexpr, NB: tl.constexpr, G: tl.constexpr):
+    """Program ``pid``'s ``[BM, NB, G]`` tile of a ``(rows, cols)`` matrix whose rows are cut into
+    ``n_blocks`` blocks of ``G`` (the last may be short), the blocks' axis explicit so a kernel
+    reduces each block with one ``tl.max(..., axis=2)`` and no reshape. Returns the tile's rows
+    ``r`` ``[BM]`` and blocks ``b`` ``[NB]`` (int64 rows), the broadcastable row and column
+    indices ``r3`` ``[BM, 1, 1]`` and ``c3`` ``[1, NB, G]``, and the in-bounds ``mask``. Inlined
+    into each kernel: the same instructions as writing it out."""
+    n_col_tiles = tl.cdiv(n_blocks, NB)
+    r = ((pid // n_col_tiles) * BM + tl.arange(0, BM)).to(tl.int64)
+    b = (pid % n_col_tiles) * NB + tl.arange(0, NB)
+    c = (b[:, None] * G + tl.arange(0, G)[None, :]).to(tl.int64)  # [NB, G]
+    r3 = r[:, None, None]
+    c3 = c[None, :, :]
+    return r, b, r3, c3, (r3 < rows) & (c3 < cols)
+
+
+@triton.jit
+def store_out(ptr, val, mask, OUT_KIND: tl.constexpr):
+    """Store an fp32 result as the output dtype ``OUT_KINDS`` numbers: fp32, bf16 (``ptr`` is the
+    int16 view from ``store_view``; explicit round-to-nearest-even, since the interpreter's bf16
+    conversion truncates) or fp16 (``.to`` rounds to nearest even on both backends)."""
+    if OUT_KIND == 0:
+        tl.store(ptr, val, mask=mask)
+    elif OUT_KIND == 1:
+        tl.store(ptr, to_bf16_bits(val), mask=mask)
+    else:
+        tl.store(ptr, val.to(tl.float16), mask=mask)
+
+
 # ---- launcher-side helpers (plain Python) ----------------------------------------------------
 
 
@@ -276,3 +308,21 @@ def hw_rounding(x: torch.Tensor) -> bool:
 def is_gpu(x: torch.Tensor) -> bool:
     """Launchers size blocks for the GPU, or for the CPU interpreter (few, large programs)."""
     return x.device.type == "cuda"
+
+
+# The output dtypes of kernels that write a high-precision result through ``store_out``.
+OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def out_kind(dtype: torch.dtype, what: str, arg: str = "dtype") -> int:
+    """``store_out``'s ``OUT_KIND`` for ``dtype``; ``ValueError`` naming ``what`` and ``arg`` for
+    any other dtype."""
+    if dtype not in OUT_KINDS:
+        raise ValueError(f"{what}: {arg} must be fp32/bf16/fp16, got {dtype}")
+    return OUT_KINDS[dtype]
+
+
+def store_view(out: torch.Tensor) -> torch.Tensor:
+    """What ``store_out`` writes through: a bf16 output as its int16 bits (rounded in the
+    kernel), any other as it is."""
+    return out.view(torch.int16) if out.dtype == torch.bfloat16 else out

@@ -23,6 +23,7 @@ from dist_quant.kernels._fp8_round import (
     is_gpu,
     next_pow2,
     reciprocal,
+    row_block_tile,
     rows_cols,
     scale_from_amax,
 )
@@ -60,14 +61,7 @@ def _block_cast_kernel(
     HW_ROUND: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    n_col_tiles = tl.cdiv(n_tiles, NB)
-    pid_m = pid // n_col_tiles
-    r = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
-    b = (pid % n_col_tiles) * NB + tl.arange(0, NB)
-    c = (b[:, None] * 128 + tl.arange(0, 128)[None, :]).to(tl.int64)  # [NB, 128]
-    r3 = r[:, None, None]
-    c3 = c[None, :, :]
-    mask = (r3 < rows) & (c3 < cols)
+    r, b, r3, c3, mask = row_block_tile(pid, rows, cols, n_tiles, BM, NB, 128)
     x = tl.load(x_ptr + r3 * stride_xr + c3 * stride_xc, mask=mask, other=0.0).to(tl.float32)
     m = tl.max(abs_bits(x), axis=2)  # [BM, NB]
     if SQUARE:
@@ -76,7 +70,7 @@ def _block_cast_kernel(
     code = fp8_encode(x * s[:, :, None], MAX_BITS, MANT_BITS, MIN_EXP, HW_ROUND)
     tl.store(q_ptr + r3 * cols + c3, code.to(tl.uint8), mask=mask)
     if SQUARE:
-        s_offs = pid_m * n_tiles + b[None, :]
+        s_offs = (pid // tl.cdiv(n_tiles, NB)) * n_tiles + b[None, :]  # the tile row's scales
         s_mask = (b < n_tiles)[None, :]
     else:
         s_offs = r[:, None] * n_tiles + b[None, :]

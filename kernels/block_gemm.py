@@ -32,7 +32,15 @@ fp32, so this is the same computation with fp32 summation inside a step.
 from __future__ import annotations
 
 import torch
-from dist_quant.kernels._fp8_round import _INTERPRETED, fp8_decode, fp8_spec, is_gpu, to_bf16_bits
+from dist_quant.kernels._fp8_round import (
+    _INTERPRETED,
+    fp8_decode,
+    fp8_spec,
+    is_gpu,
+    out_kind,
+    store_out,
+    store_view,
+)
 from dist_quant.kernels._launch import FastLaunch
 from dist_quant.kernels._op import register_op
 from dist_quant.kernels._triton import tl, triton
@@ -44,8 +52,6 @@ K_BLOCK = 128  # the Float8 block-scaling tile width: one scale per operand row 
 # operands per stage). bench/bench_block_gemm.py --sweep on H200: 1.55 ms at 8192^3, the fastest
 # of 7 (64x128 with 4 warps is 8% faster at 4096^3, 4% slower at 8192^3); see BENCHMARKS.md.
 GPU_CONFIG = {"BM": 128, "BN": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
-
-_OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 @triton.jit
@@ -143,14 +149,7 @@ def _block_scaled_gemm_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :] * stride_on
-    mask = m_ok[:, None] & n_ok[None, :]
-    if OUT_KIND == 0:
-        tl.store(out, acc, mask=mask)
-    elif OUT_KIND == 1:
-        # explicit round-to-nearest-even: the interpreter's bf16 conversion truncates
-        tl.store(out, to_bf16_bits(acc), mask=mask)
-    else:
-        tl.store(out, acc.to(tl.float16), mask=mask)
+    store_out(out, acc, m_ok[:, None] & n_ok[None, :], OUT_KIND)
 
 
 def _check_operand(
@@ -208,8 +207,7 @@ def block_scaled_gemm_triton(
         )
     if b_data.device != a_data.device:
         raise ValueError(f"{what}: a_data is on {a_data.device}, b_data on {b_data.device}")
-    if out_dtype not in _OUT_KINDS:
-        raise ValueError(f"{what}: out_dtype must be fp32, bf16 or fp16, got {out_dtype}")
+    kind = out_kind(out_dtype, what, "out_dtype")
     if bias is not None and (
         bias.shape != (n,) or not bias.dtype.is_floating_point or bias.device != a_data.device
     ):
@@ -228,12 +226,11 @@ def block_scaled_gemm_triton(
         bn = min(max(triton.next_power_of_2(n), 16), 64)
         cfg = {"BM": bm, "BN": bn, "GROUP_M": 8, "num_warps": 1, "num_stages": 1}
     a_spec, b_spec = fp8_spec(a_data.dtype, what), fp8_spec(b_data.dtype, what)
-    out_view = out.view(torch.int16) if out_dtype == torch.bfloat16 else out
     grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]),)
     consts = {
         "A_ROWS_PER_SCALE": 1 if a_block_dim == 1 else K_BLOCK,
         "B_ROWS_PER_SCALE": 1 if b_block_dim == 1 else K_BLOCK,
-        "HAS_BIAS": bias is not None, "OUT_KIND": _OUT_KINDS[out_dtype],
+        "HAS_BIAS": bias is not None, "OUT_KIND": kind,
         "A_MANT": a_spec.mant_bits, "A_MIN_EXP": a_spec.min_exp, "A_HAS_INF": a_spec.has_inf,
         "B_MANT": b_spec.mant_bits, "B_MIN_EXP": b_spec.min_exp, "B_HAS_INF": b_spec.has_inf,
         "BK": K_BLOCK,
@@ -241,7 +238,7 @@ def block_scaled_gemm_triton(
     _launch_gemm.launch(
         grid,
         (
-            a_data, b_data, a_scale_inv, b_scale_inv, out if bias is None else bias, out_view,
+            a_data, b_data, a_scale_inv, b_scale_inv, out if bias is None else bias, store_view(out),
             m, n, k, *a_data.stride(), *b_data.stride(), *a_scale_inv.stride(),
             *b_scale_inv.stride(), *out.stride(),
         ),

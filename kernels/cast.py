@@ -77,7 +77,7 @@ class AmaxPartials:
 
 
 @triton.jit
-def _program_scale(
+def _program_and_scale(
     scale_ptr,
     partials_ptr,
     n_partials,
@@ -85,14 +85,19 @@ def _program_scale(
     amax_out_ptr,
     scale_out_ptr,
     scale_inv_out_ptr,
-    pid,
     FP8_MAX: tl.constexpr,
     POW2: tl.constexpr,
     P_BLOCK: tl.constexpr,
+    REVERSE: tl.constexpr,
     WRITE_INV: tl.constexpr,
 ):
-    """The scale every program uses: loaded (P_BLOCK == 0; with WRITE_INV program 0 also stores
-    its reciprocal) or computed from the amax partials."""
+    """``(pid, scale)`` of this program, for both cast kernels: the program's tile index (counted
+    from the end with REVERSE: the tail is what the amax pass left in L2) and the scale every
+    program uses: loaded (P_BLOCK == 0; with WRITE_INV program 0 also stores its reciprocal) or
+    computed from the amax partials. Inlined by the compiler: no cost over writing it out."""
+    pid = tl.program_id(0)
+    if REVERSE:
+        pid = tl.num_programs(0) - 1 - pid
     if P_BLOCK == 0:
         scale = tl.load(scale_ptr)
         if WRITE_INV:
@@ -106,7 +111,7 @@ def _program_scale(
         tl.store(amax_out_ptr, a, mask=first)
         tl.store(scale_out_ptr, scale, mask=first)
         tl.store(scale_inv_out_ptr, reciprocal(scale), mask=first)
-    return scale
+    return pid, scale
 
 
 @triton.jit
@@ -134,23 +139,10 @@ def _cast_kernel(
     WRITE_INV: tl.constexpr,
     HW_ROUND: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    if REVERSE:  # read the tail first: it is what the amax pass left in L2
-        pid = tl.num_programs(0) - 1 - pid
-    scale = _program_scale(
-        scale_ptr,
-        partials_ptr,
-        n_partials,
-        eps,
-        amax_out_ptr,
-        scale_out_ptr,
-        scale_inv_out_ptr,
-        pid,
-        FP8_MAX,
-        POW2,
-        P_BLOCK,
-        WRITE_INV,
-    )
+    pid, scale = _program_and_scale(
+        scale_ptr, partials_ptr, n_partials, eps, amax_out_ptr, scale_out_ptr, scale_inv_out_ptr,
+        FP8_MAX, POW2, P_BLOCK, REVERSE, WRITE_INV,
+    )  # fmt: skip
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -192,23 +184,10 @@ def _cast_transpose_kernel(
     WRITE_INV: tl.constexpr,
     HW_ROUND: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    if REVERSE:
-        pid = tl.num_programs(0) - 1 - pid
-    scale = _program_scale(
-        scale_ptr,
-        partials_ptr,
-        n_partials,
-        eps,
-        amax_out_ptr,
-        scale_out_ptr,
-        scale_inv_out_ptr,
-        pid,
-        FP8_MAX,
-        POW2,
-        P_BLOCK,
-        WRITE_INV,
-    )
+    pid, scale = _program_and_scale(
+        scale_ptr, partials_ptr, n_partials, eps, amax_out_ptr, scale_out_ptr, scale_inv_out_ptr,
+        FP8_MAX, POW2, P_BLOCK, REVERSE, WRITE_INV,
+    )  # fmt: skip
     n_col_tiles = tl.cdiv(cols, BN)
     r = ((pid // n_col_tiles) * BM + tl.arange(0, BM)).to(tl.int64)
     c = ((pid % n_col_tiles) * BN + tl.arange(0, BN)).to(tl.int64)
@@ -350,62 +329,49 @@ def launch_cast(
     )
     write_inv = partials is None and scale_inv_out is not None
     hw = hw_rounding(x)
+    copy_back = False
     if not transpose:
-        x_flat, q, q_flat = flat_pair(x, fp8_dtype)
-        n = x_flat.numel()
+        src, q, dst = flat_pair(x, fp8_dtype)
+        n, q_t = src.numel(), None
         if n == 0:  # current.py handles an empty x itself (scale 1)
             return q, None
         block, warps = (GPU_FLAT["BLOCK"], GPU_FLAT["num_warps"]) if gpu else (1 << 15, 1)
-        cfg = _config(
-            spec, with_amax, pow2, p_block, reverse, write_inv, hw, (("BLOCK", block),), warps
-        )
-        grid = (cdiv(n, block),)
-        head = cast_args(
-            x_flat, q_flat.view(torch.uint8), None, scale_t, acc, p, n_partials, eps, outs
-        )
-        args = (*head, n)
-        _launch_flat(grid, args, cfg, interpreted=not gpu)
-        uncopied = x_flat.data_ptr() == x.data_ptr() and (partials is not None or scale_t is scale)
-        if prepare is not None and uncopied:
-            prepared = _launch_flat.prepare(grid, args, cfg, 1)
-            if prepared is not None:
-                prepare(prepared, None)
-        return q, None
-    rows, cols = rows_cols(x, f"kernels.cast.{what}")
-    q = torch.empty_like(x, dtype=fp8_dtype)
-    q_t = torch.empty((cols, rows), dtype=fp8_dtype, device=dev)
-    if rows * cols == 0:
-        return q, q_t
-    x2d = x if x.dim() == 2 else x.reshape(rows, cols)
-    try:
-        q2d, copy_back = (q if q.dim() == 2 else q.view(rows, cols)), False
-    except RuntimeError:  # a permuted N-D layout: write 2D, then copy into torch's layout
-        q2d, copy_back = torch.empty((rows, cols), dtype=fp8_dtype, device=dev), True
-    if gpu:
-        bm, bn, warps = GPU_TILE["BM"], GPU_TILE["BN"], GPU_TILE["num_warps"]
-    else:  # interpreter: ~16K-element tiles shaped to the matrix (a (1, n) input is one row)
-        bm = min(128, next_pow2(rows))
-        bn = min(next_pow2(cols), max(128, (1 << 14) // bm))
-        warps = 1
-    cfg = _config(
-        spec, with_amax, pow2, p_block, reverse, write_inv, hw, (("BM", bm), ("BN", bn)), warps
-    )
-    grid = (cdiv(rows, bm) * cdiv(cols, bn),)
-    head = cast_args(
-        x2d, q2d.view(torch.uint8), q_t.view(torch.uint8), scale_t, acc, p, n_partials, eps, outs
-    )
-    args = (*head, rows, cols, x2d.stride(0), x2d.stride(1), q2d.stride(0), q2d.stride(1))
-    _launch_tiled(grid, args, cfg, interpreted=not gpu)
+        launcher, tile, grid, sizes = _launch_flat, (("BLOCK", block),), (cdiv(n, block),), (n,)
+    else:
+        rows, cols = rows_cols(x, f"kernels.cast.{what}")
+        q = torch.empty_like(x, dtype=fp8_dtype)
+        q_t = torch.empty((cols, rows), dtype=fp8_dtype, device=dev)
+        if rows * cols == 0:
+            return q, q_t
+        src = x if x.dim() == 2 else x.reshape(rows, cols)
+        try:
+            dst = q if q.dim() == 2 else q.view(rows, cols)
+        except RuntimeError:  # a permuted N-D layout: write 2D, then copy into torch's layout
+            dst, copy_back = torch.empty((rows, cols), dtype=fp8_dtype, device=dev), True
+        if gpu:
+            bm, bn, warps = GPU_TILE["BM"], GPU_TILE["BN"], GPU_TILE["num_warps"]
+        else:  # interpreter: ~16K-element tiles shaped to the matrix (a (1, n) input is one row)
+            bm = min(128, next_pow2(rows))
+            bn = min(next_pow2(cols), max(128, (1 << 14) // bm))
+            warps = 1
+        launcher, tile = _launch_tiled, (("BM", bm), ("BN", bn))
+        grid = (cdiv(rows, bm) * cdiv(cols, bn),)
+        sizes = (rows, cols, src.stride(0), src.stride(1), dst.stride(0), dst.stride(1))
+    cfg = _config(spec, with_amax, pow2, p_block, reverse, write_inv, hw, tile, warps)
+    q_t_bytes = None if q_t is None else q_t.view(torch.uint8)
+    head = cast_args(src, dst.view(torch.uint8), q_t_bytes, scale_t, acc, p, n_partials, eps, outs)
+    args = (*head, *sizes)
+    launcher(grid, args, cfg, interpreted=not gpu)
     if copy_back:
-        q.copy_(q2d.view(q.shape))
+        q.copy_(dst.view(q.shape))
     elif (
         prepare is not None
-        and x2d.data_ptr() == x.data_ptr()
+        and src.data_ptr() == x.data_ptr()
         and (partials is not None or scale_t is scale)
     ):
-        prepared = _launch_tiled.prepare(grid, args, cfg, 6)
+        prepared = launcher.prepare(grid, args, cfg, len(sizes))
         if prepared is not None:
-            prepare(prepared, (cols, rows))
+            prepare(prepared, None if q_t is None else (cols, rows))
     return q, q_t
 
 

@@ -94,23 +94,7 @@ def _check_group(i: int, group: Sequence) -> tuple:
     if len(group) != 5:
         raise ValueError(f"{where}: expected (amax_history, scale, fp8_max, margin, algo)")
     history, scale, limit, margin, algo = group
-    if algo not in tuple(AmaxAlgo):
-        raise ValueError(f"{where}: algo must be {spellings(AmaxAlgo)}, got {algo!r}")
-    if history.dim() != 2 or history.shape[0] < 1:
-        raise ValueError(
-            f"{where}: amax_history must be 2D (L >= 1, n), got {tuple(history.shape)}"
-        )
-    n = history.shape[1]
-    if tuple(scale.shape) != (n,):
-        raise ValueError(
-            f"{where}: scale must have shape ({n},) to match amax_history "
-            f"{tuple(history.shape)}, got {tuple(scale.shape)}"
-        )
-    for name, t in (("amax_history", history), ("scale", scale)):
-        if t.dtype != torch.float32:
-            raise ValueError(f"{where}: {name} must be float32, got {t.dtype}")
-    if not (isinstance(margin, (int, float)) and margin >= 0):
-        raise ValueError(f"{where}: margin must be a number >= 0, got {margin!r}")
+    n = reference.check_delayed(where, history, scale, margin, algo)
     if history.device != scale.device:
         raise ValueError(f"{where}: amax_history and scale must share a device")
     if isinstance(limit, (int, float)):

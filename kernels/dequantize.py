@@ -20,31 +20,22 @@ from dist_quant.kernels._fp8_round import (
     fp8_decode,
     fp8_spec,
     is_gpu,
+    out_kind,
+    row_block_tile,
     rows_cols,
     scalar_fp32,
-    to_bf16_bits,
+    store_out,
+    store_view,
 )
 from dist_quant.kernels._launch import FastLaunch
 from dist_quant.kernels._op import as_scale, register_op
 from dist_quant.kernels._triton import tl, triton
 from torch import Tensor
 
-_OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
 # GPU launch configurations (bench/bench_cast.py --sweep measures the alternatives). Grouped:
 # BM rows x (128 // G) groups of G per program.
 GPU_FLAT = {"BLOCK": 8192, "num_warps": 8}
 GPU_GROUPED = {"BM": 32, "num_warps": 4}
-
-
-@triton.jit
-def _store_out(ptr, val, mask, OUT_KIND: tl.constexpr):
-    if OUT_KIND == 0:
-        tl.store(ptr, val, mask=mask)
-    elif OUT_KIND == 1:
-        tl.store(ptr, to_bf16_bits(val), mask=mask)
-    else:
-        tl.store(ptr, val.to(tl.float16), mask=mask)
 
 
 @triton.jit
@@ -63,7 +54,7 @@ def _dequantize_flat_kernel(
     mask = offs < n
     q = tl.load(q_ptr + offs, mask=mask, other=0)
     val = fp8_decode(q, MANT_BITS, MIN_EXP, HAS_INF) * tl.load(s_ptr)
-    _store_out(out_ptr + offs, val, mask, OUT_KIND)
+    store_out(out_ptr + offs, val, mask, OUT_KIND)
 
 
 @triton.jit
@@ -86,14 +77,7 @@ def _dequantize_grouped_kernel(
     HAS_INF: tl.constexpr,
     OUT_KIND: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    n_col_tiles = tl.cdiv(n_groups, NB)
-    r = ((pid // n_col_tiles) * BM + tl.arange(0, BM)).to(tl.int64)
-    b = (pid % n_col_tiles) * NB + tl.arange(0, NB)
-    c = (b[:, None] * G + tl.arange(0, G)[None, :]).to(tl.int64)  # [NB, G]
-    r3 = r[:, None, None]
-    c3 = c[None, :, :]
-    mask = (r3 < rows) & (c3 < cols)
+    r, b, r3, c3, mask = row_block_tile(tl.program_id(0), rows, cols, n_groups, BM, NB, G)
     q = tl.load(q_ptr + r3 * stride_qr + c3 * stride_qc, mask=mask, other=0)
     s_mask = (r < rows)[:, None] & (b < n_groups)[None, :]
     s_offs = (r // ROW_GROUP)[:, None] * n_groups + b[None, :]
@@ -104,18 +88,7 @@ def _dequantize_grouped_kernel(
     else:
         s = tl.load(s_ptr + s_offs, mask=s_mask, other=1.0)
     val = fp8_decode(q, MANT_BITS, MIN_EXP, HAS_INF) * s[:, :, None]
-    _store_out(out_ptr + r3 * cols + c3, val, mask, OUT_KIND)
-
-
-def _out_kind(dtype: torch.dtype, what: str) -> int:
-    if dtype not in _OUT_KINDS:
-        raise ValueError(f"kernels.dequantize.{what}: dtype must be fp32/bf16/fp16, got {dtype}")
-    return _OUT_KINDS[dtype]
-
-
-def _store_view(out: torch.Tensor) -> torch.Tensor:
-    """bf16 outputs are written as their int16 bits (rounded in the kernel)."""
-    return out.view(torch.int16) if out.dtype == torch.bfloat16 else out
+    store_out(out_ptr + r3 * cols + c3, val, mask, OUT_KIND)
 
 
 _launch_flat = FastLaunch(_dequantize_flat_kernel)
@@ -127,7 +100,7 @@ def dequantize_triton(
 ) -> torch.Tensor:
     """``reference.dequantize``: ``q.float() * scale_inv`` cast to ``dtype``, torch's layout."""
     spec = fp8_spec(q.dtype, "kernels.dequantize.dequantize (q.dtype)")
-    kind = _out_kind(dtype, "dequantize")
+    kind = out_kind(dtype, "kernels.dequantize.dequantize")
     s = scalar_fp32(scale_inv, q.device, "kernels.dequantize.dequantize: scale_inv")
     q_flat, out, out_flat = flat_pair(q, dtype)
     n = q_flat.numel()
@@ -137,7 +110,7 @@ def dequantize_triton(
                   "OUT_KIND": kind}  # fmt: skip
         _launch_flat.launch(
             (triton.cdiv(n, cfg["BLOCK"]),),
-            (q_flat.view(torch.uint8), s, _store_view(out_flat), n),
+            (q_flat.view(torch.uint8), s, store_view(out_flat), n),
             {**consts, **cfg},
             interpreted=not is_gpu(q),
         )
@@ -156,7 +129,7 @@ def _dequantize_grouped(
 ) -> torch.Tensor:
     """Dequantize the 2D view of ``q`` into a contiguous ``(rows, cols)`` tensor of ``dtype``."""
     spec = fp8_spec(q.dtype, f"kernels.dequantize.{what} (q.dtype)")
-    kind = _out_kind(dtype, what)
+    kind = out_kind(dtype, f"kernels.dequantize.{what}")
     rows, cols = rows_cols(q, f"kernels.dequantize.{what}")
     out = torch.empty((rows, cols), dtype=dtype, device=q.device)
     if out.numel() == 0:
@@ -175,7 +148,7 @@ def _dequantize_grouped(
               "MIN_EXP": spec.min_exp, "HAS_INF": spec.has_inf, "OUT_KIND": kind}  # fmt: skip
     _launch_grouped.launch(
         grid,
-        (q2d, scales, _store_view(out), rows, cols, n_groups, *q2d.stride()),
+        (q2d, scales, store_view(out), rows, cols, n_groups, *q2d.stride()),
         {**consts, **cfg},
         interpreted=not is_gpu(q),
     )

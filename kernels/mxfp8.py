@@ -24,6 +24,7 @@ from dist_quant.kernels._fp8_round import (
     fp8_spec,
     hw_rounding,
     is_gpu,
+    row_block_tile,
     rows_cols,
 )
 from dist_quant.kernels._launch import FastLaunch
@@ -83,14 +84,7 @@ def _mxfp8_rowwise_kernel(
     E0_MAX_BITS: tl.constexpr,
     HW_ROUND: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    n_col_tiles = tl.cdiv(n_blocks, NB)
-    r = ((pid // n_col_tiles) * BM + tl.arange(0, BM)).to(tl.int64)
-    b = (pid % n_col_tiles) * NB + tl.arange(0, NB)
-    c = (b[:, None] * 32 + tl.arange(0, 32)[None, :]).to(tl.int64)  # [NB, 32]
-    r3 = r[:, None, None]
-    c3 = c[None, :, :]
-    mask = (r3 < rows) & (c3 < cols)
+    r, b, r3, c3, mask = row_block_tile(tl.program_id(0), rows, cols, n_blocks, BM, NB, 32)
     x = tl.load(x_ptr + r3 * stride_xr + c3 * stride_xc, mask=mask, other=0.0).to(tl.float32)
     e, mult = _e8m0_and_multiplier(tl.max(abs_bits(x), axis=2), FP8_MAX, E0_MAX_BITS)
     code = fp8_encode(x * mult[:, :, None], MAX_BITS, MANT_BITS, MIN_EXP, HW_ROUND)
@@ -152,43 +146,37 @@ def mxfp8_cast_triton(
         MAX_BITS=spec.max_bits, MANT_BITS=spec.mant_bits, MIN_EXP=spec.min_exp, FP8_MAX=spec.max,
         E0_MAX_BITS=_fp32_bits(spec.max * 2.0**-127), HW_ROUND=hw_rounding(x),
     )  # fmt: skip
+    # columnwise blocks run along the rows and land in the transposed (cols, rows) layout
+    n_blocks = triton.cdiv(rows if columnwise else cols, MXFP8_BLOCK)
+    q = torch.empty((cols, rows) if columnwise else x.shape, dtype=fp8_dtype, device=dev)
+    e8m0 = torch.empty((cols if columnwise else rows, n_blocks), dtype=torch.uint8, device=dev)
+    if q.numel() == 0:
+        return q, e8m0
     gpu = is_gpu(x)
     if columnwise:
-        n_blocks = triton.cdiv(rows, MXFP8_BLOCK)
-        q = torch.empty((cols, rows), dtype=fp8_dtype, device=dev)
-        e8m0 = torch.empty((cols, n_blocks), dtype=torch.uint8, device=dev)
-        if q.numel():
-            if gpu:
-                cfg = GPU_COLUMNWISE
-            else:  # interpreter: ~16K-element tiles
-                nb = min(triton.next_power_of_2(n_blocks), 4)
-                bn = min(triton.next_power_of_2(cols), max(128, 512 // nb))
-                cfg = {"NB": nb, "BN": bn, "num_warps": 1}
-            grid = (triton.cdiv(n_blocks, cfg["NB"]) * triton.cdiv(cols, cfg["BN"]),)
-            _launch_columnwise.launch(
-                grid,
-                (x2d, q.view(torch.uint8), e8m0, rows, cols, n_blocks, *x2d.stride()),
-                {**cfg, **consts},
-                interpreted=not gpu,
-            )
-        return q, e8m0
-    n_blocks = triton.cdiv(cols, MXFP8_BLOCK)
-    q = torch.empty(x.shape, dtype=fp8_dtype, device=dev)
-    e8m0 = torch.empty((rows, n_blocks), dtype=torch.uint8, device=dev)
-    if q.numel():
+        if gpu:
+            cfg = GPU_COLUMNWISE
+        else:  # interpreter: ~16K-element tiles
+            nb = min(triton.next_power_of_2(n_blocks), 4)
+            bn = min(triton.next_power_of_2(cols), max(128, 512 // nb))
+            cfg = {"NB": nb, "BN": bn, "num_warps": 1}
+        launcher = _launch_columnwise
+        n_programs = triton.cdiv(n_blocks, cfg["NB"]) * triton.cdiv(cols, cfg["BN"])
+    else:
         if gpu:
             cfg = GPU_ROWWISE
         else:  # interpreter: ~16K-element tiles
             nb = min(triton.next_power_of_2(n_blocks), 16)
             bm = min(triton.next_power_of_2(rows), max(1, 512 // nb))
             cfg = {"BM": bm, "NB": nb, "num_warps": 1}
-        grid = (triton.cdiv(rows, cfg["BM"]) * triton.cdiv(n_blocks, cfg["NB"]),)
-        _launch_rowwise.launch(
-            grid,
-            (x2d, q.view(torch.uint8), e8m0, rows, cols, n_blocks, *x2d.stride()),
-            {**cfg, **consts},
-            interpreted=not gpu,
-        )
+        launcher = _launch_rowwise
+        n_programs = triton.cdiv(rows, cfg["BM"]) * triton.cdiv(n_blocks, cfg["NB"])
+    launcher.launch(
+        (n_programs,),
+        (x2d, q.view(torch.uint8), e8m0, rows, cols, n_blocks, *x2d.stride()),
+        {**cfg, **consts},
+        interpreted=not gpu,
+    )
     return q, e8m0
 
 

@@ -46,6 +46,7 @@ from dist_quant.kernels._fp8_round import (
     is_gpu,
     next_pow2,
     reciprocal,
+    row_block_tile,
 )
 from dist_quant.kernels._launch import FastLaunch
 from dist_quant.kernels._op import register_op
@@ -190,13 +191,7 @@ def _nvfp4_cast_kernel(
 ):
     pid = tl.program_id(0)
     n_blocks = cols // 16
-    n_col_tiles = tl.cdiv(n_blocks, NB)
-    r = ((pid // n_col_tiles) * BM + tl.arange(0, BM)).to(tl.int64)
-    b = (pid % n_col_tiles) * NB + tl.arange(0, NB)
-    c = (b[:, None] * 16 + tl.arange(0, 16)[None, :]).to(tl.int64)  # [NB, 16]
-    r3 = r[:, None, None]
-    c3 = c[None, :, :]
-    mask = (r3 < rows) & (c3 < cols)
+    r, b, r3, c3, mask = row_block_tile(pid, rows, cols, n_blocks, BM, NB, 16)
     x = tl.load(x_ptr + r3 * stride_r + c3 * stride_k, mask=mask, other=0.0).to(tl.float32)
     if RHT:
         x = _rht16(x, BM, NB, SIGN_MASK)

@@ -185,14 +185,11 @@ def rescale_from_history(
     scale.copy_(delayed_scale(a, scale, fp8_max_per_slot, margin=margin))
 
 
-def _check_delayed(
-    what: str,
-    amax_history: Tensor,
-    scale: Tensor,
-    fp8_max_per_slot: Tensor | float,
-    margin: object,
-    algo: object,
-) -> None:
+def check_delayed(
+    what: str, amax_history: Tensor, scale: Tensor, margin: object, algo: object
+) -> int:
+    """Validate one delayed-scaling group's history, scale, margin and algorithm (the reference
+    and ``delayed_update.py``'s kernel take the same groups); returns the slot count ``n``."""
     if algo not in tuple(AmaxAlgo):
         raise ValueError(f"{what}: algo must be {spellings(AmaxAlgo)}, got {algo!r}")
     if amax_history.dim() != 2 or amax_history.shape[0] < 1:
@@ -200,7 +197,7 @@ def _check_delayed(
             f"{what}: amax_history must be 2D (L >= 1, n), got shape {tuple(amax_history.shape)}"
         )
     n = amax_history.shape[1]
-    if scale.shape != (n,):
+    if tuple(scale.shape) != (n,):
         raise ValueError(
             f"{what}: scale must have shape ({n},) to match amax_history "
             f"{tuple(amax_history.shape)}, got {tuple(scale.shape)}"
@@ -210,6 +207,18 @@ def _check_delayed(
             raise ValueError(f"{what}: {name} must be float32, got {t.dtype}")
     if not (isinstance(margin, (int, float)) and margin >= 0):
         raise ValueError(f"{what}: margin must be a number >= 0, got {margin!r}")
+    return n
+
+
+def _check_delayed(
+    what: str,
+    amax_history: Tensor,
+    scale: Tensor,
+    fp8_max_per_slot: Tensor | float,
+    margin: object,
+    algo: object,
+) -> None:
+    n = check_delayed(what, amax_history, scale, margin, algo)
     if isinstance(fp8_max_per_slot, Tensor) and fp8_max_per_slot.numel() not in (1, n):
         raise ValueError(
             f"{what}: fp8_max_per_slot must hold 1 or {n} values, "

@@ -14,3 +14,16 @@ def scaling_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             for buf, t in value.get("buffers", {}).items():
                 out[f"{name}.{buf}"] = t
     return out
+
+
+def assert_same_run(full: dict, resumed: dict, steps: range) -> None:
+    """A resumed run equals the uninterrupted one bit for bit: the losses of `steps`, the final
+    parameters and the optimizer state (`losses`, `params` and `opt` as the checkpoint jobs
+    return them)."""
+    for step in steps:
+        assert torch.equal(full["losses"][step], resumed["losses"][step]), step
+    for name, p in full["params"].items():
+        assert torch.equal(p, resumed["params"][name]), name
+    for i, st in full["opt"].items():
+        for k, v in st.items():
+            assert torch.equal(v, resumed["opt"][i][k]), (i, k)

@@ -27,6 +27,7 @@ from dist_quant import checkpoint as ckpt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))  # the rank harness
 from harness import run_ranks  # noqa: E402
+from model_state import assert_same_run  # noqa: E402
 
 WIDTH, HIST = 32, 4
 SWITCH_AT, CHECKPOINT_AT, STEPS = 5, 8, 15
@@ -143,16 +144,6 @@ def uninterrupted_and_resumed(tmp_path: Path, switch: bool) -> tuple[dict, dict,
     return full, first, resumed
 
 
-def assert_same_run(full: dict, resumed: dict) -> None:
-    for step in range(CHECKPOINT_AT, STEPS):
-        assert torch.equal(full["losses"][step], resumed["losses"][step]), step
-    for name, p in full["params"].items():
-        assert torch.equal(p, resumed["params"][name]), name
-    for i, st in full["opt"].items():
-        for k, v in st.items():
-            assert torch.equal(v, resumed["opt"][i][k]), (i, k)
-
-
 def test_resume_after_coordinator_switch_is_bit_identical_to_uninterrupted_run(
     tmp_path, single_rank_group
 ):
@@ -161,7 +152,7 @@ def test_resume_after_coordinator_switch_is_bit_identical_to_uninterrupted_run(
     for step in range(CHECKPOINT_AT):
         assert torch.equal(full["losses"][step], first["losses"][step]), step
     assert resumed["recipe_after_load"] == repr(CURRENT.key())
-    assert_same_run(full, resumed)
+    assert_same_run(full, resumed, range(CHECKPOINT_AT, STEPS))
     # the resumed job's coordinator log starts with the first job's history
     assert resumed["last_commit"]["step"] == SWITCH_AT
     assert resumed["last_commit"]["switch_id"] == 1
@@ -185,7 +176,7 @@ def test_delayed_scaling_resume_continues_amax_history_and_scale_bit_identically
     for name, t in saved.items():
         assert torch.equal(resumed["buffers_after_load"][name], t), name
         assert torch.equal(full["buffers_before_checkpoint_step"][name], t), name
-    assert_same_run(full, resumed)
+    assert_same_run(full, resumed, range(CHECKPOINT_AT, STEPS))
     assert full["buffers"].keys() == resumed["buffers"].keys() and full["buffers"]
     for name, t in full["buffers"].items():
         assert torch.equal(resumed["buffers"][name], t), name

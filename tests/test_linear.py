@@ -3,9 +3,9 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from recipe_cases import builtin_and_reference_factory
 
 import dist_quant as dq
-from dist_quant import factories
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 MAX = {E4M3: 448.0, E5M2: 57344.0}
@@ -74,16 +74,7 @@ def test_current_scaling_matches_float64_rederivation():
     )
 
 
-@pytest.mark.parametrize(
-    "builtin,factory",
-    [
-        (dq.Float8CurrentScaling(), factories.current_scaling),
-        (dq.DelayedScaling(), factories.delayed_scaling),
-        (dq.MXFP8BlockScaling(), factories.mxfp8),
-        (dq.Float8BlockScaling(), factories.float8_block_scaling),
-    ],
-    ids=["current", "delayed", "mxfp8", "block"],
-)
+@builtin_and_reference_factory
 def test_custom_recipe_of_reference_factory_equals_builtin_bit_for_bit(builtin, factory):
     a, x = make(2)
     b, _ = make(2)

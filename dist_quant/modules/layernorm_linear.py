@@ -5,7 +5,7 @@ quantized, with `Linear`'s slots (Transformer Engine's order):
     forward  [linear/input, linear/weight, output_quantizer_role]
     backward [linear/grad_output, grad_input_quantizer_role]
 
-The normalization helpers here are shared with `LayerNormMLP`.
+`NormLinearBase` here, which owns the norm, is shared with `LayerNormMLP`.
 """
 
 from __future__ import annotations
@@ -35,28 +35,6 @@ def check_normalization(owner: str, normalization: object, eps: object) -> None:
         raise ValueError(f"{owner}: eps must be a finite number >= 0, got {eps!r}")
 
 
-def make_norm_params(
-    module: nn.Module,
-    normalization: str,
-    hidden_size: int,
-    dtype: torch.dtype,
-    device: torch.device | str | None,
-) -> None:
-    """Register `layer_norm_weight` (ones) and, for LayerNorm, `layer_norm_bias` (zeros)."""
-    module.layer_norm_weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
-    if normalization == "LayerNorm":
-        module.layer_norm_bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device))
-    else:
-        module.register_parameter("layer_norm_bias", None)
-
-
-def mark_norm_sequence_parallel(module: nn.Module) -> None:
-    """Under SP the norm's parameter gradients are partial sums over this rank's sequence rows."""
-    mark_sequence_parallel(module.layer_norm_weight)
-    if module.layer_norm_bias is not None:
-        mark_sequence_parallel(module.layer_norm_bias)
-
-
 def apply_norm(
     x: torch.Tensor,
     normalization: str,
@@ -71,7 +49,52 @@ def apply_norm(
     return F.rms_norm(x, shape, weight.to(x.dtype), eps)
 
 
-class LayerNormLinear(LinearBase):
+class NormLinearBase(LinearBase):
+    """A `LinearBase` whose first GEMM reads `norm(x)`: the one owner of the norm's parameters
+    (`layer_norm_weight`, and `layer_norm_bias` for LayerNorm), their initialisation, their
+    sequence-parallel marking and the norm itself (`LayerNormLinear`, `LayerNormMLP`)."""
+
+    normalization: str
+    eps: float
+
+    def _init_norm(
+        self,
+        normalization: str,
+        eps: float,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str | None,
+    ) -> None:
+        """Register the norm's parameters (validated first by `check_normalization`)."""
+        self.normalization, self.eps = normalization, float(eps)
+        self.layer_norm_weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
+        if normalization == "LayerNorm":
+            self.layer_norm_bias = nn.Parameter(
+                torch.zeros(hidden_size, dtype=dtype, device=device)
+            )
+        else:
+            self.register_parameter("layer_norm_bias", None)
+
+    def _mark_norm_sequence_parallel(self) -> None:
+        """Under SP the norm's parameter gradients are partial sums over this rank's sequence
+        rows."""
+        mark_sequence_parallel(self.layer_norm_weight)
+        if self.layer_norm_bias is not None:
+            mark_sequence_parallel(self.layer_norm_bias)
+
+    def _reset_norm_parameters(self) -> None:
+        # the norm starts as the identity affine map
+        nn.init.ones_(self.layer_norm_weight)
+        if self.layer_norm_bias is not None:
+            nn.init.zeros_(self.layer_norm_bias)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return apply_norm(
+            x, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps
+        )
+
+
+class LayerNormLinear(NormLinearBase):
     """`Linear(norm(x))`; with `return_layernorm_output=True` forward returns `(y, norm(x))`.
 
     Tensor parallel: `parallel_mode="column"` only (the norm needs whole rows); each rank keeps
@@ -110,10 +133,9 @@ class LayerNormLinear(LinearBase):
             owner, tp_group, parallel_mode, sequence_parallel, modes=(ParallelMode.COLUMN,)
         )
         self.in_features, self.out_features = in_features, out_features
-        self.normalization, self.eps = normalization, float(eps)
         self.return_layernorm_output = return_layernorm_output
         dtype = params_dtype or torch.get_default_dtype()
-        make_norm_params(self, normalization, in_features, dtype, device)
+        self._init_norm(normalization, eps, in_features, dtype, device)
         rows = out_features
         if self.parallel_mode is ParallelMode.COLUMN:
             rows = self._check_divisible(owner, "out_features", out_features)
@@ -124,14 +146,12 @@ class LayerNormLinear(LinearBase):
             if self.bias is not None:
                 mark_tp_split(self, "bias", 0)
             if sequence_parallel:  # the norm sees only this rank's sequence rows
-                mark_norm_sequence_parallel(self)
+                self._mark_norm_sequence_parallel()
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        # nn.Linear's initialisation for the GEMM; the norm starts as the identity affine map
-        nn.init.ones_(self.layer_norm_weight)
-        if self.layer_norm_bias is not None:
-            nn.init.zeros_(self.layer_norm_bias)
+        # nn.Linear's initialisation for the GEMM
+        self._reset_norm_parameters()
         init_linear_(self.weight, self.bias, self.in_features)
 
     def forward(
@@ -142,9 +162,7 @@ class LayerNormLinear(LinearBase):
         fp8_output: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         # no fp8_grad_input: the GEMM's input gradient still has to go through the norm's backward
-        ln_out = apply_norm(
-            x, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps
-        )
+        ln_out = self._norm(x)
         y = self._gemm(ln_out, is_first_microbatch=is_first_microbatch, fp8_output=fp8_output)
         return (y, ln_out) if self.return_layernorm_output else y
 

@@ -26,13 +26,8 @@ from dist_quant.forward import forward_plan
 from dist_quant.kernels import swiglu, swiglu_backward
 from dist_quant.kinds import ParallelMode
 from dist_quant.modules.base import check_sizes
-from dist_quant.modules.layernorm_linear import (
-    apply_norm,
-    check_normalization,
-    make_norm_params,
-    mark_norm_sequence_parallel,
-)
-from dist_quant.modules.linear import GemmSlots, LinearBase, init_linear_
+from dist_quant.modules.layernorm_linear import NormLinearBase, check_normalization
+from dist_quant.modules.linear import GemmSlots, init_linear_
 from dist_quant.parallel import mark_sequence_parallel, mark_tp_split
 from dist_quant.roles import QuantizerRole
 
@@ -71,7 +66,7 @@ class _SwiGLU(torch.autograd.Function):
         return swiglu_backward(dy, h)
 
 
-class LayerNormMLP(LinearBase):
+class LayerNormMLP(NormLinearBase):
     """`fc2(act(fc1(norm(x))))` with FP8 GEMMs under autocast; exact PyTorch math when off.
 
     Tensor parallel (`tp_group` of more than one rank; `parallel_mode` is not used): fc1 is
@@ -107,11 +102,11 @@ class LayerNormMLP(LinearBase):
         # fc1 is column-parallel and fc2 row-parallel whenever tp_group has more than one rank
         self._init_parallel(owner, tp_group, parallel_mode, sequence_parallel, modes=())
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
-        self.activation, self.normalization, self.eps = activation, normalization, float(eps)
+        self.activation = activation
         dtype = params_dtype or torch.get_default_dtype()
         ffn = self._check_divisible(owner, "ffn_hidden_size", ffn_hidden_size)  # per rank
         fc1_out = 2 * ffn if activation == "swiglu" else ffn
-        make_norm_params(self, normalization, hidden_size, dtype, device)
+        self._init_norm(normalization, eps, hidden_size, dtype, device)
         for gemm, out_f, in_f in (
             ("fc1", fc1_out, hidden_size),
             ("fc2", hidden_size, ffn),
@@ -128,17 +123,14 @@ class LayerNormMLP(LinearBase):
                 mark_tp_split(self, "fc1_bias", 0, parts)
             mark_tp_split(self, "fc2_weight", 1)
             if sequence_parallel:
-                mark_norm_sequence_parallel(self)
+                self._mark_norm_sequence_parallel()
                 if bias:
                     mark_sequence_parallel(self.fc2_bias)  # added after the reduce-scatter
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        # each GEMM as nn.Linear initialises itself (with its unsharded fan-in); the norm starts as
-        # the identity affine map
-        nn.init.ones_(self.layer_norm_weight)
-        if self.layer_norm_bias is not None:
-            nn.init.zeros_(self.layer_norm_bias)
+        # each GEMM as nn.Linear initialises itself (with its unsharded fan-in)
+        self._reset_norm_parameters()
         init_linear_(self.fc1_weight, self.fc1_bias, self.hidden_size)
         init_linear_(self.fc2_weight, self.fc2_bias, self.ffn_hidden_size)
 
@@ -177,9 +169,7 @@ class LayerNormMLP(LinearBase):
         runtime = fc1_slots = fc2_slots = None
         if plan is not None:
             runtime, (fc1_slots, fc2_slots) = plan.runtime, plan.gemms
-        ln_out = apply_norm(
-            x, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps
-        )
+        ln_out = self._norm(x)
         h = self._linear(
             ln_out, self.fc1_weight, self.fc1_bias, runtime=runtime, slots=fc1_slots,
             cache_slot="fc1_weight", is_first_microbatch=is_first_microbatch,

@@ -6,7 +6,6 @@ import threading
 
 import pytest
 from dist_quant.coordinator import CancelRefusedError, cancel_switch, request_switch
-from dist_quant.coordinator.coordinator import Coordinator
 from dist_quant.coordinator.decision_log import DecisionLog
 from dist_quant.coordinator.participant import Participant
 from dist_quant.coordinator.protocol import (
@@ -23,7 +22,7 @@ from dist_quant.coordinator.protocol import (
 from dist_quant.coordinator.transport_memory import MemoryHub, MemoryTransport
 from dist_quant.coordinator.wire import rank_queue, reply_queue
 from switch_harness import FAKE_HOOKS, FakeModel, Script, wait_for
-from test_coordinator import TOKEN, Job
+from test_coordinator import TOKEN, Job, start_coordinator
 
 
 @pytest.fixture
@@ -194,14 +193,7 @@ def test_a_rank_that_stopped_waiting_and_published_breaks_on_a_late_cancel(solo)
 # ---- coordinator and two participants, through the client API ---------------------------------
 def test_cancel_switch_through_the_client_cancels_on_both_ranks(tmp_path):
     hub = MemoryHub()
-    coord = Coordinator(
-        MemoryTransport(hub),
-        token=TOKEN,
-        world_size=2,
-        tp_groups=[(0, 1)],
-        log=DecisionLog(tmp_path / "decisions.jsonl"),
-    )
-    coord.start()
+    coord = start_coordinator(MemoryTransport(hub), 2, DecisionLog(tmp_path / "decisions.jsonl"))
     models = [FakeModel(r) for r in range(2)]
     ranks = [
         Participant(m, rank=r, transport=MemoryTransport(hub), token=TOKEN, **FAKE_HOOKS).start()

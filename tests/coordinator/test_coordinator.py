@@ -29,6 +29,20 @@ def switch_records(log):
     return [r for r in log.records() if r["event"] != "attempt"]
 
 
+def start_coordinator(transport, world, log, *, token=TOKEN, **options) -> Coordinator:
+    """A started coordinator for `world` ranks in TP groups of two (an odd world's last is one)."""
+    coord = Coordinator(
+        transport,
+        token=token,
+        world_size=world,
+        tp_groups=[tuple(range(g, min(g + 2, world))) for g in range(0, world, 2)],
+        log=log,
+        **options,
+    )
+    coord.start()
+    return coord
+
+
 class Job:
     """A coordinator for `world` ranks (TP groups of two) plus a scripted side to talk to it."""
 
@@ -37,16 +51,13 @@ class Job:
     ):
         self.hub = hub or MemoryHub()
         self.log = log or DecisionLog(tmp_path / "decisions.jsonl")
-        self.coord = Coordinator(
+        self.coord = start_coordinator(
             transport or MemoryTransport(self.hub),
-            token=TOKEN,
-            world_size=world,
-            tp_groups=[tuple(range(g, min(g + 2, world))) for g in range(0, world, 2)],
-            log=self.log,
+            world,
+            self.log,
             faults=faults,
             commit_window_s=commit_window_s,
         )
-        self.coord.start()
         self.s = Script(MemoryTransport(self.hub), TOKEN)
         self.world = world
 

@@ -8,7 +8,6 @@ import time
 import pytest
 import torch.distributed as dist
 from dist_quant.coordinator import SwitchError, fail_at, request_switch
-from dist_quant.coordinator.coordinator import Coordinator
 from dist_quant.coordinator.decision_log import DecisionLog
 from dist_quant.coordinator.participant import Participant
 from dist_quant.coordinator.protocol import Ack, Alive, Decision, Hello, Prepare, Vote
@@ -21,6 +20,7 @@ from switch_harness import (
     Script,
     wait_for,
 )
+from test_coordinator import start_coordinator
 
 TOKEN = "tok"
 
@@ -299,14 +299,9 @@ def test_commit_without_a_yes_vote_breaks_the_rank(solo):
 
 def test_dropped_vote_times_out_and_every_rank_keeps_the_old_recipe(tmp_path):
     hub = MemoryHub()
-    coord = Coordinator(
-        MemoryTransport(hub),
-        token=TOKEN,
-        world_size=2,
-        tp_groups=[(0, 1)],
-        log=DecisionLog(tmp_path / "d.jsonl"),
+    coord = start_coordinator(
+        MemoryTransport(hub), 2, DecisionLog(tmp_path / "d.jsonl"), token=TOKEN
     )
-    coord.start()
     ranks = [
         make_participant(hub, rank=r, faults=[fail_at(rank=1, phase="vote", action="drop")])
         for r in range(2)
@@ -330,14 +325,9 @@ def test_four_ranks_in_lockstep_publish_at_the_same_step(tmp_path):
     """TP peers wait for each other every step (a barrier per TP group, standing in for the
     collective): if voting blocked the training thread this would deadlock."""
     hub = MemoryHub()
-    coord = Coordinator(
-        MemoryTransport(hub),
-        token=TOKEN,
-        world_size=4,
-        tp_groups=[(0, 1), (2, 3)],
-        log=DecisionLog(tmp_path / "d.jsonl"),
+    coord = start_coordinator(
+        MemoryTransport(hub), 4, DecisionLog(tmp_path / "d.jsonl"), token=TOKEN
     )
-    coord.start()
     ranks = [make_participant(hub, rank=r, grace=1.0) for r in range(4)]
     barriers = [threading.Barrier(2, timeout=10), threading.Barrier(2, timeout=10)]
     stop = threading.Event()

@@ -10,9 +10,7 @@ run that starts on current scaling at step S from the same weights and optimizer
 because current scaling keeps no state across steps, so identical inputs give identical bits.
 """
 
-import copy
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "coordinator"))  # 
 from dist_quant.coordinator import attach, request_switch  # noqa: E402
 from harness import run_ranks  # noqa: E402
 from switch_harness import Background, read_endpoint_when_ready  # noqa: E402
+from switch_replay import replay, train_through_switch  # noqa: E402
 
 import dist_quant as dq  # noqa: E402
 from dist_quant.checkpoint import load_full_state_dict_into_shards  # noqa: E402
@@ -84,30 +83,22 @@ def switch_worker(rank: int, world: int, cfg: dict) -> dict:
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     dq.apply_recipe(model, dq.DelayedScaling(amax_history_len=4))
     participant = attach(model, tp_group=tp_pg, run_dir=cfg["run_dir"])
-    losses, kinds, snapshot = [], [], None
-    for step in range(STEPS):
-        participant.step_boundary(step)
-        if snapshot is None and isinstance(dq.current_recipe(model), dq.Float8CurrentScaling):
-            params = [p.detach().clone() for p in model.parameters()]
-            snapshot = (step, params, copy.deepcopy(opt.state_dict()))
-        loss, kind = train_step(model, opt, step, *args)
-        losses.append(loss)
-        kinds.append(kind)
-        time.sleep(cfg["step_s"])
-    participant.close()
+
+    def step_fn(m, o, step):
+        return train_step(m, o, step, *args)
+
+    def switched(m):
+        return isinstance(dq.current_recipe(m), dq.Float8CurrentScaling)
+
+    losses, kinds, snapshot = train_through_switch(
+        model, opt, participant, step_fn, steps=STEPS, step_s=cfg["step_s"], switched=switched
+    )
     if snapshot is None:
         raise AssertionError(f"rank {rank} never switched to current scaling")
-
-    switched_at, params, opt_state = snapshot
     ref = build(tp_pg)
-    with torch.no_grad():
-        for p, saved in zip(ref.parameters(), params, strict=True):
-            p.copy_(saved)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
-    ref_opt.load_state_dict(opt_state)
-    dq.apply_recipe(ref, dq.Float8CurrentScaling())
-    ref_losses = [train_step(ref, ref_opt, s, *args)[0] for s in range(switched_at, STEPS)]
-    return {"S": switched_at, "losses": losses, "kinds": kinds, "ref_losses": ref_losses}
+    ref_losses = replay(snapshot, ref, ref_opt, dq.Float8CurrentScaling(), step_fn, STEPS)
+    return {"S": snapshot[0], "losses": losses, "kinds": kinds, "ref_losses": ref_losses}
 
 
 def test_tp2_dp2_switch_delayed_to_current_at_requested_step_matches_fresh_run(tmp_path):

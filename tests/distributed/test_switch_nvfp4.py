@@ -9,7 +9,6 @@ bit, a run started on NVFP4 at that step from the same weights and optimizer sta
 state starts fresh at a switch, stochastic rounding offsets included, as in the fresh run).
 """
 
-import copy
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from dist_quant.coordinator import attach, request_switch  # noqa: E402
 from dist_quant.coordinator.errors import SwitchBusyError  # noqa: E402
 from harness import run_ranks  # noqa: E402
 from switch_harness import Background, read_endpoint_when_ready  # noqa: E402
+from switch_replay import replay, train_through_switch  # noqa: E402
 
 import dist_quant as dq  # noqa: E402
 from dist_quant.checkpoint import load_full_state_dict_into_shards  # noqa: E402
@@ -72,29 +72,16 @@ def worker(rank: int, world: int, cfg: dict) -> dict:
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     dq.apply_recipe(model, dq.MXFP8BlockScaling())
     participant = attach(model, tp_group=tp_pg, run_dir=cfg["run_dir"])
-    losses, kinds, snapshot = [], [], None
-    for step in range(STEPS):
-        participant.step_boundary(step)
-        if snapshot is None and dq.current_recipe(model) == NVFP4:
-            params = [p.detach().clone() for p in model.parameters()]
-            snapshot = (step, params, copy.deepcopy(opt.state_dict()))
-        loss, kind = train_step(model, opt, step)
-        losses.append(loss)
-        kinds.append(kind)
-        time.sleep(cfg["step_s"])
-    participant.close()
+    losses, kinds, snapshot = train_through_switch(
+        model, opt, participant, train_step, steps=STEPS, step_s=cfg["step_s"],
+        switched=lambda m: dq.current_recipe(m) == NVFP4,
+    )  # fmt: skip
     if snapshot is None:
         raise AssertionError(f"rank {rank} never switched to NVFP4")
-    start, params, opt_state = snapshot
     ref = build(tp_pg)
-    with torch.no_grad():
-        for p, saved in zip(ref.parameters(), params, strict=True):
-            p.copy_(saved)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
-    ref_opt.load_state_dict(opt_state)
-    dq.apply_recipe(ref, NVFP4)
-    ref_losses = [train_step(ref, ref_opt, s)[0] for s in range(start, SECOND)]
-    return {"start": start, "losses": losses, "kinds": kinds, "ref_losses": ref_losses}
+    ref_losses = replay(snapshot, ref, ref_opt, NVFP4, train_step, SECOND)
+    return {"start": snapshot[0], "losses": losses, "kinds": kinds, "ref_losses": ref_losses}
 
 
 def test_tp2_switches_mxfp8_to_nvfp4_then_to_a_high_precision_forward_at_the_requested_steps(

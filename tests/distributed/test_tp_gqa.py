@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from harness import run_ranks
-from tp_check import Recorder, assert_close, check_exact, label_quantizers
+from tp_check import Recorder, assert_close, check_exact, label_quantizers, run_step
 
 import dist_quant as dq
 from dist_quant.checkpoint import load_full_state_dict_into_shards
@@ -55,15 +55,6 @@ def layer(group, sp: bool) -> dq.TransformerLayer:
     )
 
 
-def step(model, x, dy, group):
-    x = x.clone().requires_grad_(True)
-    model.zero_grad(set_to_none=True)
-    with dq.autocast(amax_reduction_group=group):
-        y = model(x)
-    y.backward(dy)
-    return y.detach(), x.grad
-
-
 def _compare(rank: int, world: int) -> dict:
     group = dist.group.WORLD
     with pytest.raises(ValueError, match=r"'bad'.*num_gqa_groups=1 .* tensor-parallel size 2"):
@@ -86,9 +77,9 @@ def _compare(rank: int, world: int) -> dict:
                 g = torch.Generator().manual_seed(i)
                 x = torch.randn(SEQ, BATCH, HIDDEN, generator=g)
                 dy = torch.randn(SEQ, BATCH, HIDDEN, generator=g) * 1e-2
-                y_ref, dx_ref = step(ref, x, dy, None)
+                y_ref, dx_ref = run_step(ref, x, dy, None)
                 ref_casts = rec.take()
-                y_tp, dx_tp = step(tp, seq(x), seq(dy), group)
+                y_tp, dx_tp = run_step(tp, seq(x), seq(dy), group)
                 tp_casts = rec.take()
                 for r in ref_casts[(QKV, "fwd", 1)]:  # the weight: its [q; k; v] pieces' shards
                     r["bytes"] = shard_of(r["bytes"], 0, QKV_PARTS, rank, world)

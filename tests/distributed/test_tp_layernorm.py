@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from harness import run_ranks
-from tp_check import RECIPES, Recorder, assert_close, check_exact, label_quantizers
+from tp_check import RECIPES, Recorder, assert_close, check_exact, label_quantizers, run_step
 
 import dist_quant as dq
 from dist_quant.checkpoint import load_full_state_dict_into_shards
@@ -81,15 +81,6 @@ def data(step: int, kind: str):
     out = FFN if kind == "lnl" else HIDDEN
     dy = torch.randn(SEQ, BATCH, out, generator=g) * 1e-2
     return x, dy
-
-
-def run_step(model, x, dy, group):
-    x = x.clone().requires_grad_(True)
-    model.zero_grad(set_to_none=True)
-    with dq.autocast(amax_reduction_group=group):
-        y = model(x)
-    y.backward(dy)
-    return y.detach(), x.grad
 
 
 def compare(rec, kind, activation, sp, recipe_name, rank, size) -> int:

@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from harness import run_ranks
-from tp_check import RECIPES, Recorder, assert_close, check_exact, label_quantizers
+from tp_check import RECIPES, Recorder, assert_close, check_exact, label_quantizers, run_step
 
 import dist_quant as dq
 from dist_quant.checkpoint import load_full_state_dict_into_shards
@@ -75,15 +75,6 @@ def expected_dx(mode: str, sp: bool, dx: torch.Tensor, rank: int, size: int) -> 
     if mode == "column":
         return dx.chunk(size, 0)[rank] if sp else dx
     return dx.chunk(size, -1)[rank]
-
-
-def run_step(model, x, dy, group):
-    x = x.clone().requires_grad_(True)
-    model.zero_grad(set_to_none=True)
-    with dq.autocast(amax_reduction_group=group):
-        y = model(x)
-    y.backward(dy)
-    return y.detach(), x.grad
 
 
 def compare_layout(rec: Recorder, mode: str, sp: bool, recipe_name: str, rank: int, size: int):

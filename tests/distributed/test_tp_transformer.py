@@ -38,6 +38,7 @@ from tp_check import (
     check_logical,
     gather_objects,
     label_quantizers,
+    run_step,
 )
 
 import dist_quant as dq
@@ -105,15 +106,6 @@ def data(step: int):
     return torch.randn(SEQ, BATCH, HIDDEN, generator=g), torch.randn(
         SEQ, BATCH, HIDDEN, generator=g
     ) * 1e-2
-
-
-def run_step(model, x, dy, group):
-    x = x.clone().requires_grad_(True)
-    model.zero_grad(set_to_none=True)
-    with dq.autocast(amax_reduction_group=group):
-        y = model(x)
-    y.backward(dy)
-    return y.detach(), x.grad
 
 
 def compare(rec: Recorder, sp: bool, recipe_name: str, rank: int, size: int) -> tuple[int, int]:

@@ -79,6 +79,19 @@ class Recorder:
         return out
 
 
+def run_step(
+    model: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, group: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward and backward under autocast with amaxes reduced over `group` (None: this rank
+    alone): `(y, dx)`, so a TP model and its single-rank reference take the same step."""
+    x = x.clone().requires_grad_(True)
+    model.zero_grad(set_to_none=True)
+    with dq.autocast(amax_reduction_group=group):
+        y = model(x)
+    y.backward(dy)
+    return y.detach(), x.grad
+
+
 def label_quantizers(model: torch.nn.Module) -> None:
     """Call after `apply_recipe(model, ...)`: tag every runtime quantizer with its label."""
     for m in dist_quant_modules(model):

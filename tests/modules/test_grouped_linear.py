@@ -4,9 +4,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from module_ref import DEVICE, assert_fp8_close, leaves, ref_linear
+from module_step import assert_recipes_agree_bit_for_bit
+from module_step import run as run_step
+from recipe_cases import builtin_and_reference_factory
 
 import dist_quant as dq
-from dist_quant import factories
 from dist_quant.modules.functional import LinearSlots
 from dist_quant.modules.grouped_linear import row_alignment
 
@@ -25,13 +27,8 @@ def inputs(seed: int = 0, splits=SPLITS):
     return torch.randn(tokens, IN, device=DEVICE), torch.randn(tokens, OUT, device=DEVICE)
 
 
-def run(mod, x, dy, recipe=None, enabled=True, splits=SPLITS):
-    x = x.detach().clone().requires_grad_(True)
-    mod.zero_grad(set_to_none=True)
-    with dq.autocast(enabled=enabled, recipe=recipe):
-        y = mod(x, splits)
-    y.backward(dy)
-    return [y.detach(), x.grad] + [p.grad for p in mod.parameters()]
+def run(mod, x, dy, recipe=None, enabled=True):
+    return run_step(mod, x, dy, recipe, enabled, forward_args=(SPLITS,))
 
 
 def test_disabled_autocast_is_plain_per_expert_linear_bit_for_bit():
@@ -118,24 +115,13 @@ def test_row_alignment_follows_the_quantizers():
     assert row_alignment(slots(dq.IdentityQuantizer()), cuda) == 1
 
 
-@pytest.mark.parametrize(
-    "builtin,factory",
-    [
-        (dq.Float8CurrentScaling(), factories.current_scaling),
-        (dq.DelayedScaling(), factories.delayed_scaling),
-        (dq.MXFP8BlockScaling(), factories.mxfp8),
-        (dq.Float8BlockScaling(), factories.float8_block_scaling),
-    ],
-    ids=["current", "delayed", "mxfp8", "block"],
-)
+@builtin_and_reference_factory
 def test_custom_recipe_of_reference_factory_equals_builtin_bit_for_bit(builtin, factory):
     a, b = make(3), make(3)
     x, dy = inputs(3)
-    for step in range(3):  # delayed scaling: the scales of steps 2 and 3 come from the history
-        ra = run(a, x * (step + 1), dy, builtin)
-        rb = run(b, x * (step + 1), dy, dq.CustomRecipe(factory))
-        for ta, tb in zip(ra, rb):
-            assert torch.equal(ta, tb)
+    assert_recipes_agree_bit_for_bit(
+        a, b, x, dy, builtin, dq.CustomRecipe(factory), forward_args=(SPLITS,)
+    )
 
 
 def test_high_precision_recipe_equals_disabled_bit_for_bit():

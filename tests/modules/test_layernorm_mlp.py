@@ -11,6 +11,8 @@ from module_ref import (
     ref_linear,
     ref_norm,
 )
+from module_step import assert_recipes_agree_bit_for_bit, run
+from recipe_cases import builtin_and_reference_factory
 
 import dist_quant as dq
 from dist_quant import factories
@@ -26,15 +28,6 @@ def make(activation: str = "gelu", seed: int = 0, **kw) -> dq.LayerNormMLP:
         mod.layer_norm_weight.uniform_(0.5, 1.5)
         mod.layer_norm_bias.uniform_(-0.5, 0.5)
     return mod
-
-
-def run(mod, x, dy, recipe=None, enabled=True):
-    x = x.detach().clone().requires_grad_(True)
-    mod.zero_grad(set_to_none=True)
-    with dq.autocast(enabled=enabled, recipe=recipe):
-        y = mod(x)
-    y.backward(dy)
-    return [y.detach(), x.grad] + [p.grad for p in mod.parameters()]
 
 
 def inputs(seed: int = 0):
@@ -113,24 +106,11 @@ def test_fc1_and_fc2_use_their_own_slots():
     ]
 
 
-@pytest.mark.parametrize(
-    "builtin,factory",
-    [
-        (dq.Float8CurrentScaling(), factories.current_scaling),
-        (dq.DelayedScaling(), factories.delayed_scaling),
-        (dq.MXFP8BlockScaling(), factories.mxfp8),
-        (dq.Float8BlockScaling(), factories.float8_block_scaling),
-    ],
-    ids=["current", "delayed", "mxfp8", "block"],
-)
+@builtin_and_reference_factory
 def test_custom_recipe_of_reference_factory_equals_builtin_bit_for_bit(builtin, factory):
     a, b = make("swiglu", seed=3), make("swiglu", seed=3)
     x, dy = inputs(3)
-    for step in range(3):  # delayed scaling: the scales of steps 2 and 3 come from the history
-        ra = run(a, x * (step + 1), dy, builtin)
-        rb = run(b, x * (step + 1), dy, dq.CustomRecipe(factory))
-        for ta, tb in zip(ra, rb):
-            assert torch.equal(ta, tb)
+    assert_recipes_agree_bit_for_bit(a, b, x, dy, builtin, dq.CustomRecipe(factory))
 
 
 def test_high_precision_recipe_equals_disabled_bit_for_bit():

@@ -13,6 +13,7 @@ from module_ref import (
     ref_norm,
     sdpa_plain,
 )
+from module_step import run
 
 import dist_quant as dq
 from dist_quant import factories
@@ -31,15 +32,6 @@ def make_layer(seed: int = 0, **kw) -> dq.TransformerLayer:
             elif name.endswith("layer_norm_bias"):
                 p.uniform_(-0.5, 0.5)
     return layer
-
-
-def run(layer, x, dy, recipe=None, enabled=True):
-    x = x.detach().clone().requires_grad_(True)
-    layer.zero_grad(set_to_none=True)
-    with dq.autocast(enabled=enabled, recipe=recipe):
-        y = layer(x)
-    y.backward(dy)
-    return [y.detach(), x.grad] + [p.grad for p in layer.parameters()]
 
 
 def inputs(seed: int = 0):
