@@ -9,8 +9,9 @@ The stacks (`--model`, see `e2e_models.py`): "8b" (Llama-3-8B layer dims, 2 laye
     torchao-tensorwise, torchao-rowwise       the blocks' Linears as torchao Float8Linear, compiled
     dq-{delayed,current,mxfp8,block}          the blocks' Linears swapped by dq.convert_model, compiled
     dq-{...}-eager                            the same, eager
-    dq-layer-delayed                          dq.TransformerLayer (num_gqa_groups), eager
+    dq-layer-delayed[-fp8attn]                dq.TransformerLayer (num_gqa_groups), eager; with FP8 attention
     te-layer-delayed, te-linear-delayed       TE's TransformerLayer / te.Linear swapped in, eager
+    te-layer-delayed-fp8dpa                   TE's TransformerLayer with its FP8 attention (fp8_dpa)
 
 "compiled" is `torch.compile` of each block (torchtitan's way); every eager variant runs its
 backward on the calling thread (`torch.autograd.set_multithreading_enabled(False)`, see

@@ -10,6 +10,7 @@ its forward (an FP8 autocast, or nothing), and whether the backward runs on the 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,6 +63,7 @@ DQ_RECIPES: dict[str, Callable[[], dq.Recipe]] = {
     "mxfp8": dq.MXFP8BlockScaling,
     "block": dq.Float8BlockScaling,
 }
+FP8_ATTENTION = "-fp8attn"  # the quant suffix of a variant that also runs attention in FP8
 VARIANTS: dict[str, Variant] = {
     "bf16-compiled": Variant("torch", None, True),
     "bf16-eager": Variant("torch", None, False),
@@ -70,9 +72,18 @@ VARIANTS: dict[str, Variant] = {
     **{f"dq-{r}": Variant("torch", f"dq-{r}", True) for r in DQ_RECIPES},
     **{f"dq-{r}-eager": Variant("torch", f"dq-{r}", False) for r in DQ_RECIPES},
     "dq-layer-delayed": Variant("dq-layer", "dq-delayed", False),
+    "dq-layer-delayed-fp8attn": Variant("dq-layer", "dq-delayed-fp8attn", False),
     "te-layer-delayed": Variant("te-layer", "te", False, "transformer_engine"),
+    "te-layer-delayed-fp8dpa": Variant("te-layer", "te-fp8attn", False, "transformer_engine"),
     "te-linear-delayed": Variant("torch", "te", False, "transformer_engine"),
 }
+
+
+def _dq_recipe(quant: str) -> dq.Recipe:
+    """The recipe of quant "dq-<recipe>[-fp8attn]", with FP8 attention (`fp8_dpa`) for the suffix."""
+    name = quant.removeprefix("dq-").removesuffix(FP8_ATTENTION)
+    recipe = DQ_RECIPES[name]()
+    return dataclasses.replace(recipe, fp8_dpa=True) if quant.endswith(FP8_ATTENTION) else recipe
 
 
 def missing(variant: Variant) -> str | None:
@@ -143,11 +154,11 @@ def _te_linears(block: nn.Module) -> None:
             setattr(block, name, new)
 
 
-def _te_context() -> Callable[[], contextlib.AbstractContextManager]:
+def _te_context(fp8_attention: bool) -> Callable[[], contextlib.AbstractContextManager]:
     import transformer_engine.pytorch as te
     from transformer_engine.common.recipe import DelayedScaling
 
-    recipe = DelayedScaling()
+    recipe = DelayedScaling(fp8_dpa=fp8_attention)
     return lambda: te.fp8_autocast(enabled=True, fp8_recipe=recipe)
 
 
@@ -168,7 +179,8 @@ def build(name: str, d: Dims, device: str, backend: str = "inductor") -> Built:
     none = contextlib.nullcontext
     if v.family == "te-layer":
         layers = [_te_layer(d, device) for _ in range(d.layers)]
-        return Built(Stack(layers, v.compiled, backend), _te_context(), sbhd=True)
+        context = _te_context(fp8_attention=v.quant.endswith(FP8_ATTENTION))
+        return Built(Stack(layers, v.compiled, backend), context, sbhd=True)
     if v.family == "dq-layer":
         layers = [
             dq.TransformerLayer(
@@ -185,7 +197,7 @@ def build(name: str, d: Dims, device: str, backend: str = "inductor") -> Built:
             )
             for _ in range(d.layers)
         ]
-        recipe = DQ_RECIPES[v.quant.removeprefix("dq-")]()
+        recipe = _dq_recipe(v.quant)
         model = Stack(layers, v.compiled, backend)
         dq.apply_recipe(model, recipe)  # planned and pinned: a compiled block needs no planning
         return Built(model, lambda: dq.autocast(recipe=recipe), sbhd=True)
@@ -200,7 +212,7 @@ def build(name: str, d: Dims, device: str, backend: str = "inductor") -> Built:
     elif v.quant == "te":
         for block in layers:
             _te_linears(block)
-        context = _te_context()
+        context = _te_context(fp8_attention=False)
     elif v.quant is not None:
         recipe = DQ_RECIPES[v.quant.removeprefix("dq-")]()
         for block in layers:
