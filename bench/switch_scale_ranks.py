@@ -8,6 +8,7 @@ import asyncio
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -211,14 +212,17 @@ class Ranks:
         self.node_stores: list[Any] = []
         t0 = time.monotonic()
         stores: dict[int, str] = {}
-        for r in range(lo, hi):
-            led = node_led_by(r, relayed)
-            if led is not None:
-                try:
-                    self.node_stores.append(NodeStore(r, led))
-                    stores[r] = self.node_stores[-1].address
-                except Exception as e:  # noqa: BLE001 - counted and reported as attach failures
-                    self.failures.append(f"rank {r}'s node store: {type(e).__name__}: {e}")
+        leaders = [(r, led) for r in range(lo, hi) if (led := node_led_by(r, relayed)) is not None]
+        # Started together, as each leader starts its own on its host: torch's server opens a
+        # client connection to itself, whose name lookup can wait out a lost DNS query (5 s).
+        with ThreadPoolExecutor(max(len(leaders), 1)) as pool:
+            started = [(r, pool.submit(NodeStore, r, led)) for r, led in leaders]
+        for r, future in started:
+            try:
+                self.node_stores.append(future.result())
+                stores[r] = self.node_stores[-1].address
+            except Exception as e:  # noqa: BLE001 - counted and reported as attach failures
+                self.failures.append(f"rank {r}'s node store: {type(e).__name__}: {e}")
         for r in range(lo, hi):
             try:
                 way = route(r, relayed, job, stores)
