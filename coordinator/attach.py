@@ -1,15 +1,18 @@
 """`attach(model)`: join a job's switch protocol; rank 0 also hosts the coordinator.
 
 Three small all-gathers, at attach time only: each rank's TP peers and location (`locality.py`),
-rank 0's endpoint (transport, address, token), and each rank's "could I reach it" (so a coordinator
-one rank cannot reach fails every rank at once, with one line naming the address and the `host=`
-fix). It works however the group was initialised (env://, tcp://, file://, Ray actors): nothing
+rank 0's endpoint (transport, address, token) with each node leader's store address (store jobs
+across hosts, `node_store.py`), and each rank's "could I reach it" (so a coordinator, or a node
+store, one rank cannot reach fails every rank at once, with one line naming the address and, for
+the coordinator, the `host=` fix). It works however the group was initialised (env://, tcp://, file://, Ray actors): nothing
 else is taken from the process group. After attach, no collective is ever issued by the
 coordinator code.
 
 - transport "store" (torchrun): rank 0 starts a TCPStore server of its own and the coordinator
   thread beside it, on 127.0.0.1 when every rank runs on its host, else on the address the other
-  ranks reach it at (`locality.choose_host`), or on `host`;
+  ranks reach it at (`locality.choose_host`), or on `host`; across hosts, the lowest rank of every
+  other host with two ranks or more relays its node's messages and serves its node's queues from
+  a store of its own on loopback, which its node's ranks connect to instead of rank 0's;
 - transport "ray": rank 0 creates the named actor "dist_quant.coordinator" in a namespace of the
   job's own, on its node;
 - "auto": "ray" when this process runs inside an initialised Ray, else "store".
