@@ -204,3 +204,22 @@ def test_a_leader_gone_before_the_commit_aborts_and_its_node_learns_it_from_rank
     assert time.monotonic() - decided < 5.0
     assert sorted(job.links_opened) == [4, 5]  # node 6 waited on its relay, which stayed up
     assert all(switched_at(s) is None for s in job.seen)
+
+
+def test_route_sends_ranks_off_rank_0s_host_to_their_leaders_store_and_the_rest_to_rank_0s():
+    nodes = ((0, 1), (2, 3, 4), (6, 7))  # rank 5 is alone on its host: no relay
+    stores = {2: "127.0.0.1:2002", 6: "127.0.0.1:2006"}
+    ways = [route(r, nodes, "10.0.0.1:1000", stores) for r in range(8)]
+    assert [w.home for w in ways] == ["10.0.0.1:1000"] * 2 + ["127.0.0.1:2002"] * 3 + [
+        "10.0.0.1:1000"
+    ] + ["127.0.0.1:2006"] * 2
+    assert [w.upstream for w in ways] == ["node/0"] * 2 + ["node/2"] * 3 + ["inbox"] + [
+        "node/6"
+    ] * 2
+    assert [w.behind_node_store for w in ways] == [False] * 2 + [True] * 3 + [False] + [True] * 2
+    assert [node_led_by(r, nodes) for r in range(8)] == [None, None, (2, 3, 4), None, None, None,
+                                                         (6, 7), None]  # fmt: skip
+    with pytest.raises(
+        ValueError, match="rank 7's node \\[6, 7\\] has no store address for its leader rank 6"
+    ):
+        route(7, nodes, "10.0.0.1:1000", {2: "127.0.0.1:2002"})
