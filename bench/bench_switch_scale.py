@@ -19,7 +19,11 @@ step beyond its sleep, i.e. every rank's boundary, then the wait for the other p
 of the coordinator's threads per switch, CPU of all simulated ranks together (`ranks_cpu_ms`: on
 2 cores the ranks' own work, which a cluster runs in parallel, dominates the latencies above a
 few hundred ranks), messages the coordinator sent and received, and connections open at rank
-0's server (for `ray`: calls in flight inside the actor, each a coroutine on its event loop).
+0's server, before the request or after the publish, whichever is more (for `ray`: calls in
+flight inside the actor, each a coroutine on its event loop). With `--relays`, each simulated
+node's lowest rank relays its node's messages and, off rank 0's node, serves its node's queues
+from a store of its own (as `attach` wires a job across hosts, node_store.py):
+`leader_connections` is the most any of those stores holds.
 """
 
 from __future__ import annotations
@@ -144,10 +148,12 @@ class Bench:
             hellos = [self._ask(conn, None) for _, conn in self.workers]
         else:
             threading.stack_size(THREAD_STACK)
-            self.local = Ranks(0, self.world, self._client_transport, self.token, step_s)
+            connect = lambda _address: self._client_transport()  # noqa: E731 - one actor
+            self.local = Ranks(0, self.world, connect, "", self.token, step_s)
             self.local.started.wait(self._left())
             hellos = [{"failures": self.local.failures, "connect_s": self.local.connect_s}]
         failures = [f for h in hellos for f in h["failures"]]
+        self.node_store_ports = [port for h in hellos for port in h.get("node_store_ports", ())]
         return {"attach_failures": len(failures), "first_failure": failures[:1],
                 "attach_s": max(h["connect_s"] for h in hellos)}  # fmt: skip
 
@@ -183,6 +189,7 @@ class Bench:
         at_step = step + self.args.at_step_ahead if self.args.at_step_ahead else None
         client = self._client_transport()
         connections = server_connections(self.server.port) if self.server else self.gauge["now"]
+        leaders = max(map(server_connections, self.node_store_ports), default=0)
         moved0 = self._messages()
         cpu0 = thread_cpu_s(self.coordinator_threads)
         t0 = time.monotonic()
@@ -202,6 +209,8 @@ class Bench:
         while status(token=self.token, transport=client)["phase"] != "published":
             time.sleep(min(0.02, self._left()))
         cpu = thread_cpu_s(self.coordinator_threads) - cpu0
+        if self.server:  # any the switch opened (a rank asking rank 0 itself) and left open
+            connections = max(connections, server_connections(self.server.port))
         ranks_cpu = sum(r["cpu_s"] for r in self._reports())  # acks sent too
         if self.local is not None:
             ranks_cpu -= cpu  # one process: all but the coordinator's threads (and the client)
@@ -214,6 +223,7 @@ class Bench:
             "ranks_cpu_ms": 1e3 * ranks_cpu,
             "rank0_messages": self._messages() - moved0,
             "rank0_connections": connections if self.server else self.gauge["peak"],
+            "leader_connections": leaders,
             "commit_step": result.step,
             "at_step": at_step,
         }
@@ -345,7 +355,8 @@ def main() -> None:
               f"{args.step_ms:g} ms steps, {args.ranks_per_process} ranks per process, "
               f"lease {args.lease_s:g} s")  # fmt: skip
         print(f"{'ranks':>6} | {'decision ms':>11} | {'published ms':>12} | {'max stall ms':>12} |"
-              f" {'coord CPU ms':>12} | {'rank0 msgs':>10} | {'rank0 conns':>11}")  # fmt: skip
+              f" {'coord CPU ms':>12} | {'rank0 msgs':>10} | {'rank0 conns':>11} |"
+              f" {'leader conns':>12}")  # fmt: skip
     largest = None
     for world in args.ranks:
         row = measure(args, world)
@@ -358,8 +369,8 @@ def main() -> None:
         else:
             print(f"{world:>6} | {row['decision_ms']:11.1f} | {row['published_ms']:12.1f} | "
                   f"{row['max_stall_ms']:12.1f} | {row['coordinator_cpu_ms']:12.1f} | "
-                  f"{row['rank0_messages']:10d} | {row['rank0_connections']:11d}",
-                  flush=True)  # fmt: skip
+                  f"{row['rank0_messages']:10d} | {row['rank0_connections']:11d} | "
+                  f"{row['leader_connections']:12d}", flush=True)  # fmt: skip
     if not args.json:
         print("\n" + "\n".join(projection(16384, 8, largest)))
 

@@ -8,6 +8,7 @@ import asyncio
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -181,19 +182,21 @@ class Ranks:
         lo: int,
         hi: int,
         connect: Any,
+        job: str,
         token: str,
         step_s: float,
         barrier: Any = None,
         relayed: tuple[tuple[int, ...], ...] = (),
     ) -> None:
         """`relayed`: the job's nodes whose lowest rank runs a `NodeRelay` (as `attach` sets it
-        up across hosts): their ranks send upstream through it, its leader runs it."""
+        up across hosts): their ranks send upstream through it, its leader runs it and, off
+        rank 0's node, serves the node's queues from a store of its own (node_store.py), which
+        its ranks connect to instead of rank 0's. `connect(address)` opens a connection to a
+        store; `job` is rank 0's."""
         from dist_quant.coordinator.node_relay import NodeRelay
+        from dist_quant.coordinator.node_store import NodeStore, node_led_by, route
         from dist_quant.coordinator.participant import Participant
         from dist_quant.coordinator.transport import PairedTransport
-        from dist_quant.coordinator.wire import INBOX, node_queue
-
-        node_of = {r: node for node in relayed for r in node}
 
         self.models: list[StubModel] = []
         self.parts: list[Any] = []
@@ -206,26 +209,44 @@ class Ranks:
         self.step = 0
         self.max_stall_s = 0.0
         self.max_step_s = 0.0
+        self.node_stores: list[Any] = []
         t0 = time.monotonic()
-        for r in range(lo, hi):
-            node = node_of.get(r)
+        stores: dict[int, str] = {}
+        leaders = [(r, led) for r in range(lo, hi) if (led := node_led_by(r, relayed)) is not None]
+        # Started together, as each leader starts its own on its host: torch's server opens a
+        # client connection to itself, whose name lookup can wait out a lost DNS query (5 s).
+        with ThreadPoolExecutor(max(len(leaders), 1)) as pool:
+            started = [(r, pool.submit(NodeStore, r, led)) for r, led in leaders]
+        for r, future in started:
             try:
+                self.node_stores.append(future.result())
+                stores[r] = self.node_stores[-1].address
+            except Exception as e:  # noqa: BLE001 - counted and reported as attach failures
+                self.failures.append(f"rank {r}'s node store: {type(e).__name__}: {e}")
+        for r in range(lo, hi):
+            try:
+                way = route(r, relayed, job, stores)
                 relay = None
-                if node is not None and r == node[0]:
-                    link = PairedTransport(connect(), connect())  # its up and down threads
-                    relay = NodeRelay(link, token=token, leader=r, ranks=node)
-                transport = connect()
+                if way.leader == r:  # its node's store and rank 0's, one popping thread each
+                    relay = NodeRelay(connect(way.home), connect(job), token=token, leader=r,
+                                      ranks=way.node)  # fmt: skip
+                first = connect(way.home)
                 model = StubModel()
                 part = Participant(
                     model,
                     rank=r,
-                    transport=transport,
+                    transport=PairedTransport(first, first.clone()),
                     token=token,
                     planner=stub_planner,
                     recipe_loader=stub_loader,
                     describe=lambda m: m.recipe,
-                    upstream=INBOX if node is None else node_queue(node[0]),
+                    upstream=way.upstream,
                     relay=relay,
+                    coordinator_link=(
+                        (lambda: connect(job))
+                        if way.behind_node_store and way.leader != r
+                        else None
+                    ),
                 )
             except Exception as e:  # noqa: BLE001 - counted and reported as attach failures
                 self.failures.append(f"rank {r}: {type(e).__name__}: {e}")
@@ -286,10 +307,13 @@ def worker(
     threading.stack_size(THREAD_STACK)
     from dist_quant.coordinator.attach import connect_endpoint
 
-    connect = lambda: connect_endpoint(endpoint)  # noqa: E731
-    ranks = Ranks(lo, hi, connect, endpoint["token"], step_s, barrier, relayed)
+    connect = lambda address: connect_endpoint({**endpoint, "address": address})  # noqa: E731
+    job = endpoint["address"]
+    ranks = Ranks(lo, hi, connect, job, endpoint["token"], step_s, barrier, relayed)
     ranks.started.wait(60)
-    conn.send({"failures": ranks.failures, "connect_s": ranks.connect_s, "step": ranks.step})
+    ports = [store.port for store in ranks.node_stores]
+    conn.send({"failures": ranks.failures, "connect_s": ranks.connect_s, "step": ranks.step,
+               "node_store_ports": ports})  # fmt: skip
     while True:
         cmd = conn.recv()
         if cmd == "measure":

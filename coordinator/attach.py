@@ -1,15 +1,18 @@
 """`attach(model)`: join a job's switch protocol; rank 0 also hosts the coordinator.
 
 Three small all-gathers, at attach time only: each rank's TP peers and location (`locality.py`),
-rank 0's endpoint (transport, address, token), and each rank's "could I reach it" (so a coordinator
-one rank cannot reach fails every rank at once, with one line naming the address and the `host=`
-fix). It works however the group was initialised (env://, tcp://, file://, Ray actors): nothing
+rank 0's endpoint (transport, address, token) with each node leader's store address (store jobs
+across hosts, `node_store.py`), and each rank's "could I reach it" (so a coordinator, or a node
+store, one rank cannot reach fails every rank at once, with one line naming the address and, for
+the coordinator, the `host=` fix). It works however the group was initialised (env://, tcp://, file://, Ray actors): nothing
 else is taken from the process group. After attach, no collective is ever issued by the
 coordinator code.
 
 - transport "store" (torchrun): rank 0 starts a TCPStore server of its own and the coordinator
   thread beside it, on 127.0.0.1 when every rank runs on its host, else on the address the other
-  ranks reach it at (`locality.choose_host`), or on `host`;
+  ranks reach it at (`locality.choose_host`), or on `host`; across hosts, the lowest rank of every
+  other host with two ranks or more relays its node's messages and serves its node's queues from
+  a store of its own on loopback, which its node's ranks connect to instead of rank 0's;
 - transport "ray": rank 0 creates the named actor "dist_quant.coordinator" in a namespace of the
   job's own, on its node;
 - "auto": "ray" when this process runs inside an initialised Ray, else "store".
@@ -24,7 +27,6 @@ from __future__ import annotations
 import os
 import secrets
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -44,8 +46,8 @@ from dist_quant.coordinator.guard import PrecisionGuard
 from dist_quant.coordinator.guard_runner import GuardRunner, StepMonitor
 from dist_quant.coordinator.locality import Locality, choose_host, here, local_leaders
 from dist_quant.coordinator.node_relay import NodeRelay, relayed_nodes
+from dist_quant.coordinator.node_store import NodeStore, Route, drain, node_led_by, route
 from dist_quant.coordinator.participant import Participant
-from dist_quant.coordinator.protocol import Stop
 from dist_quant.coordinator.switch_requests import request_switch
 from dist_quant.coordinator.transport import (
     PairedTransport,
@@ -62,12 +64,9 @@ from dist_quant.coordinator.transport_ray import (
 from dist_quant.coordinator.transport_store import StoreServer
 from dist_quant.coordinator.transport_store_client import StoreClientTransport
 from dist_quant.coordinator.wire import (
-    CLOSED,
-    INBOX,
     node_down_queue,
     node_queue,
     rank_queue,
-    seal,
 )
 from torch import nn
 
@@ -77,7 +76,6 @@ from dist_quant.telemetry import Telemetry
 TRANSPORTS = ("auto", *(k.value for k in TransportKind))
 # A reachable coordinator answers in milliseconds; an unreachable one must fail the job quickly.
 CONNECT_TIMEOUT_S = 5.0
-_DRAIN_S = 1.0  # how long rank 0's close waits for the other ranks' listeners to stop
 
 
 def attach(
@@ -128,47 +126,60 @@ def attach(
     claims = _all_gather({"tp": tp, "where": here()}, world, group)
     localities = [c["where"] for c in claims]
     tp_groups = check_tp_groups([c["tp"] for c in claims])
+    # Store jobs across hosts: each host's lowest rank relays its node's messages (node_relay.py)
+    # and, off rank 0's host, serves its node's queues from a store of its own (node_store.py).
+    nodes = relayed_nodes([loc.where for loc in localities]) if kind is TransportKind.STORE else ()
     host_side: _Host | None = None
-    endpoint: dict[str, Any]
+    node_store: NodeStore | None = None
+    mine: dict[str, Any] = {}
     if rank == 0:
         try:
             bind, advertise, how = (
                 ("", "", "") if kind is TransportKind.RAY else choose_host(host, localities)
             )
             host_side = _Host.start(kind, bind, advertise, how, world, resolve_run_dir(run_dir))
-            endpoint = {**host_side.endpoint, "reapply": host_side.reapply}
+            mine = {**host_side.endpoint, "reapply": host_side.reapply}
         except Exception as e:  # noqa: BLE001 - reported to every rank after the gather
-            endpoint = {"error": f"rank 0 could not start the coordinator: {type(e).__name__}: {e}"}
-    else:
-        endpoint = {}
-    # Collective 2: rank 0's endpoint.
-    endpoint = _all_gather(endpoint, world, group)[0]
-    if "error" in endpoint:
-        if host_side is not None:
-            host_side.close()
-        raise RuntimeError(endpoint["error"])
-    # Store jobs across hosts: each host's lowest rank relays its node's messages (node_relay.py).
-    nodes = relayed_nodes([loc.where for loc in localities]) if kind is TransportKind.STORE else ()
-    node = next((n for n in nodes if rank in n), None)
-    rank_transport, problem, on_close = _join(endpoint, rank, localities, run_dir)
-    relay_link: Transport | None = None
-    if not problem and node is not None and rank == min(node):
-        relay_link, problem = _open_relay_link(endpoint, rank)
+            mine = {"error": f"rank 0 could not start the coordinator: {type(e).__name__}: {e}"}
+    elif (led := node_led_by(rank, nodes)) is not None:
+        try:
+            node_store = NodeStore(rank, led)
+            mine = {"node_store": node_store.address}
+        except TransportError as e:
+            mine = {"error": f"attach: {e}"}
+    # Collective 2: rank 0's endpoint, and the address of each node leader's store.
+    gathered = _all_gather(mine, world, group)
+    errors = [g["error"] for g in gathered if "error" in g]
+    if errors:
+        for side in (host_side, node_store):
+            if side is not None:
+                side.close()
+        more = f" (and {len(errors) - 1} other rank(s))" if len(errors) > 1 else ""
+        raise RuntimeError(errors[0] + more)
+    endpoint = gathered[0]
+    stores = {r: g["node_store"] for r, g in enumerate(gathered) if "node_store" in g}
+    way = route(rank, nodes, endpoint["address"], stores)
+    rank_transport, problem, on_close = _join(endpoint, way, rank, localities, run_dir)
+    relay_links: tuple[Transport, Transport] | None = None
+    if not problem and way.leader == rank:
+        relay_links, problem = _open_relay_links(endpoint, way, rank, localities)
     if host_side is not None and not problem:
         problem = host_side.connect_coordinator(
             tp_groups, tuple(faults), decision_grace_s / 2, nodes
         )
-    # Collective 3: did every rank reach the coordinator? Every rank fails together, or none.
+    # Collective 3: did every rank reach the coordinator (and its node leader's store)? Every
+    # rank fails together, or none.
     problems = [p for p in _all_gather(problem, world, group) if p]
     if problems:
         if rank_transport is not None:
             rank_transport.close()
-        if relay_link is not None:
-            relay_link.close()
+        for link in relay_links or ():
+            link.close()
         for fn in on_close:
             fn()
-        if host_side is not None:
-            host_side.close()
+        for side in (host_side, node_store):
+            if side is not None:
+                side.close()
         more = f" (and {len(problems) - 1} other rank(s))" if len(problems) > 1 else ""
         raise TransportError(problems[0] + more)
     try:
@@ -180,11 +191,12 @@ def attach(
         if host_side is not None:
             host_side.close()
         raise
+    if node_store is not None:  # closed after the relay stopped (Participant.close)
+        on_close.append(lambda: node_store.close(token=endpoint["token"]))
     relay = None
-    if relay_link is not None:
-        on_close.append(relay_link.close)
-        token = endpoint["token"]
-        relay = NodeRelay(relay_link, token=token, leader=rank, ranks=node, faults=faults)
+    if relay_links is not None:
+        relay = NodeRelay(*relay_links, token=endpoint["token"], leader=rank, ranks=way.node,
+                          faults=faults)  # fmt: skip
     participant = Participant(
         model,
         rank=rank,
@@ -199,13 +211,21 @@ def attach(
         on_close=on_close,
         monitor=_monitor(telemetry if stats_interval else None, guard, model, run_dir, rank),
         reapply=endpoint.get("reapply", ()),
-        upstream=INBOX if node is None else node_queue(min(node)),
+        upstream=way.upstream,
         relay=relay,
+        # a leader's store dies with it: only the others of its node may need rank 0 straight
+        coordinator_link=(
+            (lambda: connect_endpoint(endpoint, connect_timeout_s=CONNECT_TIMEOUT_S))
+            if way.behind_node_store and way.leader != rank
+            else None
+        ),
     )
     try:
         return participant.start()
     except BaseException:  # a re-applied recipe that no longer plans: the same on every rank
         rank_transport.close()
+        if relay is not None:
+            relay.stop(0.0)
         for fn in on_close:
             fn()
         raise
@@ -281,49 +301,51 @@ def _all_gather(obj: Any, world: int, group: dist.ProcessGroup | None) -> list[A
     return gathered
 
 
-def _open_relay_link(endpoint: dict[str, Any], rank: int) -> tuple[Transport | None, str]:
-    """A node leader's relay pops two queues of its own, and a store-client connection has one
-    reader: two connections, opened inside attach's all-or-none window (the relay's two clones).
-    Returns (transport, problem text or "")."""
+def _open_relay_links(
+    endpoint: dict[str, Any], way: Route, rank: int, localities: list[Locality]
+) -> tuple[tuple[Transport, Transport] | None, str]:
+    """A node leader's relay pops a queue in its node's store and one in rank 0's, and a
+    store-client connection has one reader: a connection to each (two to rank 0's store on rank
+    0's host), opened inside attach's all-or-none window. Off rank 0's host this is the
+    leader's, and its node's, first contact with rank 0. Returns ((local, upstream), problem
+    text or "")."""
     try:
-        up = connect_endpoint(endpoint, connect_timeout_s=CONNECT_TIMEOUT_S)
-        try:
-            down = connect_endpoint(endpoint, connect_timeout_s=CONNECT_TIMEOUT_S)
-        except BaseException:
-            up.close()
-            raise
+        local = _connect(endpoint, way.home)
     except TransportError as e:
-        return None, (
-            f"attach: rank {rank} cannot open its node relay's connections to the coordinator "
-            f"at {endpoint['address']}: {e}"
+        return (
+            None,
+            f"attach: rank {rank} cannot open its node relay's connection to {way.home}: {e}",
         )
-    return PairedTransport(up, down), ""
+    try:
+        upstream = _connect(endpoint, way.job)
+    except TransportError as e:
+        local.close()
+        return None, _unreachable(endpoint, rank, localities, e, "its node relay")
+    return (local, upstream), ""
 
 
 def _join(
-    endpoint: dict[str, Any], rank: int, localities: list[Locality], run_dir: Any
+    endpoint: dict[str, Any], way: Route, rank: int, localities: list[Locality], run_dir: Any
 ) -> tuple[Transport | None, str, list[Callable[[], None]]]:
-    """Connect to the coordinator; a node's lowest rank also writes coordinator.json there.
-    Returns (transport, problem text or "", cleanups)."""
+    """Connect to the store holding this rank's queue (rank 0's, or its node leader's); a node's
+    lowest rank also writes coordinator.json there. Returns (transport, problem text or "",
+    cleanups)."""
     on_close: list[Callable[[], None]] = []
     try:
-        first = connect_endpoint(endpoint, connect_timeout_s=CONNECT_TIMEOUT_S)
+        first = _connect(endpoint, way.home)
         try:
             transport = PairedTransport(first, first.clone())  # the participant's second
         except BaseException:
             first.close()
             raise
     except TransportError as e:
+        if not way.behind_node_store:
+            return None, _unreachable(endpoint, rank, localities, e, "it"), on_close
         cause = str(e.__cause__ or e).strip().splitlines()[0]
-        me = localities[rank].reach or localities[rank].where
         return (
             None,
-            (
-                f"attach: rank {rank} (at {me}) cannot reach the coordinator at {endpoint['address']} "
-                f"within {CONNECT_TIMEOUT_S:g} s ({cause}); rank 0 advertised it because "
-                f"{endpoint.get('chosen_by', '?')}. Pass attach(..., host=<an address of rank 0's host "
-                "that every rank reaches>), e.g. the MASTER_ADDR every rank rendezvoused at"
-            ),
+            f"attach: rank {rank} cannot reach its node leader rank {way.leader}'s store at "
+            f"{way.home} within {CONNECT_TIMEOUT_S:g} s ({cause})",
             on_close,
         )
     if rank != 0 and rank in local_leaders(localities):
@@ -339,6 +361,26 @@ def _join(
                 [],
             )
     return transport, "", on_close
+
+
+def _connect(endpoint: dict[str, Any], address: str) -> Transport:
+    return connect_endpoint({**endpoint, "address": address}, connect_timeout_s=CONNECT_TIMEOUT_S)
+
+
+def _unreachable(
+    endpoint: dict[str, Any], rank: int, localities: list[Locality], e: TransportError, who: str
+) -> str:
+    """Attach's one message for a rank (`who`: it, or its node relay) that cannot reach rank 0:
+    where the rank is, why rank 0 advertised that address, and the `host=` fix."""
+    cause = str(e.__cause__ or e).strip().splitlines()[0]
+    me = localities[rank].reach or localities[rank].where
+    subject = f"rank {rank} (at {me})" if who == "it" else f"rank {rank}'s {who} (at {me})"
+    return (
+        f"attach: {subject} cannot reach the coordinator at {endpoint['address']} "
+        f"within {CONNECT_TIMEOUT_S:g} s ({cause}); rank 0 advertised it because "
+        f"{endpoint.get('chosen_by', '?')}. Pass attach(..., host=<an address of rank 0's host "
+        "that every rank reaches>), e.g. the MASTER_ADDR every rank rendezvoused at"
+    )
 
 
 def connect_endpoint(endpoint: dict[str, Any], connect_timeout_s: float = 30.0) -> Transport:
@@ -366,7 +408,9 @@ class _Host:
         self._run_dir = run_dir
         self._coordinator: Coordinator | None = None
         self._world = 0
-        self._relays: tuple[int, ...] = ()  # leaders whose relay threads the drain stops too
+        # the readers of this store that the drain stops: at first every rank's listener
+        self._readers: tuple[str, ...] = ()
+        self._readers_once_run: tuple[str, ...] = ()
         # switches a resumed job publishes again (the log's `restored` record), for every rank
         self.reapply = resume_schedule(DecisionLog(run_dir / LOG_FILE).records())
 
@@ -396,6 +440,7 @@ class _Host:
         }
         self = cls(kind, info, server, run_dir)
         self._world = world
+        self._readers = tuple(rank_queue(r) for r in range(world))
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
             if kind is TransportKind.RAY:
@@ -414,21 +459,11 @@ class _Host:
         return self
 
     def _drain_listeners(self) -> None:
-        """Stop every rank's listener and wait (bounded) until each said so, so that closing the
-        server leaves no peer blocked on it (c10d would print a stack trace on that peer)."""
+        """Stop every listener and relay thread reading this store and wait (bounded) until each
+        said so, so that closing the server leaves no peer blocked on it."""
         tx = connect_endpoint(self.endpoint)
         try:
-            stop = seal(Stop("coordinator closing"), self.endpoint["token"])
-            for r in range(self._world):
-                tx.push(rank_queue(r), stop)
-            for leader in self._relays:
-                tx.push(node_queue(leader), stop)
-                tx.push(node_down_queue(leader), stop)
-            deadline = time.monotonic() + _DRAIN_S
-            # one per rank, this rank's own included, and one per relay thread (two per relay)
-            for _ in range(self._world + 2 * len(self._relays)):
-                if tx.pop(CLOSED, max(deadline - time.monotonic(), 0.001)) is None:
-                    break  # a rank that exited without close(): nothing of it is blocked
+            drain(tx, self.endpoint["token"], self._readers, expected=len(self._readers))
         finally:
             tx.close()
 
@@ -443,7 +478,14 @@ class _Host:
         all-or-none window; returns the problem text, or ""."""
         world = sum(len(g) for g in tp_groups)  # the groups partition the ranks
         log_path = self._run_dir / LOG_FILE
-        self._relay_leaders = tuple(min(node) for node in relayed)
+        # once running, this store's readers: the listeners of the ranks whose queue it holds,
+        # every relay's down thread, and the up thread of the relay on rank 0's host
+        elsewhere = {r for node in relayed if 0 not in node for r in node}
+        self._readers_once_run = (
+            *(rank_queue(r) for r in range(world) if r not in elsewhere),
+            *(node_down_queue(min(node)) for node in relayed),
+            *(node_queue(0) for node in relayed if 0 in node),
+        )
         self._start_args = (self.endpoint["token"], world, tp_groups, str(log_path), faults,
                             commit_window_s)  # fmt: skip
         if self.kind is TransportKind.RAY:
@@ -471,7 +513,7 @@ class _Host:
             start_coordinator_in_actor(self._server, *self._start_args)
         else:
             self._coordinator.start()
-            self._relays = self._relay_leaders
+            self._readers = self._readers_once_run
 
     def close(self) -> None:
         remove_endpoint(self._run_dir, self.endpoint["token"])

@@ -2,19 +2,23 @@
 coordinator's messages come down once per node and are handed to each rank of the node.
 
 The lowest rank of every host runs one in a job that spans hosts (`attach` learns the hosts from
-its locality all-gather). Two threads, each with its own connection: `up` pops `node/<leader>`,
-gathers the node's messages, checks each against the token and pushes them to the coordinator's
-inbox as one Bundle: votes and acks of a switch wait (at most `GATHER_S`) until every rank of the
-node has sent its own, so a node's round costs rank 0 one message, not one per rank; anything else
-(`Alive`, hellos, cancel votes) goes at once, with whatever is held; `down` pops
-`node/<leader>/down` and pushes each message, unchanged, to every rank of the node. Rank 0 then
-reads and writes O(nodes) messages per switch, not O(ranks).
+its locality all-gather). It joins two stores: the node's own (`local`: off rank 0's host, the
+store the leader serves for its node, `node_store.py`; on rank 0's host, the job's) and rank 0's
+(`upstream`, where the coordinator's inbox is). Two threads, each popping its own connection:
+`up` pops `node/<leader>` from the node's store, gathers the node's messages, checks each against
+the token and pushes them to the coordinator's inbox as one Bundle: votes and acks of a switch wait
+(at most `GATHER_S`) until every rank of the node has sent its own, so a node's round costs rank 0
+one message, not one per rank; anything else (`Alive`, hellos, cancel votes) goes at once, with
+whatever is held; `down` pops `node/<leader>/down` from rank 0's store and pushes each message,
+unchanged, to every rank's queue in the node's store. Rank 0 then reads and writes O(nodes)
+messages per switch, not O(ranks), and (with node stores) holds one connection per node.
 
 The relay decides nothing, so the protocol's rules hold unchanged. A leader that dies before the
 COMMIT is logged takes its node's votes and `Alive`s with it: the coordinator finds those ranks
 silent after its lease and aborts. One that dies after leaves its node without the decision: each
-of those ranks asks the coordinator straight (`DecisionQuery`) once it waits at its hold step, so
-it still publishes at the commit step, or learns the ABORT.
+of those ranks asks the coordinator straight (`DecisionQuery`, on a connection to rank 0 it opens
+only then) once it waits at its hold step, so it still publishes at the commit step, or learns
+the ABORT.
 """
 
 from __future__ import annotations
@@ -65,11 +69,15 @@ def relayed_nodes(hosts: Sequence[str]) -> tuple[tuple[int, ...], ...]:
 
 
 class NodeRelay:
-    """Relays for the node whose lowest rank is `leader` and whose ranks are `ranks`."""
+    """Relays for the node whose lowest rank is `leader` and whose ranks are `ranks`, between the
+    node's store (`local`) and rank 0's (`upstream`); it owns both connections and closes them
+    in `stop`. Both may be connections to one store (rank 0's node), never one connection: each
+    is popped by a thread of its own."""
 
     def __init__(
         self,
-        transport: Transport,
+        local: Transport,
+        upstream: Transport,
         *,
         token: str,
         leader: int,
@@ -82,9 +90,13 @@ class NodeRelay:
         self.ranks = tuple(sorted(ranks))
         self._token = token
         self._faults = tuple(faults)
-        self._up = transport.clone()
-        self._down = transport.clone()
+        # a pop holds its connection, a push does not: each thread pushes on a share of the
+        # connection the other pops (store clients' clones share it, transport_store_client.py)
+        self._up_in, self._up_out = local, upstream.clone()
+        self._down_in, self._down_out = upstream, local.clone()
+        self._stop_local, self._stop_upstream = local.clone(), upstream.clone()
         self._say = SwitchLog(leader)
+        self._stopped = False
         self._threads = [
             threading.Thread(target=target, name=f"dist_quant.relay.r{leader}.{name}", daemon=True)
             for target, name in ((self._relay_up, "up"), (self._relay_down, "down"))
@@ -95,17 +107,29 @@ class NodeRelay:
             t.start()
         return self
 
-    def stop(self, transport: Transport, timeout: float = 5.0) -> None:
-        """Ask both threads to end (a Stop in each of their queues, pushed on `transport`) and
-        join them; each says so in the `closed` queue, as a listener does."""
+    def stop(self, timeout: float = 5.0) -> None:
+        """Ask both threads to end (a Stop in each of their queues), join them and close the
+        relay's connections; idempotent. Each thread says so in the `closed` queue of the store
+        it was reading, as a listener does. Either store may be gone already (the job's end, or
+        rank 0's): that thread has ended with it."""
+        if self._stopped:
+            return
+        self._stopped = True
         stop = seal(Stop(f"relay of node {self.leader}"), self._token)
-        for queue in (node_queue(self.leader), node_down_queue(self.leader)):
+        for transport, queue in (
+            (self._stop_local, node_queue(self.leader)),
+            (self._stop_upstream, node_down_queue(self.leader)),
+        ):
             try:
                 transport.push(queue, stop)
             except TransportError:
-                return  # the store is gone: both threads have ended with it
+                pass  # that store is gone, and the thread reading it with it
         for t in self._threads:
-            t.join(timeout)
+            if t.ident is not None:  # started
+                t.join(timeout)
+        for transport in (self._up_out, self._down_out, self._stop_local, self._stop_upstream,
+                          self._up_in, self._down_in):  # fmt: skip
+            transport.close()
 
     def _relay_up(self) -> None:
         queue = node_queue(self.leader)
@@ -113,7 +137,7 @@ class NodeRelay:
         try:
             while True:
                 wait = held.wait_s(time.monotonic())
-                data = self._up.pop(queue, wait)
+                data = self._up_in.pop(queue, wait)
                 stopping = False
                 if data is not None:
                     msg = self._checked(data)
@@ -123,9 +147,10 @@ class NodeRelay:
                         held.add(msg, time.monotonic())
                 if held.items and (stopping or held.due(time.monotonic())):
                     items = held.take()
-                    self._up.push(INBOX, seal(Bundle(self.leader, tuple(items)), self._token))
+                    bundle = seal(Bundle(self.leader, tuple(items)), self._token)
+                    self._up_out.push(INBOX, bundle)
                 if stopping:
-                    self._closed(self._up)
+                    self._closed(self._up_in)
                     return
         except TransportError as e:
             self._say.info(f"relay up ends: {e}")
@@ -142,19 +167,19 @@ class NodeRelay:
         queue = node_down_queue(self.leader)
         try:
             while True:
-                data = self._down.pop(queue)
+                data = self._down_in.pop(queue)
                 try:
                     msg = unseal(data, self._token)
                 except ProtocolError as e:
                     self._say.warning(f"relay dropped a message: {e}")
                     continue
                 if isinstance(msg, Stop):
-                    self._closed(self._down)
+                    self._closed(self._down_in)
                     return
                 if isinstance(msg, Decision):
                     inject(self._faults, "relay", rank=self.leader, switch_id=msg.switch_id)
                 for r in self.ranks:
-                    self._down.push(rank_queue(r), data)
+                    self._down_out.push(rank_queue(r), data)
         except TransportError as e:
             self._say.info(f"relay down ends: {e}")
 

@@ -106,12 +106,17 @@ class Participant:
         reapply: Sequence[dict[str, Any]] = (),
         upstream: str = INBOX,
         relay: NodeRelay | None = None,
+        coordinator_link: Callable[[], Transport] | None = None,
     ) -> None:
         """`reapply`: committed switches `{"switch_id", "step", "recipe"}` that a job resumed from
         a checkpoint taken before their step publishes again at that step (from the decision
         log's `restored` record, see `job_checkpoint`). `upstream`: where this rank's messages
         for the coordinator go (its node leader's relay queue in a job that spans hosts);
-        `relay`: the relay this rank runs as its node's leader."""
+        `relay`: the relay this rank runs as its node's leader. `coordinator_link`: for a rank
+        whose `transport` goes to its node leader's store (node_store.py), how to open a
+        connection to the coordinator's store; opened only when the rank must ask for a decision
+        its relay did not bring, closed once it has it (None: `transport` reaches the
+        coordinator)."""
         self.rank = rank
         self.address = address
         self._model = model
@@ -128,6 +133,8 @@ class Participant:
         self._monitor = monitor  # telemetry and the precision guard (guard_runner.py)
         self._upstream = upstream
         self._relay = relay
+        self._open_direct = coordinator_link
+        self._home_lost = False  # the leader's store is gone: `_rx` is a connection to rank 0's
         self._closed = False
         self._say = SwitchLog(rank)
         self._lock = threading.Lock()
@@ -172,8 +179,7 @@ class Participant:
             pass  # the store is gone, so the listener has already ended
         self._listener.join(timeout)
         if self._relay is not None:
-            with self._tx_lock:
-                self._relay.stop(self._tx, timeout)
+            self._relay.stop(timeout)
         if self._monitor is not None:
             self._monitor.close()
         for fn in self._on_close:
@@ -275,17 +281,31 @@ class Participant:
 
     def _listen(self) -> None:
         self._send(self._rx, Hello(self.rank, self._key()))
+        try:
+            self._read_until_stopped()
+        finally:
+            if self._home_lost:
+                self._rx.close()  # rank 0 holds no connection of ours past the decision
+
+    def _read_until_stopped(self) -> None:
         while True:
             current = self._state  # only this thread enters PREPARING
+            if self._home_lost and not isinstance(current, (Preparing, Voted)):
+                return  # decided: nothing else can come without the node's relay
             try:
                 data = self._rx.pop(rank_queue(self.rank), self._beat(current))
                 if data is None:
                     self._on_quiet(current)
-                    continue
             except TransportError as e:
+                if self._read_rank_0_instead(self._state, e):
+                    continue
                 busy = not self._state.phase.accepts_prepare
                 (self._say.warning if busy else self._say.info)(f"coordinator unreachable: {e}")
                 return
+            if data is None:
+                if self._closed:
+                    return  # reading rank 0's store, where nobody stops this listener
+                continue
             try:
                 msg: Message = unseal(data, self._token)
             except ProtocolError as e:
@@ -320,7 +340,8 @@ class Participant:
     def _beat(self, state: State) -> float | None:
         """How long the listener may wait for a message: forever, except while it plans (it says
         it is alive every BEAT_S) or, behind a node relay, while it holds a YES vote (it asks the
-        coordinator straight for the decision once training waits for it)."""
+        coordinator straight for the decision once training waits for it; behind a leader's
+        store, a store that stopped answering fails a pop within the connection's timeout)."""
         if isinstance(state, Preparing):
             return BEAT_S
         if isinstance(state, Voted) and self._upstream != INBOX:
@@ -334,8 +355,35 @@ class Participant:
         if isinstance(state, Preparing):
             self._send(self._rx, Alive(state.switch_id, self.rank))
         elif isinstance(state, Voted) and (self._last_step or 0) >= state.hold_step:
-            # waiting at the hold step: the node's relay may be gone with its leader
-            self._send(self._rx, DecisionQuery(state.switch_id, self.rank), INBOX)
+            # Waiting at the hold step: the node's relay may be gone with its leader. Behind a
+            # leader's store, that store goes with it (`_read_rank_0_instead`): until then the
+            # relay is trusted, so that thousands of waiting ranks do not all call rank 0.
+            if self._open_direct is None or self._home_lost:
+                self._send(self._rx, DecisionQuery(state.switch_id, self.rank), INBOX)
+
+    def _read_rank_0_instead(self, state: State, error: TransportError) -> bool:
+        """The node leader's store is gone (`rx` failed, or did not answer within its socket's
+        timeout), and the leader with it: a rank still planning or holding a YES vote reads its
+        queue in the coordinator's store from now on, on a connection opened now, and asks there
+        for the decision; True if it does."""
+        if (
+            self._open_direct is None
+            or self._home_lost
+            or not isinstance(state, (Preparing, Voted))
+        ):
+            return False
+        try:
+            link = self._open_direct()
+        except TransportError as e:
+            self._say.warning(f"node leader's store lost ({error}), and the coordinator too: {e}")
+            return False
+        self._say.warning(
+            f"node leader's store lost ({error}); asking the coordinator for the decision",
+            **self._where(self._last_step),
+        )
+        self._rx.close()
+        self._rx, self._home_lost = link, True
+        return True
 
     def _on_prepare(self, p: Prepare) -> None:
         with self._cond:
@@ -436,12 +484,13 @@ class Participant:
     def _send(
         self, transport: Transport, msg: Message | AckDue | None, queue: str | None = None
     ) -> None:
-        """Push to `queue` (default: upstream, to the coordinator) on the listener's connection
-        (from the listener) or on `_tx`, which the training thread (acks) and the planning thread
-        (votes) share under `_tx_lock`."""
+        """Push to `queue` (default: to the coordinator, through the relay or, once the leader's
+        store is lost, straight from the listener) on the listener's connection (from the
+        listener) or on `_tx`, which the training thread (acks) and the planning thread (votes)
+        share under `_tx_lock`."""
         if msg is None:
             return
-        queue = queue or self._upstream
+        queue = queue or (INBOX if self._home_lost and transport is self._rx else self._upstream)
         if isinstance(msg, AckDue):
             msg = Ack(msg.switch_id, self.rank, msg.step, msg.ok, msg.error, self._key())
         try:

@@ -153,6 +153,16 @@ class Background:
         return value
 
 
+def fake_host(name: str) -> None:
+    """This process's rank tells attach it runs on host `name`: several simulated hosts on this
+    machine, whose loopback they all share (attach then needs `host=`, e.g. 127.0.0.1)."""
+    import importlib
+
+    from dist_quant.coordinator.locality import Locality
+
+    importlib.import_module("dist_quant.coordinator.attach").here = lambda: Locality(name, None)
+
+
 # -- the training loop each rank runs ------------------------------------------------------------
 
 
@@ -161,7 +171,7 @@ def train_worker(rank: int, world: int, cfg: dict) -> dict:
     an all-reduce in the TP group and a world all-reduce that also agrees on when to stop.
 
     cfg: run_dir, tp_size, stop_file, step_s, max_steps, collectives, faults, decision_grace_s,
-    transport.
+    transport, hosts (each rank's simulated host, `fake_host`) and host (attach's `host=`).
     The result also goes to `<run_dir>/rank<r>.json`, readable when a peer was killed on purpose
     (the harness then raises instead of returning results)."""
     import torch
@@ -173,6 +183,8 @@ def train_worker(rank: int, world: int, cfg: dict) -> dict:
     tp_pgs = [dist.new_group(g) for g in groups]  # every rank creates every group, in order
     tp_pg = tp_pgs[rank // tp_size]
     model = FakeModel(rank)
+    if cfg.get("hosts"):
+        fake_host(cfg["hosts"][rank])
     participant = attach(
         model,
         tp_group=tp_pg,
@@ -180,6 +192,7 @@ def train_worker(rank: int, world: int, cfg: dict) -> dict:
         transport=cfg.get("transport", "store"),
         faults=cfg.get("faults", ()),
         decision_grace_s=cfg.get("decision_grace_s", 0.5),
+        host=cfg.get("host"),
         **FAKE_HOOKS,
     )
     recipes: list[str] = []

@@ -45,6 +45,19 @@ def test_bench_switches_every_simulated_rank_and_counts_four_messages_per_rank(t
         assert row["rank0_connections"] >= ranks
 
 
+def test_bench_with_relays_puts_one_connection_per_other_node_on_rank_0s_store():
+    ranks, per_node = 24, 4
+    (row,) = run_bench("--ranks", str(ranks), "--ranks-per-node", str(per_node), "--relays",
+                       "--ranks-per-process", "12", "--step-ms", "50", "--at-step-ahead", "60")  # fmt: skip
+    assert "error" not in row, row
+    assert row["published_ms"] > 0 and row["commit_step"] == row["at_step"]
+    nodes = ranks // per_node
+    # rank 0's node: its 4 ranks and its relay's 2; one relay per other node; the coordinator's,
+    # the client's and the server's own. Each leader's store: its 4 ranks, its relay's, its own.
+    assert row["rank0_connections"] == per_node + 2 + (nodes - 1) + 3
+    assert row["leader_connections"] == per_node + 1 + 1
+
+
 def test_bench_reports_a_timeout_as_an_error_row_not_a_hang():
     (row,) = run_bench("--ranks", "8", "--transport", "ray", "--timeout", "0.001")
     assert row["ranks"] == 8 and "TimeoutError" in row["error"]

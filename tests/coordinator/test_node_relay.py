@@ -63,8 +63,9 @@ class Cluster:
                 relay = None
                 if r == leader and not (dead_relay and leader == 3):
                     relay = NodeRelay(
-                        transport, token=TOKEN, leader=r, ranks=node, faults=relay_faults
-                    )
+                        transport, transport.clone(), token=TOKEN, leader=r, ranks=node,
+                        faults=relay_faults,
+                    )  # fmt: skip
                 self.parts.append(
                     Participant(
                         self.models[r], rank=r, transport=transport, token=TOKEN,
@@ -173,7 +174,7 @@ def test_relayed_nodes_are_hosts_with_two_ranks_or_more_in_a_job_across_hosts():
     assert relayed_nodes(["a", "b", "a", "c"]) == ((0, 2),)  # lone ranks talk directly
     assert relayed_nodes(["a", "a", "a"]) == ()  # one host: rank 0 is every rank's host anyway
     with pytest.raises(ValueError, match="leader 1 is not the lowest of ranks"):
-        NodeRelay(MemoryTransport(), token=TOKEN, leader=1, ranks=(0, 1))
+        NodeRelay(MemoryTransport(), MemoryTransport(), token=TOKEN, leader=1, ranks=(0, 1))
 
 
 def relay_bundles(pushes_before_start, pushes_after_start=(), quiet_s=0.2):
@@ -183,14 +184,14 @@ def relay_bundles(pushes_before_start, pushes_after_start=(), quiet_s=0.2):
     transport = MemoryTransport(hub)
     for msg in pushes_before_start:
         transport.push(node_queue(0), seal(msg, TOKEN))
-    relay = NodeRelay(transport, token=TOKEN, leader=0, ranks=(0, 1, 2)).start()
+    relay = NodeRelay(transport, transport.clone(), token=TOKEN, leader=0, ranks=(0, 1, 2)).start()
     for msg in pushes_after_start:
         transport.push(node_queue(0), seal(msg, TOKEN))
     bundles = []
     while (data := transport.pop(INBOX, quiet_s)) is not None:
         bundle = unseal(data, TOKEN)
         bundles.append([(item["kind"], item["rank"]) for item in bundle.items])
-    relay.stop(transport)
+    relay.stop()
     hub.close()
     return bundles
 

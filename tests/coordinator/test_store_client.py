@@ -79,6 +79,34 @@ def test_a_server_that_is_not_a_tcpstore_is_refused():
         t.join(5)
 
 
+def test_a_server_that_stops_answering_fails_a_timed_pop_within_the_connection_timeout():
+    """What a rank behind a node leader's store relies on when the leader hangs (SIGSTOP): its
+    listener's timed pop fails, so it turns to rank 0 for the decision (participant.py)."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        hang = threading.Event()
+
+        def answer_the_ping_then_hang():
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(5)  # validation
+                ping = conn.recv(5)
+                conn.sendall(ping[1:])  # the nonce echoed, as a TCPStore does
+                hang.wait(10)
+
+        t = threading.Thread(target=answer_the_ping_then_hang)
+        t.start()
+        client = StoreClientTransport(f"127.0.0.1:{port}", connect_timeout_s=0.5)
+        began = time.monotonic()
+        with pytest.raises(TransportError, match="timed out"):
+            client.pop("rank/4", 0.1)
+        assert time.monotonic() - began < 2.0  # the pop's 0.1 s, then the socket's 0.5 s
+        hang.set()
+        t.join(5)
+
+
 def test_a_clone_pushes_on_the_same_connection_while_the_reader_waits_on_it(server, monkeypatch):
     """One connection per rank: the training thread's acks go out on the socket the listener's
     pop is waiting on, and arrive in order."""

@@ -205,11 +205,12 @@ def node_results(run_dirs, ranks, maybe=()):
 def test_a_node_leader_dying_around_the_commit_leaves_no_rank_half_switched(
     hosts, tmp_path, exit_at, committed
 ):
-    """2 nodes x 3 ranks; ranks 3-5 reach the coordinator through rank 3's relay. Rank 3 exits
-    while voting (the coordinator then finds node 1 silent and aborts) or while handing the
-    logged COMMIT to its node (node 0 publishes at S; ranks 4 and 5, where torchrun leaves them
-    running, would ask the coordinator straight at their hold step: tests/coordinator/
-    test_node_relay.py covers that). Every survivor runs one recipe per step, all alike."""
+    """2 nodes x 3 ranks; ranks 3-5 connect to rank 3's node store and reach the coordinator
+    through rank 3's relay. Rank 3 exits while voting (the coordinator then finds node 1 silent
+    and aborts) or while handing the logged COMMIT to its node (node 0 publishes at S; ranks 4
+    and 5, where torchrun leaves them running, lose rank 3's store and ask the coordinator
+    straight: tests/coordinator/test_node_store.py covers that). Every survivor runs one recipe
+    per step, all alike."""
     cfg, run_dirs = start_job(hosts, tmp_path, nproc=3, exit_at=[3, exit_at])
     done = cli(hosts, 0, run_dirs[0], "switch", "current", "--timeout", "60")
     assert done.returncode == (0 if committed else 1), done.stdout + done.stderr + logs(tmp_path)
