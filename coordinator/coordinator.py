@@ -44,6 +44,7 @@ from dist_quant.coordinator.protocol import (
     SwitchRequest,
     Vote,
     lead_time,
+    run_messages,
     settle_cancel,
     settle_decision,
 )
@@ -438,18 +439,21 @@ class Coordinator:
             self._say.warning(f"ignored unexpected {msg.kind} message")
 
     def _on_bundle(self, bundle: Bundle) -> None:
-        """A node leader's relay checked each item against the token, and the bundle is sealed
-        with it: take the items in as if they had come one by one."""
-        for item in bundle.items:
+        """A node leader's relay checked each message against the token, and the bundle is
+        sealed with it: take the messages in, in order, as if they had come one by one. A
+        malformed run is dropped whole (its values are checked column by column)."""
+        for run in bundle.runs:
             try:
-                msg = Message.from_dict(item)
+                msgs = run_messages(run)
             except ProtocolError as e:
-                self._say.warning(f"ignored an item of node {bundle.leader}'s bundle: {e}")
+                self._say.warning(f"ignored a run of node {bundle.leader}'s bundle: {e}")
                 continue
-            if isinstance(msg, _RELAYED):
+            if not isinstance(msgs[0], _RELAYED):
+                kind = msgs[0].kind
+                self._say.warning(f"ignored {kind} messages in node {bundle.leader}'s bundle")
+                continue
+            for msg in msgs:
                 self._on_message(msg)
-            else:
-                self._say.warning(f"ignored a {msg.kind} message in node {bundle.leader}'s bundle")
 
     def _on_refused(self, err: ProtocolError) -> None:
         unverified = getattr(err, "unverified", None)
