@@ -69,7 +69,9 @@ def one_switch(ranks: int, tmp: Path, per_node: int = 1) -> dict[str, float]:
         token=TOKEN,
         world_size=ranks,
         tp_groups=[(r, r + 1) for r in range(0, ranks, 2)],
-        log=DecisionLog(tmp / f"decisions-{ranks}-{per_node}.jsonl"),
+        # a log of its own: in one left by an earlier run of the same N the switch would not be
+        # switch 1, and the votes sealed beforehand for switch 1 would be stale
+        log=DecisionLog(Path(tempfile.mkdtemp(dir=tmp)) / "decisions.jsonl"),
         relayed_nodes=nodes,
     )
     coord.start()

@@ -473,9 +473,9 @@ def _digest_mismatches(
 ) -> dict[int, str]:
     """Ranks of a TP group whose YES digest differs from the group's strict majority, each with
     the plan parts (policy rules) that answer it differently."""
+    if len({votes[r].digest for r in group if r in votes and r not in reasons}) <= 1:
+        return {}  # the common case, checked without building the group's votes
     yes = {r: votes[r] for r in group if r in votes and r not in reasons}
-    if len({v.digest for v in yes.values()}) <= 1:
-        return {}
     top, count = Counter(v.digest for v in yes.values()).most_common(1)[0]
     members = sorted(group)
     if count * 2 > len(yes):

@@ -94,10 +94,10 @@ def test_a_message_sealed_with_another_token_is_refused_but_readable_for_the_ref
 
 
 def test_a_tampered_message_is_refused():
-    outer = json.loads(seal(Vote(1, 0, True, "d", 3, "", 0.0), "tok"))
-    outer["m"] = outer["m"].replace('"yes":true', '"yes":false')
+    data = seal(Vote(1, 0, True, "d", 3, "", 0.0), "tok")
+    assert b'"yes":true' in data
     with pytest.raises(ProtocolError, match="wrong token"):
-        unseal(json.dumps(outer).encode(), "tok")
+        unseal(data.replace(b'"yes":true', b'"yes":false'), "tok")
 
 
 def test_the_token_never_appears_in_sealed_bytes():
