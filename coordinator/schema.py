@@ -72,8 +72,10 @@ def decode_run(cls: type, run: Mapping[str, Any], what: str) -> list[Any]:
     if extra:
         raise ProtocolError(f"{what}: unexpected keys {sorted(extra)} in a run")
     count, each, same = run.get("count"), run.get("each"), run.get("same")
-    if type(count) is not int or count < 1:
-        raise ProtocolError(f"{what}.count: expected the number of messages (>= 1), got {count!r}")
+    if type(count) is not int or not 1 <= count <= MAX_RUN:
+        raise ProtocolError(
+            f"{what}.count: expected the number of messages (1 to {MAX_RUN}), got {count!r}"
+        )
     if type(each) is not dict or type(same) is not dict:
         raise ProtocolError(f"{what}: a run's 'each' and 'same' must be JSON objects")
     names, checks = schema_of(cls)
@@ -114,6 +116,9 @@ def run_of(messages: Sequence[Any]) -> dict[str, Any]:
 
 
 _RUN_KEYS = frozenset({"kind", "count", "each", "same"})
+# A run whose every field is "same" is as long as its count says, not as its text: a bound keeps
+# a few bytes from asking for millions of messages (a node leader sends at most 4,096 per bundle).
+MAX_RUN = 65_536
 
 
 def fields_of(obj: Any) -> dict[str, Any]:
