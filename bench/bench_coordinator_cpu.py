@@ -16,6 +16,7 @@ The end-to-end scale benchmark with real participants is bench/bench_switch_scal
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import tempfile
 import time
@@ -29,6 +30,7 @@ from dist_quant.coordinator.wire import INBOX, reply_queue, seal, unseal
 
 TOKEN = "bench-token"
 LAST_STEP = 10
+DIGEST = hashlib.sha256(b"recipe B").hexdigest()
 
 
 def _reply(hub: MemoryHub, request_id: str, limit_s: float = 600.0):
@@ -47,9 +49,16 @@ def _batched(msgs: list, per_node: int) -> list[bytes]:
     if per_node <= 1:
         return [seal(m, TOKEN) for m in msgs]
     return [
-        seal(Bundle(i, tuple(m.to_dict() for m in msgs[i : i + per_node])), TOKEN)
-        for i in range(0, len(msgs), per_node)
+        seal(Bundle.of(i, msgs[i : i + per_node]), TOKEN) for i in range(0, len(msgs), per_node)
     ]
+
+
+def _vote(rank: int) -> Vote:
+    """A YES as a rank sends it: the plan's 64-hex digest (the same across the job here), and
+    the rank's own plan time and seconds per step, measurements that differ from rank to rank."""
+    prepare_s = 0.05 + rank * 1e-7
+    step_s = 0.2 + (rank % 1000) * 1e-6
+    return Vote(1, rank, True, DIGEST, LAST_STEP, "", prepare_s, step_s)
 
 
 def one_switch(ranks: int, tmp: Path, per_node: int = 1) -> dict[str, float]:
@@ -60,12 +69,13 @@ def one_switch(ranks: int, tmp: Path, per_node: int = 1) -> dict[str, float]:
         token=TOKEN,
         world_size=ranks,
         tp_groups=[(r, r + 1) for r in range(0, ranks, 2)],
-        log=DecisionLog(tmp / f"decisions-{ranks}-{per_node}.jsonl"),
+        # a log of its own: in one left by an earlier run of the same N the switch would not be
+        # switch 1, and the votes sealed beforehand for switch 1 would be stale
+        log=DecisionLog(Path(tempfile.mkdtemp(dir=tmp)) / "decisions.jsonl"),
         relayed_nodes=nodes,
     )
     coord.start()
-    vote_msgs = [Vote(1, r, True, "digest", LAST_STEP, "", 0.001) for r in range(ranks)]
-    votes = _batched(vote_msgs, per_node)
+    votes = _batched([_vote(r) for r in range(ranks)], per_node)
     try:
         cpu0, t0 = time.process_time(), time.perf_counter()
         hub.push(INBOX, seal(SwitchRequest("req", {"name": "B"}, None, 600.0), TOKEN))

@@ -44,6 +44,7 @@ from dist_quant.coordinator.protocol import (
     SwitchRequest,
     Vote,
     lead_time,
+    run_messages,
     settle_cancel,
     settle_decision,
 )
@@ -59,7 +60,6 @@ from dist_quant.coordinator.wire import (
 )
 
 _HISTORY = 16  # decisions kept for `status` and for ranks that ask for one again
-_RELAYED = (Vote, Ack, Alive, Hello, CancelVote)  # what a node's ranks send the coordinator
 
 
 class Coordinator:
@@ -95,7 +95,10 @@ class Coordinator:
         self._log = log
         self._faults = tuple(faults)
         self._commit_window_s = commit_window_s
-        self._events: queue.Queue[Message | ProtocolError | TransportError] = queue.Queue()
+        # the pump hands over one item per bundle or message: the C queue, a lock per item less
+        self._events: queue.SimpleQueue[Message | ProtocolError | TransportError] = (
+            queue.SimpleQueue()
+        )
         self._state: cs.State = cs.Idle()
         self._latency_s: float | None = None  # request -> decision sent, last committed switch
         self._next_id = 1
@@ -114,6 +117,14 @@ class Coordinator:
         self._next_nonce = 1
         self._drained_to = float("-inf")  # every message pushed before then is taken in
         self._fresh_drain = False
+        # what a rank sends the coordinator, itself or through its node's relay, by class
+        self._relayed: dict[type, Callable[[Any], None]] = {
+            Vote: self._on_vote,
+            Ack: self._on_ack,
+            Alive: self._on_alive,
+            Hello: self._on_hello,
+            CancelVote: self._on_cancel_vote,
+        }
 
     @property
     def phase(self) -> Phase:
@@ -384,50 +395,18 @@ class Coordinator:
     def _on_message(self, msg: Message | ProtocolError) -> None:
         if isinstance(msg, ProtocolError):
             self._on_refused(msg)
+            return
+        take = self._relayed.get(type(msg))
+        if take is not None:
+            take(msg)
         elif isinstance(msg, (SwitchRequest, CancelRequest)):
-            if msg.request_id in self._seen_requests:
-                self._say.warning(f"ignored replayed request {msg.request_id}")
-                return
-            self._seen_requests.add(msg.request_id)
-            now = time.monotonic()
-            if isinstance(msg, CancelRequest):
-                self._apply(cs.on_cancel_request(self._state, msg, now=now))
-                return
-            step = cs.on_request(
-                self._state,
-                msg,
-                switch_id=self._next_id,
-                world_size=self._world,
-                now=now,
-                lead_s=lead_time(self._world, self._latency_s),
-            )
-            if isinstance(step.state, cs.Preparing):
-                self._next_id += 1
-            self._apply(step)
+            self._on_request(msg)
         elif isinstance(msg, StatusQuery):
             self._status_due.append(msg.request_id)
-        elif isinstance(msg, Vote):
-            # a YES is one line per rank per switch: debug, or thousands of ranks flood the log
-            note = cs.take_vote(self._state, msg)
-            level = logging.DEBUG if msg.yes else logging.INFO
-            if self._say.isEnabledFor(level):
-                self._say.log(level, note, **self._where())
-        elif isinstance(msg, CancelVote):
-            self._say.info(cs.take_cancel_vote(self._state, msg), **self._where())
-        elif isinstance(msg, Ack):
-            note = cs.take_ack(self._state, msg)
-            if 0 <= msg.rank < self._world:
-                self._recipe_keys[msg.rank] = msg.recipe_key
-            if note:
-                self._say.warning(note, **self._where(), step=msg.step)
-        elif isinstance(msg, Alive):
-            cs.take_alive(self._state, msg, now=time.monotonic())
         elif isinstance(msg, Mark):
             pushed_at = self._marks.pop(msg.nonce, None)
             if pushed_at is not None:
                 self._on_drained(pushed_at)
-        elif isinstance(msg, Hello):
-            self._recipe_keys[msg.rank] = msg.recipe_key
         elif isinstance(msg, Bundle):
             self._on_bundle(msg)
         elif isinstance(msg, DecisionQuery):
@@ -437,19 +416,70 @@ class Coordinator:
         else:
             self._say.warning(f"ignored unexpected {msg.kind} message")
 
+    def _on_request(self, msg: SwitchRequest | CancelRequest) -> None:
+        if msg.request_id in self._seen_requests:
+            self._say.warning(f"ignored replayed request {msg.request_id}")
+            return
+        self._seen_requests.add(msg.request_id)
+        now = time.monotonic()
+        if isinstance(msg, CancelRequest):
+            self._apply(cs.on_cancel_request(self._state, msg, now=now))
+            return
+        step = cs.on_request(
+            self._state,
+            msg,
+            switch_id=self._next_id,
+            world_size=self._world,
+            now=now,
+            lead_s=lead_time(self._world, self._latency_s),
+        )
+        if isinstance(step.state, cs.Preparing):
+            self._next_id += 1
+        self._apply(step)
+
+    # What a rank sends the coordinator, itself or through its node's relay: one handler per
+    # class, looked up once per message (once per run of a bundle), not by a chain of checks.
+
+    def _on_vote(self, msg: Vote) -> None:
+        # a YES is one line per rank per switch: debug, or thousands of ranks flood the log
+        note = cs.take_vote(self._state, msg)
+        level = logging.DEBUG if msg.yes else logging.INFO
+        if self._say.isEnabledFor(level):
+            self._say.log(level, note, **self._where())
+
+    def _on_cancel_vote(self, msg: CancelVote) -> None:
+        self._say.info(cs.take_cancel_vote(self._state, msg), **self._where())
+
+    def _on_ack(self, msg: Ack) -> None:
+        note = cs.take_ack(self._state, msg)
+        if 0 <= msg.rank < self._world:
+            self._recipe_keys[msg.rank] = msg.recipe_key
+        if note:
+            self._say.warning(note, **self._where(), step=msg.step)
+
+    def _on_alive(self, msg: Alive) -> None:
+        cs.take_alive(self._state, msg, now=time.monotonic())
+
+    def _on_hello(self, msg: Hello) -> None:
+        self._recipe_keys[msg.rank] = msg.recipe_key
+
     def _on_bundle(self, bundle: Bundle) -> None:
-        """A node leader's relay checked each item against the token, and the bundle is sealed
-        with it: take the items in as if they had come one by one."""
-        for item in bundle.items:
+        """A node leader's relay checked each message against the token, and the bundle is
+        sealed with it: take the messages in, in order, as if they had come one by one. A
+        malformed run is dropped whole (its values are checked column by column)."""
+        for run in bundle.runs:
             try:
-                msg = Message.from_dict(item)
+                msgs = run_messages(run)
             except ProtocolError as e:
-                self._say.warning(f"ignored an item of node {bundle.leader}'s bundle: {e}")
+                self._say.warning(f"ignored a run of node {bundle.leader}'s bundle: {e}")
                 continue
-            if isinstance(msg, _RELAYED):
-                self._on_message(msg)
-            else:
-                self._say.warning(f"ignored a {msg.kind} message in node {bundle.leader}'s bundle")
+            take = self._relayed.get(type(msgs[0]))
+            if take is None:
+                kind = msgs[0].kind
+                self._say.warning(f"ignored {kind} messages in node {bundle.leader}'s bundle")
+                continue
+            for msg in msgs:
+                take(msg)
 
     def _on_refused(self, err: ProtocolError) -> None:
         unverified = getattr(err, "unverified", None)

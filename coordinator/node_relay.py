@@ -147,8 +147,7 @@ class NodeRelay:
                         held.add(msg, time.monotonic())
                 if held.items and (stopping or held.due(time.monotonic())):
                     items = held.take()
-                    bundle = seal(Bundle(self.leader, tuple(items)), self._token)
-                    self._up_out.push(INBOX, bundle)
+                    self._up_out.push(INBOX, seal(Bundle.of(self.leader, items), self._token))
                 if stopping:
                     self._closed(self._up_in)
                     return
@@ -198,13 +197,13 @@ class _Gather:
 
     def __init__(self, ranks: Sequence[int]) -> None:
         self._node = frozenset(ranks)
-        self.items: list[dict] = []
+        self.items: list[Message] = []
         self._waiting: dict[tuple[str, int], set[int]] = {}  # (kind, switch) -> ranks heard
         self._urgent = False
         self._since: float | None = None
 
     def add(self, msg: Message, now: float) -> None:
-        self.items.append(msg.to_dict())
+        self.items.append(msg)
         if isinstance(msg, _GATHERED) and msg.rank in self._node:
             self._waiting.setdefault((msg.kind, msg.switch_id), set()).add(msg.rank)
             if self._since is None:
@@ -225,7 +224,7 @@ class _Gather:
             return None
         return max(0.0, self._since + GATHER_S - now)
 
-    def take(self) -> list[dict]:
+    def take(self) -> list[Message]:
         items, self.items = self.items, []
         self._waiting.clear()
         self._urgent, self._since = False, None

@@ -28,20 +28,21 @@ Cancelling a committed switch before its step (a second vote over the same ranks
 
 from __future__ import annotations
 
-import functools
 import json
 import math
-import types
-import typing
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar
 
-
-class ProtocolError(ValueError):
-    """A message that is malformed, of an unknown kind, or not sealed with the job's token."""
+from dist_quant.coordinator.schema import (
+    ProtocolError,
+    decode_fields,
+    decode_run,
+    fields_of,
+    run_of,
+)
 
 
 class Phase(Enum):
@@ -102,7 +103,7 @@ class Message:
     kind: ClassVar[str] = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, **_fields_of(self)}
+        return {"kind": self.kind, **fields_of(self)}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
@@ -115,7 +116,7 @@ class Message:
         cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
         if cls is None:
             raise ProtocolError(f"unknown message kind {kind!r}; known: {sorted(MESSAGE_TYPES)}")
-        return _decode(cls, d, kind)
+        return decode_fields(cls, d, kind)
 
     @staticmethod
     def from_json(text: str | bytes) -> Message:
@@ -124,142 +125,6 @@ class Message:
         except (ValueError, UnicodeDecodeError) as e:
             raise ProtocolError(f"message is not valid JSON: {e}") from None
         return Message.from_dict(d)
-
-
-# A check takes the decoded value and where it sits (the message's name and the field's path,
-# joined only to word an error): a vote or ack is decoded per rank, so a value that passes
-# formats no text and raises nothing.
-_Check = Callable[[Any, str, str], Any]
-
-
-@functools.cache
-def _schema(cls: type) -> tuple[frozenset[str], tuple[tuple[str, _Check], ...]]:
-    """A dataclass's field names and one compiled check per field, built once per class: the
-    coordinator decodes a message per vote and ack, and resolving type hints costs ~100 us."""
-    hints = typing.get_type_hints(cls)
-    checks = tuple((f.name, _check_for(hints[f.name])) for f in fields(cls))
-    return frozenset(name for name, _ in checks), checks
-
-
-def _decode(cls: type, d: Mapping[str, Any], what: str, *, strict: bool = True) -> Any:
-    """`cls(**d)` with every field present and checked against its type hint; `strict`: and no
-    other keys but "kind" (messages are strict; results ignore keys a newer peer adds)."""
-    names, checks = _schema(cls)
-    extra = d.keys() - names - {"kind"}
-    if strict and extra:
-        raise ProtocolError(f"{what}: unexpected fields {sorted(extra)}")
-    values = {}
-    for name, check in checks:
-        if name not in d:
-            raise ProtocolError(f"{what}: missing field {name!r}")
-        values[name] = check(d[name], what, name)
-    return cls(**values)
-
-
-def _fields_of(obj: Any) -> dict[str, Any]:
-    """A dataclass's fields as a dict, its values shared, not copied (`dataclasses.asdict` deep
-    copies: a result carrying one entry per rank cost ~60 us per rank at 16k ranks). The values
-    are plain JSON data of a frozen object; callers build new dicts around them."""
-    return {name: getattr(obj, name) for name in _field_order(type(obj))}
-
-
-@functools.cache
-def _field_order(cls: type) -> tuple[str, ...]:
-    return tuple(f.name for f in fields(cls))
-
-
-def _mismatch(value: Any, hint: Any, what: str, path: str) -> ProtocolError:
-    return ProtocolError(
-        f"{what}.{path}: expected {getattr(hint, '__name__', hint)}, got {value!r}"
-    )
-
-
-@functools.cache
-def _check_for(hint: Any) -> _Check:
-    """The check (and conversion: JSON object keys to int) of decoded JSON against a type hint."""
-    origin = typing.get_origin(hint)
-    if origin in (Union, types.UnionType):
-        options = typing.get_args(hint)
-        if all(option in _SCALARS for option in options):  # `int | None`: no trial and error
-            accepts = tuple(_SCALARS[option] for option in options)
-            floats = float in options
-
-            def check_scalar_union(value: Any, what: str, path: str) -> Any:
-                for accept in accepts:
-                    if accept(value):
-                        return float(value) if floats and accept is _SCALARS[float] else value
-                raise ProtocolError(f"{what}.{path}: {value!r} does not match {hint}")
-
-            return check_scalar_union
-        checks = tuple(_check_for(option) for option in options)
-
-        def check_union(value: Any, what: str, path: str) -> Any:
-            for check in checks:
-                try:
-                    return check(value, what, path)
-                except ProtocolError:
-                    continue
-            raise ProtocolError(f"{what}.{path}: {value!r} does not match {hint}")
-
-        return check_union
-    if origin is dict:
-        key_t, val_t = typing.get_args(hint)
-        check_val = _check_for(val_t)
-
-        def check_dict(value: Any, what: str, path: str) -> Any:
-            if not isinstance(value, dict):
-                raise _mismatch(value, hint, what, path)
-            out = {}
-            for k, v in value.items():
-                try:
-                    key = int(k) if key_t is int else k
-                except ValueError:
-                    raise ProtocolError(f"{what}.{path}: key {k!r} is not an integer") from None
-                out[key] = check_val(v, what, f"{path}[{k}]")
-            return out
-
-        return check_dict
-    if origin is tuple:
-        (item_t, _) = typing.get_args(hint)
-        check_item = _check_for(item_t)
-
-        def check_tuple(value: Any, what: str, path: str) -> Any:
-            if not isinstance(value, (list, tuple)):
-                raise _mismatch(value, hint, what, path)
-            item_path = f"{path}[]"
-            return tuple(check_item(v, what, item_path) for v in value)
-
-        return check_tuple
-    accept = _SCALARS.get(hint)
-    if accept is None:
-        raise TypeError(f"protocol bug: no wire check for type hint {hint!r}")
-
-    if hint is float:
-
-        def check_float(value: Any, what: str, path: str) -> Any:
-            if not accept(value):
-                raise _mismatch(value, hint, what, path)
-            return float(value)
-
-        return check_float
-
-    def check_scalar(value: Any, what: str, path: str) -> Any:
-        if not accept(value):
-            raise _mismatch(value, hint, what, path)
-        return value
-
-    return check_scalar
-
-
-# type hint -> does a decoded JSON value qualify (bools are not numbers on the wire)
-_SCALARS: dict[Any, Callable[[Any], bool]] = {
-    type(None): lambda v: v is None,
-    bool: lambda v: isinstance(v, bool),
-    int: lambda v: isinstance(v, int) and not isinstance(v, bool),
-    float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-    str: lambda v: isinstance(v, str),
-    dict: lambda v: isinstance(v, dict),
-}
 
 
 @dataclass(frozen=True)
@@ -385,7 +250,15 @@ class Bundle(Message):
 
     kind: ClassVar[str] = "bundle"
     leader: int
-    items: tuple[dict, ...]
+    runs: tuple[dict, ...]
+    """The messages in the order the leader got them, each run of consecutive messages of one
+    kind as one object: `{"kind": "vote", "count": 8, "each": {"rank": [8, 9, ...], ...},
+    "same": {"switch_id": 4, "digest": "...", ...}}` (`bundle_runs`, `run_messages`). A node's
+    votes (acks) of a switch come as one run: what its ranks agree on travels once per node."""
+
+    @staticmethod
+    def of(leader: int, messages: Sequence[Message]) -> Bundle:
+        return Bundle(leader, bundle_runs(messages))
 
 
 @dataclass(frozen=True)
@@ -457,6 +330,29 @@ class CancelDecision(Message):
 MESSAGE_TYPES: dict[str, type[Message]] = {cls.kind: cls for cls in Message.__subclasses__()}
 if len(MESSAGE_TYPES) != len(Message.__subclasses__()) or "" in MESSAGE_TYPES:
     raise TypeError("coordinator.protocol: every Message subclass needs its own non-empty kind")
+
+
+def bundle_runs(messages: Sequence[Message]) -> tuple[dict, ...]:
+    """`messages` as a `Bundle`'s runs: each run of consecutive messages of one kind as one."""
+    runs: list[dict] = []
+    start = 0
+    for i in range(1, len(messages) + 1):
+        if i == len(messages) or messages[i].kind != messages[start].kind:
+            runs.append({"kind": messages[start].kind, **run_of(messages[start:i])})
+            start = i
+    return tuple(runs)
+
+
+def run_messages(run: Mapping[str, Any]) -> list[Message]:
+    """The messages of one run of a `Bundle`, each checked as `Message.from_dict` checks one;
+    raises `ProtocolError` naming the kind, the field and the position of what is malformed."""
+    if not isinstance(run, Mapping):
+        raise ProtocolError(f"a bundle's run must be a JSON object, got {type(run).__name__}")
+    kind = run.get("kind")
+    cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message kind {kind!r}; known: {sorted(MESSAGE_TYPES)}")
+    return decode_run(cls, run, kind)
 
 
 def decide(
@@ -560,9 +456,9 @@ def _digest_mismatches(
 ) -> dict[int, str]:
     """Ranks of a TP group whose YES digest differs from the group's strict majority, each with
     the plan parts (policy rules) that answer it differently."""
+    if len({votes[r].digest for r in group if r in votes and r not in reasons}) <= 1:
+        return {}  # the common case, checked without building the group's votes
     yes = {r: votes[r] for r in group if r in votes and r not in reasons}
-    if len({v.digest for v in yes.values()}) <= 1:
-        return {}
     top, count = Counter(v.digest for v in yes.values()).most_common(1)[0]
     members = sorted(group)
     if count * 2 > len(yes):
@@ -675,11 +571,11 @@ class CancelResult:
     summary: str
 
     def to_dict(self) -> dict[str, Any]:
-        return _fields_of(self)
+        return fields_of(self)
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> CancelResult:
-        return _decode(CancelResult, d, "cancel result", strict=False)
+        return decode_fields(CancelResult, d, "cancel result", strict=False)
 
 
 @dataclass(frozen=True)
@@ -695,8 +591,8 @@ class SwitchResult:
     summary: str = ""  # one line: "commit at step 12", or why it aborted
 
     def to_dict(self) -> dict[str, Any]:
-        return _fields_of(self)
+        return fields_of(self)
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> SwitchResult:
-        return _decode(SwitchResult, d, "switch result", strict=False)
+        return decode_fields(SwitchResult, d, "switch result", strict=False)

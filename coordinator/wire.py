@@ -1,10 +1,15 @@
 """Wire format: protocol messages sealed with an HMAC of the job's token.
 
 The stores and actors that carry messages have no authentication, and the token must never be
-written into them. So a message travels as `{"m": <message JSON>, "mac": HMAC-SHA256(token, m)}`:
-whoever can read the store sees requests and votes but cannot forge one, and a client with the
-wrong token is refused by the coordinator. Replayed messages are the protocol's business (request
-ids, switch ids and one vote per rank), not the wire's.
+written into them. So a message travels as `{"mac":"<HMAC-SHA256(token, m), 64 hex>","m":<m>}`,
+`m` being the message's JSON text: whoever can read the store sees requests and votes but cannot
+forge one, and a client with the wrong token is refused by the coordinator. Replayed messages are
+the protocol's business (request ids, switch ids and one vote per rank), not the wire's.
+
+The MAC comes first, at a fixed length, and the message's text follows as it is (not as a JSON
+string inside the envelope): the reader slices the text out, parses it once and checks the MAC on
+those very bytes. Quoting the text as a string would escape every quote in it on the way out and
+parse it twice on the way in, which at 16k ranks was a large part of rank 0's cost per message.
 
 Queue names are fixed here so that every transport moves bytes between the same mailboxes.
 """
@@ -13,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 
 from dist_quant.coordinator.protocol import Message, ProtocolError
 
@@ -41,24 +45,39 @@ def reply_queue(request_id: str) -> str:
     return f"reply/{request_id}"
 
 
-def _mac(token: str, payload: str) -> str:
-    return hmac.new(token.encode(), payload.encode(), hashlib.sha256).hexdigest()
+_HEAD = b'{"mac":"'
+_MAC_HEX = 64
+_BODY = b'","m":'
+_START = len(_HEAD) + _MAC_HEX + len(_BODY)  # where the message's text begins
+
+
+def _mac(token: str, payload: bytes) -> str:
+    return hmac.new(token.encode(), payload, hashlib.sha256).hexdigest()
 
 
 def seal(message: Message, token: str) -> bytes:
-    payload = message.to_json()
-    return json.dumps({"m": payload, "mac": _mac(token, payload)}).encode()
+    payload = message.to_json().encode()
+    return b"".join((_HEAD, _mac(token, payload).encode(), _BODY, payload, b"}"))
 
 
 def unseal(data: bytes, token: str) -> Message:
     """Decode and authenticate; raises `ProtocolError` (with `.unverified` set when it parsed)."""
+    data = bytes(data)
+    if not (
+        data.startswith(_HEAD)
+        and data[_START - len(_BODY) : _START] == _BODY
+        and data.endswith(b"}")
+        and len(data) > _START + 1
+    ):
+        raise ProtocolError(
+            f'unreadable sealed message: not {{"mac":"<{_MAC_HEX} hex digits>","m":<message>}}: '
+            f"{data[:80]!r}"
+        )
     try:
-        outer = json.loads(data)
-        payload, mac = outer["m"], outer["mac"]
-        if not isinstance(payload, str) or not isinstance(mac, str):
-            raise TypeError("fields 'm' and 'mac' must be strings")
-    except (ValueError, KeyError, TypeError) as e:
-        raise ProtocolError(f"unreadable sealed message: {e}") from None
+        mac = data[len(_HEAD) : _START - len(_BODY)].decode("ascii")
+    except UnicodeDecodeError:
+        raise ProtocolError("unreadable sealed message: the MAC is not hex digits") from None
+    payload = data[_START:-1]
     message = Message.from_json(payload)
     if not hmac.compare_digest(mac, _mac(token, payload)):
         err = ProtocolError(f"{message.kind} message refused: wrong token")

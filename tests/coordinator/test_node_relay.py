@@ -14,7 +14,7 @@ from dist_quant.coordinator.coordinator import Coordinator
 from dist_quant.coordinator.decision_log import DecisionLog
 from dist_quant.coordinator.node_relay import GATHER_S, NodeRelay, relayed_nodes
 from dist_quant.coordinator.participant import Participant
-from dist_quant.coordinator.protocol import Alive, Vote
+from dist_quant.coordinator.protocol import Alive, Vote, run_messages
 from dist_quant.coordinator.transport_memory import MemoryHub, MemoryTransport
 from dist_quant.coordinator.wire import INBOX, node_queue, seal, unseal
 from switch_harness import FAKE_HOOKS, FakeModel, wait_for
@@ -190,7 +190,7 @@ def relay_bundles(pushes_before_start, pushes_after_start=(), quiet_s=0.2):
     bundles = []
     while (data := transport.pop(INBOX, quiet_s)) is not None:
         bundle = unseal(data, TOKEN)
-        bundles.append([(item["kind"], item["rank"]) for item in bundle.items])
+        bundles.append([(m.kind, m.rank) for run in bundle.runs for m in run_messages(run)])
     relay.stop()
     hub.close()
     return bundles

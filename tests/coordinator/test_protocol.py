@@ -94,10 +94,36 @@ def test_a_message_sealed_with_another_token_is_refused_but_readable_for_the_ref
 
 
 def test_a_tampered_message_is_refused():
-    outer = json.loads(seal(Vote(1, 0, True, "d", 3, "", 0.0), "tok"))
-    outer["m"] = outer["m"].replace('"yes":true', '"yes":false')
+    data = seal(Vote(1, 0, True, "d", 3, "", 0.0), "tok")
+    assert b'"yes":true' in data
     with pytest.raises(ProtocolError, match="wrong token"):
-        unseal(json.dumps(outer).encode(), "tok")
+        unseal(data.replace(b'"yes":true', b'"yes":false'), "tok")
+
+
+GOOD = seal(Stop("x"), "tok")
+MAC = GOOD[8:72]
+
+
+@pytest.mark.parametrize(
+    "data, fragment",
+    [
+        (b"", "unreadable sealed message"),
+        (b"not json", "unreadable sealed message"),
+        # the envelope of old: the message quoted as a string, the MAC after it
+        (json.dumps({"m": Stop("x").to_json(), "mac": MAC.decode()}).encode(), "unreadable"),
+        (GOOD[:40], "unreadable sealed message"),  # cut short
+        (GOOD[:72] + b'"m":' + GOOD[78:], "unreadable sealed message"),  # no '","m":' after it
+        (b'{"mac":"' + MAC + b'","m":}', "unreadable sealed message"),  # no message
+        (b'{"mac":"' + b"\xff" * 64 + b'","m":{"kind":"stop","target":"x"}}', "not hex digits"),
+        (b'{"mac":"' + MAC + b'","m":{"kind":"stop",}}', "message is not valid JSON"),
+        (b'{"mac":"' + MAC + b'","m":{"kind":"nope"}}', "unknown message kind 'nope'"),
+        (b'{"mac":"' + MAC + b'","m":{"kind":"stop","target":"y"}}', "stop message refused: wrong"),
+    ],
+)
+def test_a_malformed_or_unauthentic_envelope_is_refused_saying_why(data, fragment):
+    assert unseal(GOOD, "tok") == Stop("x")
+    with pytest.raises(ProtocolError, match=fragment):
+        unseal(data, "tok")
 
 
 def test_the_token_never_appears_in_sealed_bytes():
