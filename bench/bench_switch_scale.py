@@ -82,7 +82,7 @@ class Bench:
         self.barrier: Any = None
         before = set(threading.enumerate())
         if args.transport == "store":
-            from dist_quant.coordinator.attach import connect_endpoint
+            from dist_quant.coordinator.job_host import connect_endpoint
             from dist_quant.coordinator.transport_store import StoreServer
 
             self.server = StoreServer()
@@ -111,7 +111,7 @@ class Bench:
 
     def _client_transport(self) -> Any:
         if self.args.transport == "store":
-            from dist_quant.coordinator.attach import connect_endpoint
+            from dist_quant.coordinator.job_host import connect_endpoint
 
             return connect_endpoint(self.endpoint)
         return ActorCalls(self.actor, self.actor_loop, self.gauge, self._gauge_lock)

@@ -305,7 +305,7 @@ def worker(
 ) -> None:
     """A process of simulated ranks, driven by `conn` (a Pipe): "measure", "report", "exit"."""
     threading.stack_size(THREAD_STACK)
-    from dist_quant.coordinator.attach import connect_endpoint
+    from dist_quant.coordinator.job_host import connect_endpoint
 
     connect = lambda address: connect_endpoint({**endpoint, "address": address})  # noqa: E731
     job = endpoint["address"]

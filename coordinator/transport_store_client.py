@@ -9,7 +9,7 @@ torch ships for); strings and byte strings are a uint64 length and the bytes; ev
 the store's "/" prefix. `tests/coordinator/test_store_client.py` runs it against the installed
 torch's server and client in both directions, so a protocol change in torch fails there first.
 
-Every rank connects with it too (`attach.connect_endpoint`), for two reasons that matter at
+Every rank connects with it too (`job_host.connect_endpoint`), for two reasons that matter at
 thousands of ranks. It never asks the resolver for a name: torch's client looks up the peer's
 name on every connect (a reverse-DNS query, 5 s when the resolver drops one; docs/reliability.md).
 And `clone()` shares the connection instead of opening another: a push has no reply, so a

@@ -123,7 +123,7 @@ def test_idle_boundaries_make_no_store_call(single_rank, monkeypatch):
 
         return wrapper
 
-    cls = StoreClientTransport  # how every rank connects (attach.connect_endpoint)
+    cls = StoreClientTransport  # how every rank connects (job_host.connect_endpoint)
     monkeypatch.setattr(cls, "push", counted("push", cls.push))
     monkeypatch.setattr(cls, "pop", counted("pop", cls.pop))
     p = attach(FakeModel(0), run_dir=single_rank, transport="store", **FAKE_HOOKS)
