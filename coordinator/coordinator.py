@@ -302,7 +302,13 @@ class Coordinator:
                 if self._fresh_drain:  # once per drain: the look at every rank is O(ranks)
                     self._fresh_drain = False
                     self._apply(
-                        cs.on_drained(before, now=now, drained_to=drained_to, lease_s=self._lease_s)
+                        cs.on_drained(
+                            before,
+                            now=now,
+                            drained_to=drained_to,
+                            lease_s=self._lease_s,
+                            nodes=tuple(self._relays.values()),
+                        )  # fmt: skip
                     )
                 if self._state is before:
                     tallied = cs.on_tally(

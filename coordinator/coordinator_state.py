@@ -18,6 +18,7 @@ counts as it goes, so asking whether a round is complete is O(1) and a switch co
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -334,10 +335,18 @@ def on_tally(state: State, *, now: float, drained_to: float, tp_groups: Any) -> 
     return Step(state)
 
 
-def on_drained(state: State, *, now: float, drained_to: float, lease_s: float) -> Step:
+def on_drained(
+    state: State,
+    *,
+    now: float,
+    drained_to: float,
+    lease_s: float,
+    nodes: Sequence[Sequence[int]] = (),
+) -> Step:
     """The inbox was read up to `drained_to`: PREPARING -> DECIDING (ABORT) if a rank that owes
     its vote was silent for `lease_s` (no vote, no `Alive`): dead, stopped or cut off. The
-    driver calls this once per drain, so the O(ranks) look is paid every `BEAT_S` at most."""
+    driver calls this once per drain, so the O(ranks) look is paid every `BEAT_S` at most.
+    `nodes`: the relayed nodes' ranks; a node silent as a whole (its leader lost) is named once."""
     if not isinstance(state, Preparing):
         return Step(state)
     lease = state.lease
@@ -349,14 +358,30 @@ def on_drained(state: State, *, now: float, drained_to: float, lease_s: float) -
         return Step(state)
     why = f"no vote and no sign of life for {lease_s:g} s: dead, stopped or cut off"
     reasons = {r: why for r in silent}
-    shown = ", ".join(str(r) for r in silent[:_SHOWN])
-    more = f" and {len(silent) - _SHOWN} more" if len(silent) > _SHOWN else ""
-    summary = f"rank {shown}{more}: {why}" if len(silent) == 1 else f"ranks {shown}{more}: {why}"
+    summary = f"{describe_ranks(silent, nodes)}: {why}"
     decision = Decision(state.opened.prepare.switch_id, False, None, reasons, summary)
     return Step(Deciding(state.opened, state.votes, decision, now))
 
 
-_SHOWN = 16  # ranks named in a one-line summary
+_SHOWN = 16  # ranks or nodes named in a one-line summary
+
+
+def describe_ranks(ranks: Sequence[int], nodes: Sequence[Sequence[int]] = ()) -> str:
+    """'rank 3', 'ranks 2, 5', 'node 8-15, ranks 2, 5 and 4 more': every node of `nodes` whose
+    ranks are all in `ranks` is named once (a lost node leader silences its whole node), by its
+    rank range, or by its lowest rank where its ranks are not consecutive; at most `_SHOWN` names."""
+    listed = set(ranks)
+    whole = [sorted(n) for n in nodes if n and listed.issuperset(n)]
+    in_whole = {r for n in whole for r in n}
+    names = [
+        f"node {n[0]}-{n[-1]}" if n[-1] - n[0] + 1 == len(n) else f"the node of rank {n[0]}"
+        for n in whole
+    ]
+    loose = [r for r in ranks if r not in in_whole]
+    if loose:
+        names += [f"rank{'s' if len(loose) > 1 else ''} {loose[0]}", *map(str, loose[1:])]
+    more = f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
+    return ", ".join(names[:_SHOWN]) + more
 
 
 def waiting_for(state: State) -> list[int]:

@@ -340,6 +340,51 @@ def test_a_rank_silent_for_the_lease_aborts_the_switch_naming_it(state, drained_
     assert d.summary == f"rank{'s' if len(silent) > 1 else ''} {names}: {SILENT}"
 
 
+def test_a_node_silent_as_a_whole_is_named_once_in_the_abort():
+    """Ranks 0-3 in two relayed nodes (0, 1) and (2, 3); the second node's leader is lost, and
+    rank 1 alone is silent too: the summary names node 2-3 once and rank 1 on its own."""
+    step = cs.on_drained(
+        preparing(yes(0)), now=102.2, drained_to=102.1, lease_s=2.0, nodes=((0, 1), (2, 3))
+    )
+    d = step.state.decision
+    assert d.reasons == {1: SILENT, 2: SILENT, 3: SILENT}
+    assert d.summary == f"node 2-3, rank 1: {SILENT}"
+
+
+# (name, ranks, nodes, description)
+DESCRIBE_CASES = [
+    ("one rank", [3], (), "rank 3"),
+    ("ranks", [2, 5], (), "ranks 2, 5"),
+    ("a node partly silent is not named", [8, 9], ((8, 9, 10),), "ranks 8, 9"),
+    (
+        "a whole node and loose ranks",
+        [2, 8, 9, 10, 5],
+        ((8, 9, 10), (11, 12)),
+        "node 8-10, ranks 2, 5",
+    ),
+    ("a node of ranks not in a row", [4, 9], ((4, 9),), "the node of rank 4"),
+    (
+        "more names than shown",
+        list(range(20)),
+        (),
+        f"ranks {', '.join(map(str, range(16)))} and 4 more",
+    ),
+    (
+        "nodes count as one name each",
+        list(range(0, 160)),
+        tuple(tuple(range(i, i + 8)) for i in range(0, 160, 8)),
+        ", ".join(f"node {i}-{i + 7}" for i in range(0, 128, 8)) + " and 4 more",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "ranks, nodes, text", [c[1:] for c in DESCRIBE_CASES], ids=[c[0] for c in DESCRIBE_CASES]
+)
+def test_ranks_are_described_with_whole_nodes_named_once(ranks, nodes, text):
+    assert cs.describe_ranks(ranks, nodes) == text
+
+
 def test_alive_is_noted_only_for_the_open_round_and_known_ranks():
     state = preparing()
     cs.take_alive(state, Alive(3, 1), now=100.7)
