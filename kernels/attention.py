@@ -1,4 +1,4 @@
-"""FP8 flash attention in Triton: forward, and a backward in two kernels (dK/dV, dQ); the launchers
+"""FP8 flash attention in Triton: forward, and a backward in three launches (dV, dK, dQ); the launchers
 here, the kernels in ``attention_fwd.py`` and ``attention_bwd.py``.
 
 The math is ``reference_attention.py``'s, tile by tile: QK^T, P V, dO V^T, P^T dO, dS K and dS^T Q
@@ -12,7 +12,7 @@ dim is read from a transposed copy (``(b, heads, d, s)``, made by the launcher):
 for dK and dV, K for dQ. Every other operand is the row-major ``(b, heads, s, d)`` tensor.
 
 Grouped-query attention: K and V stay at KV-head shape; a forward or dQ program reads the KV head
-of its query head, and a dK/dV program loops over the query heads of its group, so the group's sum
+of its query head, and a dV or dK program loops over the query heads of its group, so the group's sum
 needs no atomics.
 
 Every FP8 rounding is the contract's saturating round-to-nearest-even (the hardware conversion on
@@ -45,12 +45,13 @@ from dist_quant.kernels.reference_attention import LOG2E
 from torch import Tensor
 
 # GPU tiles (BM query rows x BN keys), warps and pipeline stages; the interpreter runs 16 x 16
-# tiles. d128: the fastest of `bench/bench_fp8_attention.py --sweep` on the H200 (2026-12-04,
-# seq 8192, 32/8 heads, causal; BENCHMARKS.md): forward 0.87 ms (128 x 64 x 8 warps: 0.98),
-# whole backward 4.9 ms with dQ on 64 x 64 x 4 warps (6.3 with 8), dK/dV on 64 x 128 x 8 warps
-# (5.7 vs 6.3). d64: picked without a GPU, for the fewest register spills (`ptxas -v`, sm_90a).
+# tiles. d128: the fastest of sweeps on the H200 (seq 8192, 32/8 heads, causal; BENCHMARKS.md):
+# forward 0.87 ms (128 x 64 x 8 warps: 0.98); backward 3.79 ms with dV and dK each on 64 x 128 x 8
+# warps, 3 stages, and dQ on 64 x 64 x 4 warps (one dK/dV launch on 64 x 128 x 8 warps: 4.22).
+# d64: picked without a GPU, for the fewest register spills (`ptxas -v`, sm_90a).
 GPU_FWD = {64: (128, 128, 8, 3), 128: (64, 128, 4, 3)}  # d -> (BM, BN, warps, stages)
-GPU_BWD_DKDV = {64: (32, 128, 8, 2), 128: (64, 128, 8, 2)}
+GPU_BWD_DV = {64: (32, 128, 8, 2), 128: (64, 128, 8, 3)}
+GPU_BWD_DK = {64: (32, 128, 8, 2), 128: (64, 128, 8, 3)}
 GPU_BWD_DQ = {64: (128, 64, 8, 3), 128: (64, 64, 4, 3)}
 HEAD_DIMS = (16, 32, 64, 128)  # the interpreter's; the GPU runs GPU_HEAD_DIMS
 GPU_HEAD_DIMS = tuple(GPU_FWD)
@@ -184,16 +185,18 @@ def attention_bwd_triton(
     s, dp = _fmt(s_dtype, "s"), _fmt(dp_dtype, "dp")
     mask_args = (c.mask, *c.mask_strides)
     sizes = (c.h, c.sq, c.sk, LOG2E / math.sqrt(c.d), 1.0 / math.sqrt(c.d))
-    bm, bn, warps, stages = _tiles(GPU_BWD_DKDV, c.d, gpu)
-    _bwd_dkdv_kernel[(c.b * c.hkv, cdiv(c.sk, bn))](
-        q, _transposed(q), k, v, do, _transposed(do), lse, delta, dk, dv,
-        q_scale_inv, k_scale_inv, v_scale_inv, do_scale_inv, s_scale, dp_scale,
-        *mask_args, *sizes,
-        GROUP=c.h // c.hkv, D=c.d, BM=bm, BN=bn, CAUSAL=causal, HAS_MASK=c.has_mask,
-        S_MAX_BITS=s["MAX_BITS"], S_MANT=s["MANT"], S_MIN_EXP=s["MIN_EXP"],
-        DP_MAX_BITS=dp["MAX_BITS"], DP_MANT=dp["MANT"], DP_MIN_EXP=dp["MIN_EXP"], HW=hw,
-        num_warps=warps, num_stages=stages,
-    )  # fmt: skip
+    qt, dot = _transposed(q), _transposed(do)
+    for table, is_dv in ((GPU_BWD_DV, True), (GPU_BWD_DK, False)):
+        bm, bn, warps, stages = _tiles(table, c.d, gpu)
+        _bwd_dkdv_kernel[(c.b * c.hkv, cdiv(c.sk, bn))](
+            q, qt, k, v, do, dot, lse, delta, dk, dv,
+            q_scale_inv, k_scale_inv, v_scale_inv, do_scale_inv, s_scale, dp_scale,
+            *mask_args, *sizes,
+            GROUP=c.h // c.hkv, D=c.d, BM=bm, BN=bn, CAUSAL=causal, HAS_MASK=c.has_mask,
+            S_MAX_BITS=s["MAX_BITS"], S_MANT=s["MANT"], S_MIN_EXP=s["MIN_EXP"],
+            DP_MAX_BITS=dp["MAX_BITS"], DP_MANT=dp["MANT"], DP_MIN_EXP=dp["MIN_EXP"], HW=hw,
+            DV=is_dv, num_warps=warps, num_stages=stages,
+        )  # fmt: skip
     bm, bn, warps, stages = _tiles(GPU_BWD_DQ, c.d, gpu)
     _bwd_dq_kernel[(c.b * c.h, cdiv(c.sq, bm))](
         q, k, _transposed(k), v, do, lse, delta, dq,

@@ -1,5 +1,6 @@
-"""FP8 flash attention, backward kernels: delta, dK/dV per key block (looping over the query heads
-of its KV group), dQ per query block (``attention.py`` holds the launchers and the overview)."""
+"""FP8 flash attention, backward kernels: delta; dV and dK per key block, one launch each (looping
+over the query heads of its KV group); dQ per query block (``attention.py`` holds the launchers and
+the overview)."""
 
 from __future__ import annotations
 
@@ -30,8 +31,9 @@ def _dkdv_tile(
     MASKED: tl.constexpr,
     S_MAX_BITS: tl.constexpr, S_MANT: tl.constexpr, S_MIN_EXP: tl.constexpr,
     DP_MAX_BITS: tl.constexpr, DP_MANT: tl.constexpr, DP_MIN_EXP: tl.constexpr, HW: tl.constexpr,
+    DV: tl.constexpr,
 ):  # fmt: skip
-    """One query tile of a dK/dV program (transposed: keys along dim 0). Keys out of range need
+    """One query tile of a dV (DV) or dK program (transposed: keys along dim 0). Keys out of range need
     no mask here (they only reach dK/dV rows that are never stored); MASKED: queries out of range,
     before the key (causal) or padding."""
     rows = start_m + tl.arange(0, BM)
@@ -39,18 +41,10 @@ def _dkdv_tile(
     t_off = dd[:, None] * SQ + rows[None, :]
     if MASKED:
         q = tl.load(q_base + row_off, mask=rows[:, None] < SQ, other=0.0)
-        do = tl.load(do_base + row_off, mask=rows[:, None] < SQ, other=0.0)
-        do_t = tl.load(dot_base + t_off, mask=rows[None, :] < SQ, other=0.0)
-        q_t = tl.load(qt_base + t_off, mask=rows[None, :] < SQ, other=0.0)
         lse = tl.load(lse_base + rows, mask=rows < SQ, other=0.0)
-        delta = tl.load(delta_base + rows, mask=rows < SQ, other=0.0)
     else:
         q = tl.load(q_base + row_off)
-        do = tl.load(do_base + row_off)
-        do_t = tl.load(dot_base + t_off)
-        q_t = tl.load(qt_base + t_off)
         lse = tl.load(lse_base + rows)
-        delta = tl.load(delta_base + rows)
     s_t = tl.dot(k, tl.trans(q)) * qk_scale  # (BN, BM): S^T
     p_t = tl.math.exp2(s_t - lse[None, :])
     if MASKED:
@@ -58,12 +52,26 @@ def _dkdv_tile(
             rows[None, :], cols[:, None], b, SQ, SK, mask_ptr, m_sb, m_sq, m_sk, CAUSAL, HAS_MASK
         )
         p_t = tl.where(ok, p_t, 0.0)
-    p8 = _to_fp8(p_t * s_scale, S_MAX_BITS, S_MANT, S_MIN_EXP, HW)
-    dv += tl.dot(p8, tl.trans(do_t))
-    dp_t = tl.dot(v, tl.trans(do)) * dp_deq  # (BN, BM): dP^T
-    ds = p_t * (dp_t - delta[None, :])
-    ds8 = _to_fp8(ds * dp_scale, DP_MAX_BITS, DP_MANT, DP_MIN_EXP, HW)
-    dk += tl.dot(ds8, tl.trans(q_t))
+    if DV:
+        if MASKED:
+            do_t = tl.load(dot_base + t_off, mask=rows[None, :] < SQ, other=0.0)
+        else:
+            do_t = tl.load(dot_base + t_off)
+        p8 = _to_fp8(p_t * s_scale, S_MAX_BITS, S_MANT, S_MIN_EXP, HW)
+        dv += tl.dot(p8, tl.trans(do_t))
+    else:
+        if MASKED:
+            do = tl.load(do_base + row_off, mask=rows[:, None] < SQ, other=0.0)
+            q_t = tl.load(qt_base + t_off, mask=rows[None, :] < SQ, other=0.0)
+            delta = tl.load(delta_base + rows, mask=rows < SQ, other=0.0)
+        else:
+            do = tl.load(do_base + row_off)
+            q_t = tl.load(qt_base + t_off)
+            delta = tl.load(delta_base + rows)
+        dp_t = tl.dot(v, tl.trans(do)) * dp_deq  # (BN, BM): dP^T
+        ds = p_t * (dp_t - delta[None, :])
+        ds8 = _to_fp8(ds * dp_scale, DP_MAX_BITS, DP_MANT, DP_MIN_EXP, HW)
+        dk += tl.dot(ds8, tl.trans(q_t))
     return dk, dv
 
 
@@ -77,7 +85,11 @@ def _bwd_dkdv_kernel(
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     S_MAX_BITS: tl.constexpr, S_MANT: tl.constexpr, S_MIN_EXP: tl.constexpr,
     DP_MAX_BITS: tl.constexpr, DP_MANT: tl.constexpr, DP_MIN_EXP: tl.constexpr, HW: tl.constexpr,
+    DV: tl.constexpr,
 ):  # fmt: skip
+    # One gradient per launch (DV: dV = P^T dO, else dK = dS^T Q): a program holding both
+    # accumulators spills registers at every tile size (ptxas, sm90), and recomputing S^T in the
+    # second launch costs less than the spills (BENCHMARKS.md).
     # KV heads along the grid's fast axis; under causal masking the first key blocks see the most
     # queries, and run first
     bkv, pid_n = tl.program_id(0), tl.program_id(1)
@@ -116,26 +128,28 @@ def _bwd_dkdv_kernel(
                 k, v, dk, dv, q_base, qt_base, do_base, dot_base, lse_base, delta_base, start_m,
                 cols, dd, b, SQ, SK, qk_scale, dp_deq, s_scale, dp_scale, mask_ptr, m_sb, m_sq,
                 m_sk, D, BM, CAUSAL, HAS_MASK, True, S_MAX_BITS, S_MANT, S_MIN_EXP, DP_MAX_BITS,
-                DP_MANT, DP_MIN_EXP, HW,
+                DP_MANT, DP_MIN_EXP, HW, DV,
             )  # fmt: skip
         for start_m in range(a, z, BM):
             dk, dv = _dkdv_tile(
                 k, v, dk, dv, q_base, qt_base, do_base, dot_base, lse_base, delta_base, start_m,
                 cols, dd, b, SQ, SK, qk_scale, dp_deq, s_scale, dp_scale, mask_ptr, m_sb, m_sq,
                 m_sk, D, BM, CAUSAL, HAS_MASK, False, S_MAX_BITS, S_MANT, S_MIN_EXP, DP_MAX_BITS,
-                DP_MANT, DP_MIN_EXP, HW,
+                DP_MANT, DP_MIN_EXP, HW, DV,
             )  # fmt: skip
         for start_m in range(z, SQ, BM):
             dk, dv = _dkdv_tile(
                 k, v, dk, dv, q_base, qt_base, do_base, dot_base, lse_base, delta_base, start_m,
                 cols, dd, b, SQ, SK, qk_scale, dp_deq, s_scale, dp_scale, mask_ptr, m_sb, m_sq,
                 m_sk, D, BM, CAUSAL, HAS_MASK, True, S_MAX_BITS, S_MANT, S_MIN_EXP, DP_MAX_BITS,
-                DP_MANT, DP_MIN_EXP, HW,
+                DP_MANT, DP_MIN_EXP, HW, DV,
             )  # fmt: skip
-    dv = dv * (reciprocal(s_scale) * tl.load(do_si_ptr))
-    dk = dk * (reciprocal(dp_scale) * q_si * sm_scale)
-    tl.store(dk_ptr + kv_base + kv_off, dk, mask=cols[:, None] < SK)
-    tl.store(dv_ptr + kv_base + kv_off, dv, mask=cols[:, None] < SK)
+    if DV:
+        dv = dv * (reciprocal(s_scale) * tl.load(do_si_ptr))
+        tl.store(dv_ptr + kv_base + kv_off, dv, mask=cols[:, None] < SK)
+    else:
+        dk = dk * (reciprocal(dp_scale) * q_si * sm_scale)
+        tl.store(dk_ptr + kv_base + kv_off, dk, mask=cols[:, None] < SK)
 
 
 @triton.jit

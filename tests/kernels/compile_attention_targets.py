@@ -23,10 +23,11 @@ POINTERS = {
     "qt_ptr": "*fp8e4nv", "kt_ptr": "*fp8e4nv", "do_ptr": "*fp8e5", "dot_ptr": "*fp8e5",
     "out_ptr": "*bf16", "s_amax_ptr": "*i32", "dp_amax_ptr": "*i32", "mask_ptr": "*u8",
 }  # fmt: skip
-KERNELS = {
-    "fwd": (A._fwd_kernel, A.GPU_FWD),
-    "dkdv": (A._bwd_dkdv_kernel, A.GPU_BWD_DKDV),
-    "dq": (A._bwd_dq_kernel, A.GPU_BWD_DQ),
+KERNELS = {  # name -> (kernel, tiles, the launch's own constexprs)
+    "fwd": (A._fwd_kernel, A.GPU_FWD, {}),
+    "dv": (A._bwd_dkdv_kernel, A.GPU_BWD_DV, {"DV": True}),
+    "dk": (A._bwd_dkdv_kernel, A.GPU_BWD_DK, {"DV": False}),
+    "dq": (A._bwd_dq_kernel, A.GPU_BWD_DQ, {}),
 }
 
 
@@ -37,10 +38,10 @@ def _format(prefix: str, fp8_dtype: torch.dtype) -> dict:
 
 
 def instructions(name: str, d: int, padded: bool) -> dict:
-    kernel, table = KERNELS[name]
+    kernel, table, own = KERNELS[name]
     bm, bn, warps, stages = table[d]
     consts = {"GROUP": 4, "D": d, "BM": bm, "BN": bn, "CAUSAL": not padded, "HAS_MASK": padded,
-              "HW": True}  # fmt: skip
+              "HW": True, **own}  # fmt: skip
     consts.update(_format("S", torch.float8_e4m3fn) if name != "dq" else {})
     consts.update(_format("DP", torch.float8_e5m2) if name != "fwd" else {})
     names = kernel.arg_names
