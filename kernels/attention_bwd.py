@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dist_quant.kernels._fp8_round import reciprocal
 from dist_quant.kernels._triton import tl, triton
-from dist_quant.kernels.attention_fwd import _to_fp8, _visible
+from dist_quant.kernels.attention_fwd import _to_fp8, _visible, key_tiles
 
 
 @triton.jit
@@ -123,27 +123,15 @@ def _bwd_dkdv_kernel(
         q_base, qt_base = q_ptr + bh * SQ * D, qt_ptr + bh * SQ * D
         do_base, dot_base = do_ptr + bh * SQ * D, dot_ptr + bh * SQ * D
         lse_base, delta_base = lse_ptr + bh * SQ, delta_ptr + bh * SQ
-        for start_m in range(lo, a, BM):
-            dk, dv = _dkdv_tile(
-                k, v, dk, dv, q_base, qt_base, do_base, dot_base, lse_base, delta_base, start_m,
-                cols, dd, b, SQ, SK, qk_scale, dp_deq, s_scale, dp_scale, mask_ptr, m_sb, m_sq,
-                m_sk, D, BM, CAUSAL, HAS_MASK, True, S_MAX_BITS, S_MANT, S_MIN_EXP, DP_MAX_BITS,
-                DP_MANT, DP_MIN_EXP, HW, DV,
-            )  # fmt: skip
-        for start_m in range(a, z, BM):
-            dk, dv = _dkdv_tile(
-                k, v, dk, dv, q_base, qt_base, do_base, dot_base, lse_base, delta_base, start_m,
-                cols, dd, b, SQ, SK, qk_scale, dp_deq, s_scale, dp_scale, mask_ptr, m_sb, m_sq,
-                m_sk, D, BM, CAUSAL, HAS_MASK, False, S_MAX_BITS, S_MANT, S_MIN_EXP, DP_MAX_BITS,
-                DP_MANT, DP_MIN_EXP, HW, DV,
-            )  # fmt: skip
-        for start_m in range(z, SQ, BM):
-            dk, dv = _dkdv_tile(
-                k, v, dk, dv, q_base, qt_base, do_base, dot_base, lse_base, delta_base, start_m,
-                cols, dd, b, SQ, SK, qk_scale, dp_deq, s_scale, dp_scale, mask_ptr, m_sb, m_sq,
-                m_sk, D, BM, CAUSAL, HAS_MASK, True, S_MAX_BITS, S_MANT, S_MIN_EXP, DP_MAX_BITS,
-                DP_MANT, DP_MIN_EXP, HW, DV,
-            )  # fmt: skip
+        # the three ranges unrolled, so each tile's MASKED is a compile-time constant
+        for part in tl.static_range(3):
+            for start_m in range((lo, a, z)[part], (a, z, SQ)[part], BM):
+                dk, dv = _dkdv_tile(
+                    k, v, dk, dv, q_base, qt_base, do_base, dot_base, lse_base, delta_base,
+                    start_m, cols, dd, b, SQ, SK, qk_scale, dp_deq, s_scale, dp_scale, mask_ptr,
+                    m_sb, m_sq, m_sk, D, BM, CAUSAL, HAS_MASK, part != 1, S_MAX_BITS, S_MANT,
+                    S_MIN_EXP, DP_MAX_BITS, DP_MANT, DP_MIN_EXP, HW, DV,
+                )  # fmt: skip
     if DV:
         dv = dv * (reciprocal(s_scale) * tl.load(do_si_ptr))
         tl.store(dv_ptr + kv_base + kv_off, dv, mask=cols[:, None] < SK)
@@ -221,26 +209,14 @@ def _bwd_dq_kernel(
     dp_scale = tl.load(dp_scale_ptr)
     dq = tl.zeros([BM, D], tl.float32)
     ds_max = tl.zeros([BM], tl.int32)  # bits of max |dS| (non-negative fp32 bits order as values)
-    hi = SK
-    full = 0
-    if CAUSAL:
-        hi = tl.minimum(SK, (pid_m + 1) * BM)
-        if not HAS_MASK:
-            full = (tl.minimum(pid_m * BM + 1, SK) // BN) * BN
-    elif not HAS_MASK:
-        full = (SK // BN) * BN
-    for start_n in range(0, full, BN):
-        dq, ds_max = _dq_tile(
-            q, do, lse, delta, dq, ds_max, k_base, kt_base, v_base, start_n, rows, dd, b, SQ,
-            SK, qk_scale, dp_deq, dp_scale, mask_ptr, m_sb, m_sq, m_sk, D, BN, CAUSAL, HAS_MASK,
-            False, DP_MAX_BITS, DP_MANT, DP_MIN_EXP, HW,
-        )  # fmt: skip
-    for start_n in range(full, hi, BN):
-        dq, ds_max = _dq_tile(
-            q, do, lse, delta, dq, ds_max, k_base, kt_base, v_base, start_n, rows, dd, b, SQ,
-            SK, qk_scale, dp_deq, dp_scale, mask_ptr, m_sb, m_sq, m_sk, D, BN, CAUSAL, HAS_MASK,
-            True, DP_MAX_BITS, DP_MANT, DP_MIN_EXP, HW,
-        )  # fmt: skip
+    full, hi = key_tiles(pid_m, SK, BM, BN, CAUSAL, HAS_MASK)
+    for part in tl.static_range(2):  # unrolled: each tile's MASKED is a compile-time constant
+        for start_n in range((0, full)[part], (full, hi)[part], BN):
+            dq, ds_max = _dq_tile(
+                q, do, lse, delta, dq, ds_max, k_base, kt_base, v_base, start_n, rows, dd, b,
+                SQ, SK, qk_scale, dp_deq, dp_scale, mask_ptr, m_sb, m_sq, m_sk, D, BN, CAUSAL,
+                HAS_MASK, part == 1, DP_MAX_BITS, DP_MANT, DP_MIN_EXP, HW,
+            )  # fmt: skip
     dq = dq * (reciprocal(dp_scale) * k_si * sm_scale)
     tl.store(dq_ptr + q_base + q_off, dq, mask=rows[:, None] < SQ)
     tl.atomic_max(dp_amax_ptr, tl.max(ds_max, 0), sem="relaxed")

@@ -50,6 +50,22 @@ def _visible(
 
 
 @triton.jit
+def key_tiles(pid_m, SK, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr,
+              HAS_MASK: tl.constexpr):  # fmt: skip
+    """(full, hi) for query block ``pid_m``: key tiles [0, full) need no mask (in range and, causal,
+    not after any query of the block); [full, hi) are masked; keys from hi on are never seen."""
+    hi = SK
+    full = 0
+    if CAUSAL:
+        hi = tl.minimum(SK, (pid_m + 1) * BM)
+        if not HAS_MASK:
+            full = (tl.minimum(pid_m * BM + 1, SK) // BN) * BN
+    elif not HAS_MASK:
+        full = (SK // BN) * BN
+    return full, hi
+
+
+@triton.jit
 def _fwd_tile(
     q, k_base, vt_base, start_n, rows, dd, b, SQ, SK, qk_scale, s_scale,
     m_i, l_i, p_max, acc,
@@ -116,27 +132,14 @@ def _fwd_kernel(
     l_i = tl.zeros([BM], tl.float32)
     p_max = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, D], tl.float32)
-    # key tiles [0, full) need no mask: in range and (causal) not after any query of the block
-    hi = SK
-    full = 0
-    if CAUSAL:
-        hi = tl.minimum(SK, (pid_m + 1) * BM)
-        if not HAS_MASK:
-            full = (tl.minimum(pid_m * BM + 1, SK) // BN) * BN
-    elif not HAS_MASK:
-        full = (SK // BN) * BN
-    for start_n in range(0, full, BN):
-        m_i, l_i, p_max, acc = _fwd_tile(
-            q, k_base, vt_base, start_n, rows, dd, b, SQ, SK, qk_scale, s_scale,
-            m_i, l_i, p_max, acc, mask_ptr, m_sb, m_sq, m_sk,
-            D, BN, CAUSAL, HAS_MASK, False, S_MAX_BITS, S_MANT, S_MIN_EXP, HW,
-        )  # fmt: skip
-    for start_n in range(full, hi, BN):
-        m_i, l_i, p_max, acc = _fwd_tile(
-            q, k_base, vt_base, start_n, rows, dd, b, SQ, SK, qk_scale, s_scale,
-            m_i, l_i, p_max, acc, mask_ptr, m_sb, m_sq, m_sk,
-            D, BN, CAUSAL, HAS_MASK, True, S_MAX_BITS, S_MANT, S_MIN_EXP, HW,
-        )  # fmt: skip
+    full, hi = key_tiles(pid_m, SK, BM, BN, CAUSAL, HAS_MASK)
+    for part in tl.static_range(2):  # unrolled: each tile's MASKED is a compile-time constant
+        for start_n in range((0, full)[part], (full, hi)[part], BN):
+            m_i, l_i, p_max, acc = _fwd_tile(
+                q, k_base, vt_base, start_n, rows, dd, b, SQ, SK, qk_scale, s_scale,
+                m_i, l_i, p_max, acc, mask_ptr, m_sb, m_sq, m_sk,
+                D, BN, CAUSAL, HAS_MASK, part == 1, S_MAX_BITS, S_MANT, S_MIN_EXP, HW,
+            )  # fmt: skip
 
     m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
     s_inv = reciprocal(s_scale)
