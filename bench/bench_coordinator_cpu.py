@@ -24,6 +24,7 @@ from pathlib import Path
 
 from dist_quant.coordinator.coordinator import Coordinator
 from dist_quant.coordinator.decision_log import DecisionLog
+from dist_quant.coordinator.node_relay import summarized
 from dist_quant.coordinator.protocol import Ack, Bundle, StatusQuery, SwitchRequest, Vote
 from dist_quant.coordinator.transport_memory import MemoryHub, MemoryTransport
 from dist_quant.coordinator.wire import INBOX, reply_queue, seal, unseal
@@ -45,12 +46,15 @@ def _reply(hub: MemoryHub, request_id: str, limit_s: float = 600.0):
 
 
 def _batched(msgs: list, per_node: int) -> list[bytes]:
-    """Each message sealed on its own, or (`per_node` > 1) one sealed Bundle per node."""
+    """Each message sealed on its own, or (`per_node` > 1) one sealed Bundle per node, as its
+    relay sends it (`summarized`: a node whose votes or acks agree as one summary)."""
     if per_node <= 1:
         return [seal(m, TOKEN) for m in msgs]
-    return [
-        seal(Bundle.of(i, msgs[i : i + per_node]), TOKEN) for i in range(0, len(msgs), per_node)
-    ]
+    bundles = []
+    for i in range(0, len(msgs), per_node):
+        node = range(i, min(i + per_node, len(msgs)))
+        bundles.append(seal(Bundle.of(i, summarized(i, node, msgs[i : i + per_node])), TOKEN))
+    return bundles
 
 
 def _vote(rank: int) -> Vote:
