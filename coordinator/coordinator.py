@@ -28,6 +28,7 @@ from dist_quant.coordinator.protocol import (
     Ack,
     AckSummary,
     Alive,
+    AliveSummary,
     Bundle,
     CancelDecision,
     CancelRequest,
@@ -129,6 +130,7 @@ class Coordinator:
             CancelVote: self._on_cancel_vote,
             VoteSummary: self._on_vote_summary,
             AckSummary: self._on_ack_summary,
+            AliveSummary: self._on_alive_summary,
         }
 
     @property
@@ -482,6 +484,11 @@ class Coordinator:
         level = logging.WARNING if note.startswith("refused") else logging.DEBUG
         if self._say.isEnabledFor(level):
             self._say.log(level, note, **self._where())
+
+    def _on_alive_summary(self, msg: AliveSummary) -> None:
+        note = cs.take_alive_summary(self._state, msg, self._relays, now=time.monotonic())
+        if note:
+            self._say.warning(note, **self._where())
 
     def _on_ack_summary(self, msg: AckSummary) -> None:
         note = cs.take_ack_summary(self._state, msg, self._relays)

@@ -30,6 +30,7 @@ from dist_quant.coordinator.protocol import (
     Ack,
     AckSummary,
     Alive,
+    AliveSummary,
     CancelDecision,
     CancelPrepare,
     CancelRequest,
@@ -307,7 +308,7 @@ def take_ack_summary(state: State, summary: AckSummary, nodes: Mapping[int, Sequ
 
 
 def node_range_problem(
-    summary: VoteSummary | AckSummary, nodes: Mapping[int, Sequence[int]]
+    summary: VoteSummary | AckSummary | AliveSummary, nodes: Mapping[int, Sequence[int]]
 ) -> str:
     """Why `summary` cannot stand for its ranks ("" if it can): its leader runs no relay, or
     `first`..`last` are not consecutive ranks of that leader's node. O(log node size)."""
@@ -331,6 +332,21 @@ def take_alive(state: State, alive: Alive, *, now: float) -> None:
     if isinstance(state, Preparing) and alive.switch_id == state.opened.prepare.switch_id:
         if 0 <= alive.rank < state.votes.world_size:
             state.lease.heard[alive.rank] = now
+
+
+def take_alive_summary(
+    state: State, summary: AliveSummary, nodes: Mapping[int, Sequence[int]], *, now: float
+) -> str:
+    """Note that a node's ranks `first`..`last`, still planning the open switch, are alive; ""
+    or why the summary was refused (as a vote summary is, for its ranks)."""
+    if not isinstance(state, Preparing) or summary.switch_id != state.opened.prepare.switch_id:
+        return ""
+    problem = node_range_problem(summary, nodes)
+    if problem:
+        what = f"alive summary of node {summary.leader} (ranks {summary.first}-{summary.last})"
+        return f"refused the {what}: {problem}"
+    state.lease.heard.update(dict.fromkeys(range(summary.first, summary.last + 1), now))
+    return ""
 
 
 def take_cancel_vote(state: State, vote: CancelVote) -> str:

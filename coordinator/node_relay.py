@@ -8,16 +8,18 @@ store the leader serves for its node, `node_store.py`; on rank 0's host, the job
 `up` pops `node/<leader>` from the node's store, gathers the node's messages, checks each against
 the token and pushes them to the coordinator's inbox as one Bundle: votes and acks of a switch wait
 (at most `GATHER_S`) until every rank of the node has sent its own, so a node's round costs rank 0
-one message, not one per rank; anything else (`Alive`, hellos, cancel votes) goes at once, with
+one message, not one per rank, and so do the signs of life (`Alive`) of a node's ranks that are
+still planning, beat by beat; anything else (hellos, cancel votes) goes at once, with
 whatever is held; `down` pops `node/<leader>/down` from rank 0's store and pushes each message,
 unchanged, to every rank's queue in the node's store. Rank 0 then reads and writes O(nodes)
 messages per switch, not O(ranks), and (with node stores) holds one connection per node.
 
-A bundle's uniform runs of votes (acks) go up summarized (`summarized`): consecutive ranks of the
-node that all voted YES on one switch with one digest after one last step (all acked ok at one
-step with one recipe) become one `VoteSummary` (`AckSummary`) carrying what the coordinator uses
-of them, so it takes a node in as one range and a switch costs it O(nodes). Whatever is not
-uniform (a NO, another digest or step, a failed ack) goes one by one as before.
+A bundle's uniform runs of votes (acks, signs of life) go up summarized (`summarized`):
+consecutive ranks of the node that all voted YES on one switch with one digest after one last
+step (all acked ok at one step with one recipe; all said they are alive planning one switch)
+become one `VoteSummary` (`AckSummary`, `AliveSummary`) carrying what the coordinator uses of
+them, so it takes a node in as one range and a switch costs it O(nodes). Whatever is not uniform
+(a NO, another digest or step, a failed ack) goes one by one as before.
 
 The relay decides nothing, so the protocol's rules hold unchanged. A leader that dies before the
 COMMIT is logged takes its node's votes and `Alive`s with it: the coordinator finds those ranks
@@ -38,6 +40,8 @@ from dist_quant.coordinator.faults import Fault, inject
 from dist_quant.coordinator.protocol import (
     Ack,
     AckSummary,
+    Alive,
+    AliveSummary,
     Bundle,
     Decision,
     Message,
@@ -63,7 +67,8 @@ MAX_BUNDLE = 4096  # messages per Bundle; a node holds far fewer ranks
 # model at the same step, so they answer within milliseconds of each other; a rank that does not
 # (slow, dead) delays its node's others by this much, far inside the coordinator's 2 s lease
 GATHER_S = 0.02
-_GATHERED = (Vote, Ack)  # one per rank per switch: the rounds worth gathering
+# one per rank per switch (a sign of life: per rank per beat): the rounds worth gathering
+_GATHERED = (Vote, Ack, Alive)
 
 
 def relayed_nodes(hosts: Sequence[str]) -> tuple[tuple[int, ...], ...]:
@@ -200,13 +205,13 @@ class NodeRelay:
 
 
 def summarized(leader: int, node: Sequence[int], messages: Sequence[Message]) -> list[Message]:
-    """`messages` with every run of two or more consecutive ranks of `node` whose votes (acks)
-    agree replaced by one summary. Votes agree when they are YES on one switch with one digest,
-    the same part digests and the same last step, with no reason; acks when they are ok on one
-    switch at one step with one recipe key and no error. A summary takes the place of its run's
-    last message: the coordinator takes a whole bundle in before its phase moves on, and what a
-    rank sends in the same round besides its vote (an `Alive` that crossed it) does not depend
-    on the order. A rank with two messages in one group, or outside the node, is never
+    """`messages` with every run of two or more consecutive ranks of `node` whose votes (acks,
+    signs of life) agree replaced by one summary. Votes agree when they are YES on one switch
+    with one digest, the same part digests and the same last step, with no reason; acks when
+    they are ok on one switch at one step with one recipe key and no error; `Alive`s when they
+    are for one switch. A summary takes the place of its run's last message: the coordinator
+    takes a whole bundle in before its phase moves on, and what a rank sends in one round (a
+    sign of life that crossed its vote) does not depend on the order. A rank with two messages in one group, or outside the node, is never
     summarized. The relay only restates what each rank sent: it decides nothing."""
     members = frozenset(node)
     groups: dict[tuple, dict[int, int]] = {}  # agreement key -> rank -> its message's position
@@ -246,6 +251,8 @@ def _agreement(m: Message) -> tuple | None:
         return ("vote", m.switch_id, m.digest, parts, m.last_step)
     if isinstance(m, Ack) and m.ok and not m.error:
         return ("ack", m.switch_id, m.step, m.recipe_key)
+    if isinstance(m, Alive):
+        return ("alive", m.switch_id)
     return None
 
 
@@ -265,6 +272,8 @@ def _summary(leader: int, run: list[Message], first: int, last: int) -> Message:
     m = run[0]
     if isinstance(m, Ack):
         return AckSummary(m.switch_id, leader, first, last, m.step, m.recipe_key)
+    if isinstance(m, Alive):
+        return AliveSummary(m.switch_id, leader, first, last)
     # the latest hold step of equal last steps comes from the shortest step time measured
     measured = [v.step_s for v in run if v.step_s > 0]
     return VoteSummary(
@@ -275,9 +284,11 @@ def _summary(leader: int, run: list[Message], first: int, last: int) -> Message:
 
 class _Gather:
     """The messages a relay holds for its next Bundle, and when it must send them: at once for
-    anything but a vote or ack; for those, once every rank of the node has sent its own for the
-    switch (of each kind held), or `GATHER_S` after the first of them arrived, or when the
-    bundle is full."""
+    anything but a vote, ack or sign of life; for those, once every rank of the node has sent
+    its own for the switch (of each kind held), or `GATHER_S` after the first of them arrived,
+    or when the bundle is full. (A node's ranks get the Prepare together and beat every `BEAT_S`
+    from then, so their signs of life go as one bundle per beat; a rank that already voted no
+    longer beats, and the others' wait `GATHER_S`, far inside the coordinator's lease.)"""
 
     def __init__(self, ranks: Sequence[int]) -> None:
         self._node = frozenset(ranks)

@@ -300,6 +300,20 @@ class AckSummary(Message):
 
 
 @dataclass(frozen=True)
+class AliveSummary(Message):
+    """Node leader -> coordinator, in a `Bundle`: ranks `first`..`last` of its node (consecutive)
+    each said they are alive while planning `switch_id` (`Alive`) since the leader's last
+    bundle: while a node plans, its signs of life cost rank 0 one message per beat, not one per
+    rank."""
+
+    kind: ClassVar[str] = "alive_summary"
+    switch_id: int
+    leader: int
+    first: int
+    last: int
+
+
+@dataclass(frozen=True)
 class DecisionQuery(Message):
     """Rank -> coordinator, straight (not through its node leader): the rank reached its hold
     step without the decision of `switch_id`; the coordinator sends it again if it is logged."""

@@ -14,7 +14,7 @@ from dist_quant.coordinator.coordinator import Coordinator
 from dist_quant.coordinator.decision_log import DecisionLog
 from dist_quant.coordinator.node_relay import GATHER_S, NodeRelay, relayed_nodes
 from dist_quant.coordinator.participant import Participant
-from dist_quant.coordinator.protocol import Alive, Vote, run_messages
+from dist_quant.coordinator.protocol import Alive, Hello, Vote, run_messages
 from dist_quant.coordinator.transport_memory import MemoryHub, MemoryTransport
 from dist_quant.coordinator.wire import INBOX, node_queue, seal, unseal
 from switch_harness import FAKE_HOOKS, FakeModel, wait_for
@@ -216,8 +216,13 @@ def test_a_nodes_votes_of_a_switch_go_as_one_bundle_once_the_last_arrives(long_g
     assert got == [[("vote_summary", (0, 2))]]  # the node agrees: one summary
 
 
-def test_a_sign_of_life_goes_at_once_with_whatever_is_held(long_gather):
-    assert relay_bundles([vote(0), Alive(7, 1)], quiet_s=5.0) == [[("vote", 0), ("alive", 1)]]
+def test_a_hello_goes_at_once_with_whatever_is_held(long_gather):
+    assert relay_bundles([vote(0), Hello(1, "k")], quiet_s=5.0) == [[("vote", 0), ("hello", 1)]]
+
+
+def test_a_nodes_signs_of_life_go_as_one_summary_once_each_planning_rank_beat(long_gather):
+    beats = [Alive(7, r) for r in (1, 0, 2)]
+    assert relay_bundles(beats[:1], beats[1:], quiet_s=5.0) == [[("alive_summary", (0, 2))]]
 
 
 def test_a_rank_that_does_not_vote_holds_its_nodes_votes_only_for_the_gather_window():

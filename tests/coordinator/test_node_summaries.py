@@ -17,7 +17,9 @@ from dist_quant.coordinator.protocol import (
     Ack,
     AckSummary,
     Alive,
+    AliveSummary,
     Bundle,
+    Hello,
     Prepare,
     StatusQuery,
     SwitchRequest,
@@ -95,9 +97,14 @@ SUMMARIZE_CASES = [
         [("vote", 8), ("vote", 9), ("vote", 10), ("vote", 9)],
     ),
     (
-        "other kinds keep their place",
-        [Alive(1, 9), yes(8), yes(9)],
-        [("alive", 9), ("vote_summary", (8, 9))],
+        "signs of life of one switch",
+        [Alive(1, r) for r in NODE],
+        [("alive_summary", (8, 15))],
+    ),
+    (
+        "a sign of life and the votes that crossed it",
+        [Alive(1, 9), yes(8), yes(9), Alive(1, 10), Hello(11, "k")],
+        [("vote_summary", (8, 9)), ("alive_summary", (9, 10)), ("hello", 11)],
     ),
     (
         "acks: a failed one stays one by one",
@@ -243,6 +250,18 @@ def test_an_ack_summary_counts_only_for_the_committed_switch():
     assert refused.startswith("refused the ack summary of node 0 (ranks 2-5): not ranks")
     assert cs.take_ack_summary(state, AckSummary(1, 4, 4, 7, 20, "B"), NODES) == ""
     assert cs.waiting_for(state) == [0, 1, 2, 3]
+
+
+def test_an_alive_summary_keeps_its_ranks_out_of_the_lease_for_the_open_switch_only():
+    state = _preparing(Tally(8))
+    assert cs.take_alive_summary(state, AliveSummary(1, 4, 4, 7), NODES, now=5.0) == ""
+    assert cs.take_alive_summary(state, AliveSummary(2, 0, 0, 3), NODES, now=5.0) == ""  # stale
+    refused = cs.take_alive_summary(state, AliveSummary(1, 0, 2, 5), NODES, now=5.0)
+    assert refused.startswith("refused the alive summary of node 0 (ranks 2-5): not ranks")
+    assert state.lease.heard == {4: 5.0, 5: 5.0, 6: 5.0, 7: 5.0}
+    step = cs.on_drained(state, now=6.0, drained_to=6.0, lease_s=2.0, nodes=list(NODES.values()))
+    assert step.state.decision.reasons.keys() == {0, 1, 2, 3}  # silent since the Prepare (0.0)
+    assert step.state.decision.summary.startswith("node 0-3: no vote and no sign of life")
 
 
 def test_rank_values_keep_the_latest_write_by_rank_or_range():
