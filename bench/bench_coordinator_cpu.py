@@ -22,7 +22,8 @@ its ready ack bundle. Printed per N (the `--json` keys of bench_switch_scale whe
 request -> decision at the client (`decision_ms`), request -> every node got the decision
 (`published_ms`: an instant rank publishes once its relay hands it the decision), request -> every
 ack counted (`acked_ms`), the coordinator threads' CPU (`coordinator_cpu_ms`) and the messages it
-moved (`rank0_messages`), with a projection at the issue's network cost.
+moved (`rank0_messages`), the scripted relays' CPU (`voters_cpu_ms`: work a cluster does on the
+other hosts, here on the same cores), with a projection at the issue's network cost.
 The end-to-end scale benchmark with real participants is bench/bench_switch_scale.py.
 """
 
@@ -179,9 +180,12 @@ def _thread_cpu_s(threads: list[threading.Thread]) -> float:
     return sum(time.clock_gettime(time.pthread_getcpuclockid(t.ident)) for t in threads)
 
 
-def _voter(transport: Any, leaders: list[int], votes: dict, acks: dict, got: list) -> None:
+def _voter(
+    transport: Any, leaders: list[int], votes: dict, acks: dict, got: list, cpu: list
+) -> None:
     """The relays of `leaders`' nodes, scripted: each node's ready votes once its Prepare is
-    there, then its ready acks once its decision is; `got` gets the time of the last decision."""
+    there, then its ready acks once its decision is; `got` gets the time of the last decision,
+    `cpu` this thread's CPU (on a cluster, the relays' work runs on their own hosts)."""
     try:
         for leader in leaders:
             transport.pop(node_down_queue(leader))  # the Prepare
@@ -191,6 +195,7 @@ def _voter(transport: Any, leaders: list[int], votes: dict, acks: dict, got: lis
             got.append(time.perf_counter())
             transport.push(INBOX, acks[leader])
     finally:
+        cpu.append(time.thread_time())
         transport.close()
 
 
@@ -225,12 +230,20 @@ def one_switch_store(ranks: int, tmp: Path, per_node: int, summaries: bool) -> d
     coordinator_threads = [t for t in threading.enumerate() if t not in before]
     client = connect_endpoint(endpoint)
     got: list[float] = []
+    voters_cpu: list[float] = []
     voters = [
         threading.Thread(
             target=_voter,
-            args=(connect_endpoint(endpoint), leaders[i::VOTER_THREADS], votes, acks, got),
+            args=(
+                connect_endpoint(endpoint),
+                leaders[i::VOTER_THREADS],
+                votes,
+                acks,
+                got,
+                voters_cpu,
+            ),
             daemon=True,
-        )
+        )  # fmt: skip
         for i in range(min(VOTER_THREADS, len(leaders)))
     ]
     # A training process that has imported torch holds a large heap: a full garbage collection
@@ -275,6 +288,7 @@ def one_switch_store(ranks: int, tmp: Path, per_node: int, summaries: bool) -> d
         "acked_ms": (t_acked - t0) * 1e3,
         "coordinator_cpu_ms": cpu * 1e3,
         "rank0_messages": messages,
+        "voters_cpu_ms": sum(voters_cpu) * 1e3,
     }
 
 
@@ -325,8 +339,9 @@ def main() -> None:
                     f"{n:>6} ranks on {row['nodes']} nodes (store): request->decision "
                     f"{row['decision_ms']:7.1f} ms, -> every node has it "
                     f"{row['published_ms']:7.1f} ms, -> every ack counted {row['acked_ms']:7.1f}"
-                    f" ms; coordinator CPU {row['coordinator_cpu_ms']:6.1f} ms, "
-                    f"{row['rank0_messages']} messages at rank 0",
+                    f" ms; CPU: coordinator {row['coordinator_cpu_ms']:6.1f} ms, scripted "
+                    f"relays {row['voters_cpu_ms']:6.1f} ms; {row['rank0_messages']} messages "
+                    "at rank 0",
                     flush=True,
                 )
                 print("\n".join(projection(row)), flush=True)
