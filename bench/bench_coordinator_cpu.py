@@ -1,6 +1,7 @@
 """The coordinator's own CPU per switch against N instant voters, in one process.
 
     python bench/bench_coordinator_cpu.py [--ranks 1024,4096,16384] [--per-node 8] [--json]
+    python bench/bench_coordinator_cpu.py --store [--ranks 1024,16384] [--per-node 8] [--json]
 
 A real `Coordinator` (memory transport, a real fsynced decision log in a temp dir) runs one switch
 for N ranks whose votes and acks are sealed beforehand and pushed the moment the Prepare is out,
@@ -8,25 +9,51 @@ so what is timed is the coordinator: unsealing, counting, deciding, logging, fan
 Printed per N: request -> decision (wall), decision -> every ack counted (wall), and the process
 CPU over the whole switch (the coordinator's threads; the voters only push ready bytes).
 With `--per-node K` the ranks sit in nodes of K behind node relays (node_relay.py): the votes and
-acks arrive as one ready Bundle per node, the Prepare and the decision go out once per node, which
-is what rank 0 does in a job across hosts (the relays' own work runs on the other hosts).
+acks arrive as one ready Bundle per node, as the relay sends it (a node whose ranks agree as one
+summary, `node_relay.summarized`), the Prepare and the decision go out once per node, which is
+what rank 0 does in a job across hosts (the relays' own work runs on the other hosts).
+
+`--store` is the latency of the issue's harness (the real coordinator and the real store
+transport, ranks that vote and ack instantly) with node relays: a `StoreServer` in this process,
+the coordinator and the client connected to it as in a job, and scripted node voters (a few
+threads, each one connection, standing in for the relays of many nodes) that pop each node's
+Prepare from `node/<leader>/down` and push its ready vote bundle at once, then its decision and
+its ready ack bundle. Printed per N (the `--json` keys of bench_switch_scale where they apply):
+request -> decision at the client (`decision_ms`), request -> every node got the decision
+(`published_ms`: an instant rank publishes once its relay hands it the decision), request -> every
+ack counted (`acked_ms`), the coordinator threads' CPU (`coordinator_cpu_ms`) and the messages it
+moved (`rank0_messages`), the scripted relays' CPU (`voters_cpu_ms`: work a cluster does on the
+other hosts, here on the same cores), with a projection at the issue's network cost.
 The end-to-end scale benchmark with real participants is bench/bench_switch_scale.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
+import math
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from dist_quant.coordinator.coordinator import Coordinator
 from dist_quant.coordinator.decision_log import DecisionLog
-from dist_quant.coordinator.protocol import Ack, Bundle, StatusQuery, SwitchRequest, Vote
+from dist_quant.coordinator.node_relay import summarized
+from dist_quant.coordinator.protocol import (
+    Ack,
+    Bundle,
+    StatusQuery,
+    SwitchRequest,
+    Vote,
+    hold_step,
+    lead_time,
+)
 from dist_quant.coordinator.transport_memory import MemoryHub, MemoryTransport
-from dist_quant.coordinator.wire import INBOX, reply_queue, seal, unseal
+from dist_quant.coordinator.wire import INBOX, node_down_queue, reply_queue, seal, unseal
 
 TOKEN = "bench-token"
 LAST_STEP = 10
@@ -44,13 +71,18 @@ def _reply(hub: MemoryHub, request_id: str, limit_s: float = 600.0):
     raise TimeoutError(f"no reply to {request_id} within {limit_s} s")
 
 
-def _batched(msgs: list, per_node: int) -> list[bytes]:
-    """Each message sealed on its own, or (`per_node` > 1) one sealed Bundle per node."""
+def _batched(msgs: list, per_node: int, summaries: bool = True) -> list[bytes]:
+    """Each message sealed on its own, or (`per_node` > 1) one sealed Bundle per node, as its
+    relay sends it (`summarized`: a node whose votes or acks agree as one summary; without
+    `summaries`, every rank's message in the bundle, as before summaries)."""
     if per_node <= 1:
         return [seal(m, TOKEN) for m in msgs]
-    return [
-        seal(Bundle.of(i, msgs[i : i + per_node]), TOKEN) for i in range(0, len(msgs), per_node)
-    ]
+    bundles = []
+    for i in range(0, len(msgs), per_node):
+        node, held = range(i, min(i + per_node, len(msgs))), msgs[i : i + per_node]
+        sent = summarized(i, node, held) if summaries else held
+        bundles.append(seal(Bundle.of(i, sent), TOKEN))
+    return bundles
 
 
 def _vote(rank: int) -> Vote:
@@ -61,7 +93,7 @@ def _vote(rank: int) -> Vote:
     return Vote(1, rank, True, DIGEST, LAST_STEP, "", prepare_s, step_s)
 
 
-def one_switch(ranks: int, tmp: Path, per_node: int = 1) -> dict[str, float]:
+def one_switch(ranks: int, tmp: Path, per_node: int = 1, summaries: bool = True) -> dict[str, Any]:
     hub = MemoryHub()
     nodes = [range(i, i + per_node) for i in range(0, ranks, per_node)] if per_node > 1 else []
     coord = Coordinator(
@@ -75,7 +107,7 @@ def one_switch(ranks: int, tmp: Path, per_node: int = 1) -> dict[str, float]:
         relayed_nodes=nodes,
     )
     coord.start()
-    votes = _batched([_vote(r) for r in range(ranks)], per_node)
+    votes = _batched([_vote(r) for r in range(ranks)], per_node, summaries)
     try:
         cpu0, t0 = time.process_time(), time.perf_counter()
         hub.push(INBOX, seal(SwitchRequest("req", {"name": "B"}, None, 600.0), TOKEN))
@@ -91,7 +123,8 @@ def one_switch(ranks: int, tmp: Path, per_node: int = 1) -> dict[str, float]:
         step = result["step"]
         # the acks are sealed here, by the harness: its CPU and time are taken out of the figures
         build_cpu0, build_t0 = time.process_time(), time.perf_counter()
-        acks = _batched([Ack(1, r, step, True, "", "B") for r in range(ranks)], per_node)
+        acked = [Ack(1, r, step, True, "", "B") for r in range(ranks)]
+        acks = _batched(acked, per_node, summaries)
         build_cpu = time.process_time() - build_cpu0
         t_decided += time.perf_counter() - build_t0
         for data in acks:
@@ -106,31 +139,226 @@ def one_switch(ranks: int, tmp: Path, per_node: int = 1) -> dict[str, float]:
     return {
         "ranks": ranks,
         "per_node": per_node,
+        "summaries": summaries,
         "decision_ms": (t_decided - t0) * 1e3,
         "acks_ms": (t_acked - t_decided) * 1e3,
         "cpu_ms": (cpu1 - cpu0) * 1e3,
         "cpu_us_per_rank": (cpu1 - cpu0) * 1e6 / ranks,
+        "cpu_us_per_node": (cpu1 - cpu0) * 1e6 / math.ceil(ranks / per_node),
     }
+
+
+# -- the issue's harness: the real store transport, instant node voters ----------------------------
+
+VOTER_THREADS = 8  # each stands in for the relays of nodes / 8 nodes, on a connection of its own
+COSTS_MS = {"in a node": 0.05, "across nodes": 0.5}  # the issue's stated per-message network cost
+
+
+class _Counting:
+    """The coordinator's transport, counting the messages it moves (clones share the count)."""
+
+    def __init__(self, inner: Any, counts: dict[str, int]) -> None:
+        self.inner, self.counts = inner, counts
+
+    def push(self, queue: str, data: bytes) -> None:
+        self.inner.push(queue, data)
+        self.counts["messages"] += 1
+
+    def pop(self, queue: str, timeout: float | None = None) -> bytes | None:
+        data = self.inner.pop(queue, timeout)
+        self.counts["messages"] += data is not None
+        return data
+
+    def clone(self) -> _Counting:
+        return _Counting(self.inner.clone(), self.counts)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _thread_cpu_s(threads: list[threading.Thread]) -> float:
+    return sum(time.clock_gettime(time.pthread_getcpuclockid(t.ident)) for t in threads)
+
+
+def _voter(
+    transport: Any, leaders: list[int], votes: dict, acks: dict, got: list, cpu: list
+) -> None:
+    """The relays of `leaders`' nodes, scripted: each node's ready votes once its Prepare is
+    there, then its ready acks once its decision is; `got` gets the time of the last decision,
+    `cpu` this thread's CPU (on a cluster, the relays' work runs on their own hosts)."""
+    try:
+        for leader in leaders:
+            transport.pop(node_down_queue(leader))  # the Prepare
+            transport.push(INBOX, votes[leader])
+        for leader in leaders:
+            transport.pop(node_down_queue(leader))  # the decision
+            got.append(time.perf_counter())
+            transport.push(INBOX, acks[leader])
+    finally:
+        cpu.append(time.thread_time())
+        transport.close()
+
+
+def one_switch_store(ranks: int, tmp: Path, per_node: int, summaries: bool) -> dict[str, Any]:
+    # imported here: they import torch, whose objects would make the memory mode's garbage
+    # collections (and its CPU figures) heavier than in the runs it is compared with
+    from dist_quant.coordinator.job_host import connect_endpoint
+    from dist_quant.coordinator.transport_store import StoreServer
+
+    leaders = list(range(0, ranks, per_node))
+    nodes = [range(r, min(r + per_node, ranks)) for r in leaders]
+    # the commit step the coordinator will book (no switch before: the lead is its estimate),
+    # so that the acks can be sealed before the switch like the votes
+    lead_s = lead_time(ranks, None)
+    step = max(hold_step(LAST_STEP, _vote(r).step_s, lead_s, None) for r in range(ranks))
+    voted = _batched([_vote(r) for r in range(ranks)], per_node, summaries)
+    acked = _batched([Ack(1, r, step, True, "", "B") for r in range(ranks)], per_node, summaries)
+    votes, acks = dict(zip(leaders, voted, strict=True)), dict(zip(leaders, acked, strict=True))
+    server = StoreServer()
+    endpoint = {"transport": "store", "address": server.address, "token": TOKEN}
+    counts = {"messages": 0}
+    before = set(threading.enumerate())
+    coord = Coordinator(
+        _Counting(connect_endpoint(endpoint), counts),
+        token=TOKEN,
+        world_size=ranks,
+        tp_groups=[(r, r + 1) for r in range(0, ranks, 2)],
+        log=DecisionLog(Path(tempfile.mkdtemp(dir=tmp)) / "decisions.jsonl"),
+        relayed_nodes=nodes,
+    )
+    coord.start()
+    coordinator_threads = [t for t in threading.enumerate() if t not in before]
+    client = connect_endpoint(endpoint)
+    got: list[float] = []
+    voters_cpu: list[float] = []
+    voters = [
+        threading.Thread(
+            target=_voter,
+            args=(
+                connect_endpoint(endpoint),
+                leaders[i::VOTER_THREADS],
+                votes,
+                acks,
+                got,
+                voters_cpu,
+            ),
+            daemon=True,
+        )  # fmt: skip
+        for i in range(min(VOTER_THREADS, len(leaders)))
+    ]
+    # A training process that has imported torch holds a large heap: a full garbage collection
+    # then costs ~90 ms on this machine and lands on whichever thread allocates. The setup's
+    # objects (torch's, the pre-sealed messages) are frozen out of the collector, as a trainer
+    # that freezes after its setup does, so the figures are the switch's, not one collection's.
+    gc.collect()
+    gc.freeze()
+    try:
+        for t in voters:
+            t.start()
+        cpu0 = _thread_cpu_s(coordinator_threads)
+        t0 = time.perf_counter()
+        client.push(INBOX, seal(SwitchRequest("req", {"name": "B"}, None, 600.0), TOKEN))
+        replies = [unseal(client.pop(reply_queue("req"), 600.0), TOKEN) for _ in range(2)]
+        t_decided = time.perf_counter()
+        result = replies[1].body
+        if not result["committed"] or result["step"] != step:
+            raise RuntimeError(f"switch {result['summary']}, expected a commit at step {step}")
+        while coord.phase.value != "published":
+            if time.perf_counter() - t0 > 600.0:
+                raise TimeoutError(f"not every ack counted: {coord.phase.value}")
+            time.sleep(0.0005)
+        t_acked = time.perf_counter()
+        cpu = _thread_cpu_s(coordinator_threads) - cpu0
+        messages = counts["messages"]  # before the Stop that ends the coordinator
+        for t in voters:
+            t.join(60.0)
+    finally:
+        gc.unfreeze()
+        coord.stop()
+        client.close()
+        server.close()
+    return {
+        "ranks": ranks,
+        "per_node": per_node,
+        "nodes": len(leaders),
+        "summaries": summaries,
+        "transport": "store",
+        "decision_ms": (t_decided - t0) * 1e3,
+        "published_ms": (max(got) - t0) * 1e3,
+        "acked_ms": (t_acked - t0) * 1e3,
+        "coordinator_cpu_ms": cpu * 1e3,
+        "rank0_messages": messages,
+        "voters_cpu_ms": sum(voters_cpu) * 1e3,
+    }
+
+
+def projection(row: dict[str, Any]) -> list[str]:
+    """Request -> every rank published with the network added at the issue's cost: the path is
+    three hops across nodes (Prepare to the leaders, their votes up, the decision down) and three
+    in a node (the Prepare handed to the ranks, their votes to the leader, the decision handed
+    on). Two bounds: pipelined (each hop costs its latency once) and serialised at rank 0 (its
+    messages of those three rounds one after the other)."""
+    local, remote = COSTS_MS["in a node"], COSTS_MS["across nodes"]
+    hops = 3 * (remote + local)
+    serial = 3 * row["nodes"] * remote + 3 * row["per_node"] * local
+    base = row["published_ms"]
+    return [
+        f"  projected with {local} ms per message in a node, {remote} ms across nodes: "
+        f"pipelined {base + hops:.1f} ms, serialised at rank 0 {base + serial:.0f} ms",
+    ]
+
+
+LEFT_OUT = (
+    "left out: the ranks' own planning (instant here; bench/bench_switch.py measures plan_model) "
+    "and publishing (at their commit step's boundary, booked lead_s ahead of the votes), the "
+    "relays' work on their hosts (gathering, checking each rank's seal, summarizing, handing the "
+    "decision to each rank), and the network (one host, loopback: projected above)"
+)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", default="1024,4096,16384")
     ap.add_argument("--per-node", type=int, default=1, help="ranks per node relay (1: none)")
+    ap.add_argument("--store", action="store_true", help="latency over the real store transport")
     ap.add_argument("--json", action="store_true", help="one JSON object per line")
+    ap.add_argument(
+        "--no-summaries", action="store_true", help="relays send each rank's vote and ack"
+    )
     args = ap.parse_args()
+    if args.store and args.per_node < 2:
+        ap.error("--store scripts node relays: give --per-node 2 or more")
     with tempfile.TemporaryDirectory() as tmp:
         for n in (int(x) for x in args.ranks.split(",")):
-            row = one_switch(n, Path(tmp), args.per_node)
+            if args.store:
+                row = one_switch_store(n, Path(tmp), args.per_node, not args.no_summaries)
+                if args.json:
+                    print(json.dumps(row), flush=True)
+                    continue
+                print(
+                    f"{n:>6} ranks on {row['nodes']} nodes (store): request->decision "
+                    f"{row['decision_ms']:7.1f} ms, -> every node has it "
+                    f"{row['published_ms']:7.1f} ms, -> every ack counted {row['acked_ms']:7.1f}"
+                    f" ms; CPU: coordinator {row['coordinator_cpu_ms']:6.1f} ms, scripted "
+                    f"relays {row['voters_cpu_ms']:6.1f} ms; {row['rank0_messages']} messages "
+                    "at rank 0",
+                    flush=True,
+                )
+                print("\n".join(projection(row)), flush=True)
+                continue
+            row = one_switch(n, Path(tmp), args.per_node, not args.no_summaries)
             if args.json:
                 print(json.dumps(row), flush=True)
             else:
                 print(
                     f"{n:>6} ranks: request->decision {row['decision_ms']:9.1f} ms, "
                     f"acks {row['acks_ms']:8.1f} ms, CPU {row['cpu_ms']:9.1f} ms "
-                    f"({row['cpu_us_per_rank']:.1f} us/rank)",
+                    f"({row['cpu_us_per_rank']:.1f} us/rank, "
+                    f"{row['cpu_us_per_node']:.0f} us/node)",
                     flush=True,
                 )
+    if args.store and not args.json:
+        print(LEFT_OUT)
 
 
 if __name__ == "__main__":

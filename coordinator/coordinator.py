@@ -26,7 +26,9 @@ from dist_quant.coordinator.protocol import (
     BEAT_S,
     LEASE_S,
     Ack,
+    AckSummary,
     Alive,
+    AliveSummary,
     Bundle,
     CancelDecision,
     CancelRequest,
@@ -43,12 +45,14 @@ from dist_quant.coordinator.protocol import (
     Stop,
     SwitchRequest,
     Vote,
+    VoteSummary,
     lead_time,
     run_messages,
     settle_cancel,
     settle_decision,
 )
 from dist_quant.coordinator.switch_log import SwitchLog
+from dist_quant.coordinator.tally import RankValues
 from dist_quant.coordinator.transport import Transport, TransportError
 from dist_quant.coordinator.wire import (
     INBOX,
@@ -103,13 +107,13 @@ class Coordinator:
         self._latency_s: float | None = None  # request -> decision sent, last committed switch
         self._next_id = 1
         self._seen_requests: set[str] = set()
-        self._recipe_keys: dict[int, str] = {}
+        self._recipe_keys = RankValues()  # what each rank runs, by its hello and acks
         self._history: deque[dict[str, Any]] = deque(maxlen=_HISTORY)
         self._say = SwitchLog(None)
         self._threads: list[threading.Thread] = []
         self._status_due: list[str] = []  # status queries of the batch being taken in
         self._lease_s = lease_s
-        self._relays = {min(node): tuple(node) for node in relayed_nodes}
+        self._relays = {min(node): tuple(sorted(node)) for node in relayed_nodes}
         relayed = {r for node in relayed_nodes for r in node}
         self._direct = tuple(r for r in range(world_size) if r not in relayed)
         self._decided: dict[int, Decision] = {}  # switch id -> logged outcome, for queries
@@ -124,6 +128,9 @@ class Coordinator:
             Alive: self._on_alive,
             Hello: self._on_hello,
             CancelVote: self._on_cancel_vote,
+            VoteSummary: self._on_vote_summary,
+            AckSummary: self._on_ack_summary,
+            AliveSummary: self._on_alive_summary,
         }
 
     @property
@@ -459,7 +466,7 @@ class Coordinator:
     def _on_ack(self, msg: Ack) -> None:
         note = cs.take_ack(self._state, msg)
         if 0 <= msg.rank < self._world:
-            self._recipe_keys[msg.rank] = msg.recipe_key
+            self._recipe_keys.set(msg.rank, msg.recipe_key)
         if note:
             self._say.warning(note, **self._where(), step=msg.step)
 
@@ -467,7 +474,28 @@ class Coordinator:
         cs.take_alive(self._state, msg, now=time.monotonic())
 
     def _on_hello(self, msg: Hello) -> None:
-        self._recipe_keys[msg.rank] = msg.recipe_key
+        self._recipe_keys.set(msg.rank, msg.recipe_key)
+
+    # A node's relay summarizes a uniform run of its ranks' votes (acks) as one message, taken in
+    # as one range: the coordinator's work per switch is then O(nodes), not O(ranks).
+
+    def _on_vote_summary(self, msg: VoteSummary) -> None:
+        note = cs.take_vote_summary(self._state, msg, self._relays)
+        level = logging.WARNING if note.startswith("refused") else logging.DEBUG
+        if self._say.isEnabledFor(level):
+            self._say.log(level, note, **self._where())
+
+    def _on_alive_summary(self, msg: AliveSummary) -> None:
+        note = cs.take_alive_summary(self._state, msg, self._relays, now=time.monotonic())
+        if note:
+            self._say.warning(note, **self._where())
+
+    def _on_ack_summary(self, msg: AckSummary) -> None:
+        note = cs.take_ack_summary(self._state, msg, self._relays)
+        if note:
+            self._say.warning(note, **self._where(), step=msg.step)
+        if not cs.node_range_problem(msg, self._relays):  # as an ack, counted or late
+            self._recipe_keys.set_range(msg.first, msg.last, msg.recipe_key)
 
     def _on_bundle(self, bundle: Bundle) -> None:
         """A node leader's relay checked each message against the token, and the bundle is
@@ -517,7 +545,7 @@ class Coordinator:
             "waiting_for": cs.waiting_for(state),
             "world_size": self._world,
             "tp_groups": self._tp_groups,  # tuples: JSON writes them as the lists readers get
-            "recipe_keys": {str(r): k for r, k in sorted(self._recipe_keys.items())},
+            "recipe_keys": {str(r): k for r, k in self._recipe_keys.as_dict().items()},
             "decisions": list(self._history),
             "log": str(self._log.path),
         }

@@ -13,19 +13,24 @@ only place the state changes and checks every change against `protocol.TRANSITIO
 
 Votes and acks go into a `Tally` of the state that collects them. Taking a message in (`take_*`)
 adds to that tally and never changes the phase; the step functions only read tallies. A tally
-counts as it goes, so asking whether a round is complete is O(1) and a switch costs O(ranks).
+counts as it goes, so asking whether a round is complete is O(1); a node relay's summary of its
+ranks' votes (acks) goes in as one range, so a switch costs O(nodes) where nodes summarize, and
+O(ranks) at most.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import bisect
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar
 
 from dist_quant.coordinator.protocol import (
     TRANSITIONS,
     Ack,
+    AckSummary,
     Alive,
+    AliveSummary,
     CancelDecision,
     CancelPrepare,
     CancelRequest,
@@ -38,34 +43,12 @@ from dist_quant.coordinator.protocol import (
     SwitchRequest,
     SwitchResult,
     Vote,
+    VoteSummary,
     decide,
     decide_cancel,
     silent_ranks,
 )
-
-M = TypeVar("M", Vote, CancelVote, Ack)
-
-
-class Tally(Generic[M]):
-    """The first message of each rank in one round (votes, cancel votes or acks), counted as they
-    arrive. Append-only: the only mutable part of a state, written by `take_*` alone."""
-
-    def __init__(self, world_size: int) -> None:
-        self.world_size = world_size
-        self.by_rank: dict[int, M] = {}
-
-    def add(self, rank: int, msg: M) -> str:
-        """Keep `msg` unless the rank is unknown or already counted; "" when kept, else why not."""
-        if not 0 <= rank < self.world_size:
-            return f"unknown rank {rank}"
-        if rank in self.by_rank:
-            return f"repeated message of rank {rank}"
-        self.by_rank[rank] = msg
-        return ""
-
-    @property
-    def complete(self) -> bool:
-        return len(self.by_rank) == self.world_size
+from dist_quant.coordinator.tally import Tally
 
 
 # ---- states with their payload --------------------------------------------------------------
@@ -290,11 +273,80 @@ def take_vote(state: State, vote: Vote) -> str:
     return f"rank {vote.rank} votes {'yes' if vote.yes else 'no'}"
 
 
+def take_vote_summary(
+    state: State, summary: VoteSummary, nodes: Mapping[int, Sequence[int]]
+) -> str:
+    """Count a node's summarized YES votes of the open round as one range; the log line saying
+    what became of it. `nodes`: each relayed node's ranks (sorted) by its leader. A summary that
+    is not for ranks of its leader's node, or that overlaps a rank already counted, is refused
+    whole, naming why: nothing of it is counted."""
+    what = f"vote summary of node {summary.leader} (ranks {summary.first}-{summary.last})"
+    if not isinstance(state, Preparing) or summary.switch_id != state.opened.prepare.switch_id:
+        return f"ignored the {what}: stale or too late"
+    problem = node_range_problem(summary, nodes)
+    if problem:
+        return f"refused the {what}: {problem}"
+    refused = state.votes.add_range(summary.first, summary.last, summary)
+    if refused:
+        return f"refused the {what}: {refused}"
+    return f"ranks {summary.first}-{summary.last} vote yes"
+
+
+def take_ack_summary(state: State, summary: AckSummary, nodes: Mapping[int, Sequence[int]]) -> str:
+    """Count a node's summarized acks (every one ok) of the committed switch as one range; as
+    `take_ack`, acks of a switch that is over change nothing. Refused whole as a vote summary
+    is."""
+    committed = state.committed if isinstance(state, Cancelling) else state
+    if not isinstance(committed, Committed) or summary.switch_id != committed.settled.switch_id:
+        return ""
+    what = f"ack summary of node {summary.leader} (ranks {summary.first}-{summary.last})"
+    problem = node_range_problem(summary, nodes)
+    if problem:
+        return f"refused the {what}: {problem}"
+    refused = committed.acks.add_range(summary.first, summary.last, summary)
+    return f"refused the {what}: {refused}" if refused else ""
+
+
+def node_range_problem(
+    summary: VoteSummary | AckSummary | AliveSummary, nodes: Mapping[int, Sequence[int]]
+) -> str:
+    """Why `summary` cannot stand for its ranks ("" if it can): its leader runs no relay, or
+    `first`..`last` are not consecutive ranks of that leader's node. O(log node size)."""
+    ranks = nodes.get(summary.leader)
+    if ranks is None:
+        return f"rank {summary.leader} leads no relayed node"
+    first, last = summary.first, summary.last
+    if first > last:
+        return f"first rank {first} is after last rank {last}"
+    # sorted distinct ranks: first and last at positions last - first apart means every rank
+    # between them is there too
+    i = bisect.bisect_left(ranks, first)
+    j = i + last - first
+    if not (i < len(ranks) and ranks[i] == first and j < len(ranks) and ranks[j] == last):
+        return f"not ranks of its node ({describe_ranks(ranks, (ranks,))})"
+    return ""
+
+
 def take_alive(state: State, alive: Alive, *, now: float) -> None:
     """Note that a rank still planning the open switch is alive."""
     if isinstance(state, Preparing) and alive.switch_id == state.opened.prepare.switch_id:
         if 0 <= alive.rank < state.votes.world_size:
             state.lease.heard[alive.rank] = now
+
+
+def take_alive_summary(
+    state: State, summary: AliveSummary, nodes: Mapping[int, Sequence[int]], *, now: float
+) -> str:
+    """Note that a node's ranks `first`..`last`, still planning the open switch, are alive; ""
+    or why the summary was refused (as a vote summary is, for its ranks)."""
+    if not isinstance(state, Preparing) or summary.switch_id != state.opened.prepare.switch_id:
+        return ""
+    problem = node_range_problem(summary, nodes)
+    if problem:
+        what = f"alive summary of node {summary.leader} (ranks {summary.first}-{summary.last})"
+        return f"refused the {what}: {problem}"
+    state.lease.heard.update(dict.fromkeys(range(summary.first, summary.last + 1), now))
+    return ""
 
 
 def take_cancel_vote(state: State, vote: CancelVote) -> str:
@@ -327,8 +379,7 @@ def on_tally(state: State, *, now: float, drained_to: float, tp_groups: Any) -> 
         passed = drained_to >= state.opened.deadline
         if not (passed or state.votes.complete):
             return Step(state)
-        ranks = range(state.votes.world_size)
-        decision = decide(state.opened.prepare, state.votes.by_rank, ranks, tp_groups, passed)
+        decision = decide(state.opened.prepare, state.votes, tp_groups, passed)
         return Step(Deciding(state.opened, state.votes, decision, now))
     if isinstance(state, Committed) and state.acks.complete:
         return Step(Published(state.settled))
@@ -351,7 +402,7 @@ def on_drained(
         return Step(state)
     lease = state.lease
     silent = silent_ranks(
-        state.votes.by_rank, lease.heard, state.votes.world_size,
+        state.votes.missing(), lease.heard,
         since=lease.since, drained_to=drained_to, lease_s=lease_s,
     )  # fmt: skip
     if not silent:
@@ -395,7 +446,7 @@ def waiting_for(state: State) -> list[int]:
         tally = state.votes
     else:
         return []
-    return [r for r in range(tally.world_size) if r not in tally.by_rank]
+    return tally.missing()
 
 
 def cancel_outcome(state: Cancelling, *, drained_to: float) -> CancelDecision | None:
@@ -430,6 +481,7 @@ def on_cancel_logged(state: Cancelling, outcome: CancelDecision) -> Step:
 def result_of(settled: Settled) -> SwitchResult:
     d = settled.decision
     votes_s = settled.decided_at - settled.opened.opened_at
+    ranges = sorted(settled.votes.ranges, key=lambda entry: entry[0])
     return SwitchResult(
         switch_id=d.switch_id,
         committed=d.commit,
@@ -438,6 +490,7 @@ def result_of(settled: Settled) -> SwitchResult:
         timings={"votes_s": votes_s, "log_s": settled.log_s, "total_s": votes_s + settled.log_s},
         prepare_s={r: v.prepare_s for r, v in sorted(settled.votes.by_rank.items())},
         summary=d.summary,
+        prepare_s_ranges={f"{first}-{last}": s.prepare_s for first, last, s in ranges},
     )
 
 

@@ -8,10 +8,18 @@ store the leader serves for its node, `node_store.py`; on rank 0's host, the job
 `up` pops `node/<leader>` from the node's store, gathers the node's messages, checks each against
 the token and pushes them to the coordinator's inbox as one Bundle: votes and acks of a switch wait
 (at most `GATHER_S`) until every rank of the node has sent its own, so a node's round costs rank 0
-one message, not one per rank; anything else (`Alive`, hellos, cancel votes) goes at once, with
+one message, not one per rank, and so do the signs of life (`Alive`) of a node's ranks that are
+still planning, beat by beat; anything else (hellos, cancel votes) goes at once, with
 whatever is held; `down` pops `node/<leader>/down` from rank 0's store and pushes each message,
 unchanged, to every rank's queue in the node's store. Rank 0 then reads and writes O(nodes)
 messages per switch, not O(ranks), and (with node stores) holds one connection per node.
+
+A bundle's uniform runs of votes (acks, signs of life) go up summarized (`summarized`):
+consecutive ranks of the node that all voted YES on one switch with one digest after one last
+step (all acked ok at one step with one recipe; all said they are alive planning one switch)
+become one `VoteSummary` (`AckSummary`, `AliveSummary`) carrying what the coordinator uses of
+them, so it takes a node in as one range and a switch costs it O(nodes). Whatever is not uniform
+(a NO, another digest or step, a failed ack) goes one by one as before.
 
 The relay decides nothing, so the protocol's rules hold unchanged. A leader that dies before the
 COMMIT is logged takes its node's votes and `Alive`s with it: the coordinator finds those ranks
@@ -23,6 +31,7 @@ the ABORT.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Sequence
@@ -30,12 +39,16 @@ from collections.abc import Sequence
 from dist_quant.coordinator.faults import Fault, inject
 from dist_quant.coordinator.protocol import (
     Ack,
+    AckSummary,
+    Alive,
+    AliveSummary,
     Bundle,
     Decision,
     Message,
     ProtocolError,
     Stop,
     Vote,
+    VoteSummary,
 )
 from dist_quant.coordinator.switch_log import SwitchLog
 from dist_quant.coordinator.transport import Transport, TransportError
@@ -54,7 +67,8 @@ MAX_BUNDLE = 4096  # messages per Bundle; a node holds far fewer ranks
 # model at the same step, so they answer within milliseconds of each other; a rank that does not
 # (slow, dead) delays its node's others by this much, far inside the coordinator's 2 s lease
 GATHER_S = 0.02
-_GATHERED = (Vote, Ack)  # one per rank per switch: the rounds worth gathering
+# one per rank per switch (a sign of life: per rank per beat): the rounds worth gathering
+_GATHERED = (Vote, Ack, Alive)
 
 
 def relayed_nodes(hosts: Sequence[str]) -> tuple[tuple[int, ...], ...]:
@@ -147,7 +161,8 @@ class NodeRelay:
                         held.add(msg, time.monotonic())
                 if held.items and (stopping or held.due(time.monotonic())):
                     items = held.take()
-                    self._up_out.push(INBOX, seal(Bundle.of(self.leader, items), self._token))
+                    bundle = Bundle.of(self.leader, summarized(self.leader, self.ranks, items))
+                    self._up_out.push(INBOX, seal(bundle, self._token))
                 if stopping:
                     self._closed(self._up_in)
                     return
@@ -189,11 +204,91 @@ class NodeRelay:
             pass  # the store is gone: nobody waits for this
 
 
+def summarized(leader: int, node: Sequence[int], messages: Sequence[Message]) -> list[Message]:
+    """`messages` with every run of two or more consecutive ranks of `node` whose votes (acks,
+    signs of life) agree replaced by one summary. Votes agree when they are YES on one switch
+    with one digest, the same part digests and the same last step, with no reason; acks when
+    they are ok on one switch at one step with one recipe key and no error; `Alive`s when they
+    are for one switch. A summary takes the place of its run's last message: the coordinator
+    takes a whole bundle in before its phase moves on, and what a rank sends in one round (a
+    sign of life that crossed its vote) does not depend on the order. A rank with two messages in one group, or outside the node, is never
+    summarized. The relay only restates what each rank sent: it decides nothing."""
+    members = frozenset(node)
+    groups: dict[tuple, dict[int, int]] = {}  # agreement key -> rank -> its message's position
+    twice: set[tuple] = set()
+    for i, m in enumerate(messages):
+        key = _agreement(m)
+        if key is None or m.rank not in members:
+            continue
+        at = groups.setdefault(key, {})
+        if m.rank in at:
+            twice.add((key, m.rank))
+        at[m.rank] = i
+    placed: dict[int, list[Message]] = {}  # position -> the summaries that take it
+    gone: set[int] = set()
+    for key, at in groups.items():
+        ranks = sorted(r for r in at if (key, r) not in twice)
+        for run in _consecutive(ranks):
+            if len(run) < 2:
+                continue
+            positions = [at[r] for r in run]
+            gone.update(positions)
+            summary = _summary(leader, [messages[i] for i in sorted(positions)], run[0], run[-1])
+            placed.setdefault(max(positions), []).append(summary)
+    out: list[Message] = []
+    for i, m in enumerate(messages):
+        out.extend(placed.get(i, ()))
+        if i not in gone:
+            out.append(m)
+    return out
+
+
+def _agreement(m: Message) -> tuple | None:
+    """What a vote (ack) must share with the others of a run to be summarized with them; None
+    for a message that is never summarized."""
+    if isinstance(m, Vote) and m.yes and not m.reason and type(m.last_step) is int:
+        parts = json.dumps(m.part_digests, sort_keys=True)
+        return ("vote", m.switch_id, m.digest, parts, m.last_step)
+    if isinstance(m, Ack) and m.ok and not m.error:
+        return ("ack", m.switch_id, m.step, m.recipe_key)
+    if isinstance(m, Alive):
+        return ("alive", m.switch_id)
+    return None
+
+
+def _consecutive(ranks: list[int]) -> list[list[int]]:
+    """Sorted distinct ranks as runs of consecutive ranks."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and runs[-1][-1] == r - 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    return runs
+
+
+def _summary(leader: int, run: list[Message], first: int, last: int) -> Message:
+    """The summary of `run` (votes or acks that agree) for ranks `first`..`last`."""
+    m = run[0]
+    if isinstance(m, Ack):
+        return AckSummary(m.switch_id, leader, first, last, m.step, m.recipe_key)
+    if isinstance(m, Alive):
+        return AliveSummary(m.switch_id, leader, first, last)
+    # the latest hold step of equal last steps comes from the shortest step time measured
+    measured = [v.step_s for v in run if v.step_s > 0]
+    return VoteSummary(
+        m.switch_id, leader, first, last, m.digest, dict(m.part_digests), m.last_step,
+        min(measured, default=0.0), max(v.prepare_s for v in run),
+    )  # fmt: skip
+
+
 class _Gather:
     """The messages a relay holds for its next Bundle, and when it must send them: at once for
-    anything but a vote or ack; for those, once every rank of the node has sent its own for the
-    switch (of each kind held), or `GATHER_S` after the first of them arrived, or when the
-    bundle is full."""
+    anything but a vote, ack or sign of life; for those, once every rank of the node has sent
+    its own for the switch (of each kind held), or `GATHER_S` after the first of them arrived,
+    or when the bundle is full. (A node's ranks get the Prepare together and beat every `BEAT_S`
+    from then, so their signs of life go as one bundle per beat; a rank that already voted no
+    longer beats, and the others' wait `GATHER_S`, far inside the coordinator's lease.)"""
 
     def __init__(self, ranks: Sequence[int]) -> None:
         self._node = frozenset(ranks)

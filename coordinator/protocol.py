@@ -28,6 +28,7 @@ Cancelling a committed switch before its step (a second vote over the same ranks
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections import Counter
@@ -43,6 +44,7 @@ from dist_quant.coordinator.schema import (
     fields_of,
     run_of,
 )
+from dist_quant.coordinator.tally import Tally
 
 
 class Phase(Enum):
@@ -262,6 +264,56 @@ class Bundle(Message):
 
 
 @dataclass(frozen=True)
+class VoteSummary(Message):
+    """Node leader -> coordinator, in a `Bundle`: ranks `first`..`last` of its node (consecutive)
+    each voted YES on `switch_id` with the same digest (and part digests) after the same last
+    step, each vote checked against the token by the leader. It carries what the coordinator
+    uses of those votes, reduced the way each use needs: the commit step is the largest hold
+    step, which for one last step comes from the shortest step time measured (`step_s`: the
+    smallest positive one, 0 if none was); the client is told the slowest plan (`prepare_s`).
+    The coordinator takes it in as one item (`Tally.add_range`)."""
+
+    kind: ClassVar[str] = "vote_summary"
+    switch_id: int
+    leader: int
+    first: int
+    last: int
+    digest: str
+    part_digests: dict[str, str]
+    last_step: int
+    step_s: float
+    prepare_s: float
+
+
+@dataclass(frozen=True)
+class AckSummary(Message):
+    """Node leader -> coordinator, in a `Bundle`: ranks `first`..`last` of its node (consecutive)
+    each published `switch_id` at `step` (ok, no error) and now run `recipe_key`."""
+
+    kind: ClassVar[str] = "ack_summary"
+    switch_id: int
+    leader: int
+    first: int
+    last: int
+    step: int
+    recipe_key: str
+
+
+@dataclass(frozen=True)
+class AliveSummary(Message):
+    """Node leader -> coordinator, in a `Bundle`: ranks `first`..`last` of its node (consecutive)
+    each said they are alive while planning `switch_id` (`Alive`) since the leader's last
+    bundle: while a node plans, its signs of life cost rank 0 one message per beat, not one per
+    rank."""
+
+    kind: ClassVar[str] = "alive_summary"
+    switch_id: int
+    leader: int
+    first: int
+    last: int
+
+
+@dataclass(frozen=True)
 class DecisionQuery(Message):
     """Rank -> coordinator, straight (not through its node leader): the rank reached its hold
     step without the decision of `switch_id`; the coordinator sends it again if it is logged."""
@@ -357,36 +409,47 @@ def run_messages(run: Mapping[str, Any]) -> list[Message]:
 
 def decide(
     prepare: Prepare,
-    votes: Mapping[int, Vote],
-    expected_ranks: Sequence[int],
+    votes: Tally[Vote],
     tp_groups: Sequence[Sequence[int]],
     deadline_passed: bool,
 ) -> Decision | None:
-    """The outcome of one switch from the votes so far; None while it is still open.
+    """The outcome of one switch from the votes so far (every rank of the tally's world is
+    expected); None while it is still open.
 
     The switch stays open until every expected rank voted or the deadline passed. It commits only
     if every expected rank voted YES, digests agree within each tensor-parallel group, and (with a
-    requested `at_step`) no rank has already passed that step. Votes from ranks that are not
-    expected are ignored. The commit step is the requested one, else the largest `hold_step` of
-    the votes (each rank's last step, plus the steps that fit in `prepare.lead_s` at its rate):
-    no rank passes its hold step undecided, so every rank can still reach the commit step.
+    requested `at_step`) no rank has already passed that step. The commit step is the requested
+    one, else the largest `hold_step` of the votes (each rank's last step, plus the steps that fit
+    in `prepare.lead_s` at its rate): no rank passes its hold step undecided, so every rank can
+    still reach the commit step. A node's `VoteSummary` stands for its ranks' YES votes: its
+    last step and shortest step time give the largest hold step of those ranks exactly. A commit
+    costs O(votes taken in one by one + summaries); ranks are listed one by one only to abort.
     """
-    missing = [r for r in expected_ranks if r not in votes]
+    missing = votes.missing()
     if missing and not deadline_passed:
         return None
     reasons: dict[int, str] = {
         r: f"no vote before the deadline ({prepare.timeout_s:g} s)" for r in missing
     }
-    for r in expected_ranks:
-        vote = votes.get(r)
-        if vote is not None and not vote.yes:
+    for r, vote in votes.by_rank.items():
+        if not vote.yes:
             reasons[r] = vote.reason or "voted no"
-    for group in tp_groups:
-        reasons.update(_digest_mismatches(group, votes, reasons))
-    yes_steps = {r: votes[r].last_step for r in expected_ranks if r in votes and r not in reasons}
+    summaries: list[VoteSummary] = [s for _, _, s in votes.ranges]
+    yes = {r: v for r, v in votes.by_rank.items() if r not in reasons}
+    if len({v.digest for v in yes.values()} | {s.digest for s in summaries}) > 1:
+        # digests differ somewhere: each TP group is looked at, rank by rank
+        digest_of: dict[int, Vote | VoteSummary] = dict(yes)
+        for s in summaries:
+            digest_of.update(dict.fromkeys(range(s.first, s.last + 1), s))
+        for group in tp_groups:
+            reasons.update(_digest_mismatches(group, digest_of, reasons))
     if prepare.at_step is not None:
-        for r, last in yes_steps.items():
-            if last is not None and last >= prepare.at_step:
+        passed_at = [(r, v.last_step) for r, v in yes.items()]
+        for s in summaries:
+            if s.last_step >= prepare.at_step:
+                passed_at += [(r, s.last_step) for r in range(s.first, s.last + 1)]
+        for r, last in passed_at:
+            if r not in reasons and last is not None and last >= prepare.at_step:
                 reasons[r] = (
                     f"already passed step {last}, at or after the requested step {prepare.at_step}"
                 )
@@ -397,7 +460,8 @@ def decide(
         step = prepare.at_step
     else:
         step = max(
-            hold_step(votes[r].last_step, votes[r].step_s, prepare.lead_s, None) for r in yes_steps
+            hold_step(v.last_step, v.step_s, prepare.lead_s, None)
+            for v in itertools.chain(yes.values(), summaries)
         )
     return Decision(prepare.switch_id, True, step, {}, f"commit at step {step}")
 
@@ -407,17 +471,17 @@ LEASE_S = 2.0  # a rank silent this long while a vote is due is dead, stopped or
 
 
 def silent_ranks(
-    voted: Mapping[int, Any], heard: Mapping[int, float], world_size: int, *, since: float,
-    drained_to: float, lease_s: float,
+    owing: Sequence[int], heard: Mapping[int, float], *, since: float, drained_to: float,
+    lease_s: float,
 ) -> list[int]:  # fmt: skip
-    """Ranks that owe a vote and were heard from (vote, `Alive`; else since the Prepare went out
+    """The ranks of `owing` (those that owe a vote) heard from (vote, `Alive`; else since the Prepare went out
     at `since`) no later than `lease_s` before `drained_to`, the time up to which every message
     pushed to the coordinator has been read: so a message waiting in the queue never makes a live
     rank look silent."""
     cutoff = drained_to - lease_s
     if since > cutoff:
         return []
-    return [r for r in range(world_size) if r not in voted and heard.get(r, since) <= cutoff]
+    return [r for r in owing if heard.get(r, since) <= cutoff]
 
 
 MIN_LEAD_S = 0.05  # the commit step is booked at least this far ahead of the votes
@@ -452,7 +516,7 @@ def hold_step(last_step: int, step_s: float, lead_s: float, at_step: int | None)
 
 
 def _digest_mismatches(
-    group: Sequence[int], votes: Mapping[int, Vote], reasons: Mapping[int, str]
+    group: Sequence[int], votes: Mapping[int, Vote | VoteSummary], reasons: Mapping[int, str]
 ) -> dict[int, str]:
     """Ranks of a TP group whose YES digest differs from the group's strict majority, each with
     the plan parts (policy rules) that answer it differently."""
@@ -476,7 +540,7 @@ def _digest_mismatches(
     }
 
 
-def _differing_parts(votes: Sequence[Vote]) -> str:
+def _differing_parts(votes: Sequence[Vote | VoteSummary]) -> str:
     """The named parts (policy rules) whose digests are not the same in all of `votes`."""
     names = sorted({name for v in votes for name in v.part_digests})
     differ = [n for n in names if len({v.part_digests.get(n) for v in votes}) > 1]
@@ -589,6 +653,9 @@ class SwitchResult:
     timings: dict[str, float]  # "votes_s" (open -> decided), "log_s" (fsync), "total_s"
     prepare_s: dict[int, float] = field(default_factory=dict)  # rank -> its plan + validate time
     summary: str = ""  # one line: "commit at step 12", or why it aborted
+    # "first-last" -> the slowest plan + validate time of those ranks, for the ranks whose node's
+    # relay summarized their votes (`VoteSummary`); the others are in `prepare_s`
+    prepare_s_ranges: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return fields_of(self)

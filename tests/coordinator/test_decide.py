@@ -2,6 +2,7 @@
 
 import pytest
 from dist_quant.coordinator.protocol import Prepare, Vote, decide, hold_step, lead_time
+from dist_quant.coordinator.tally import Tally
 
 RANKS = (0, 1, 2, 3)
 TP = ((0, 1), (2, 3))
@@ -17,6 +18,14 @@ def no(rank, reason="boom"):
 
 def votes(*vs):
     return {v.rank: v for v in vs}
+
+
+def tally(by_rank, expected):
+    """The votes as the coordinator counts them, for ranks 0..len(expected)-1."""
+    t = Tally(len(expected))
+    for rank, vote in by_rank.items():
+        t.add(rank, vote)
+    return t
 
 
 # (name, votes, at_step, deadline_passed, expected): expected is None (still open),
@@ -101,7 +110,7 @@ CASES = [
 
 @pytest.mark.parametrize("name,vs,at_step,passed,expected", CASES, ids=[c[0] for c in CASES])
 def test_decide_table(name, vs, at_step, passed, expected):
-    d = decide(Prepare(7, {"name": "B"}, at_step, 2.5), vs, RANKS, TP, passed)
+    d = decide(Prepare(7, {"name": "B"}, at_step, 2.5), tally(vs, RANKS), TP, passed)
     if expected is None:
         assert d is None
         return
@@ -120,7 +129,7 @@ def test_decide_table(name, vs, at_step, passed, expected):
 def test_majority_digest_names_only_the_odd_rank():
     groups = ((0, 1, 2),)
     vs = votes(yes(0, 4, "good"), yes(1, 4, "good"), yes(2, 4, "odd"))
-    d = decide(Prepare(7, "b", None, 1.0), vs, (0, 1, 2), groups, False)
+    d = decide(Prepare(7, "b", None, 1.0), tally(vs, (0, 1, 2)), groups, False)
     assert d.commit is False
     assert list(d.reasons) == [2]
     assert "differs from TP group [0, 1, 2] majority good" in d.reasons[2]
@@ -138,7 +147,7 @@ def test_a_digest_mismatch_names_the_policy_rules_that_answer_the_ranks_differen
         ruled(3, "x", {"default": "d0", "edges": "e1", "attention": "a0"}),
         ruled(4, "y", {"default": "d0", "edges": "e0", "attention": "a0"}),
     )
-    d = decide(Prepare(7, "b", None, 1.0), vs, range(5), ((0, 1, 2), (3, 4)), False)
+    d = decide(Prepare(7, "b", None, 1.0), tally(vs, range(5)), ((0, 1, 2), (3, 4)), False)
     assert d.commit is False
     assert d.reasons[2].endswith("; the rules answering differently: 'attention'")
     assert "majority good" in d.reasons[2] and 0 not in d.reasons
@@ -149,7 +158,7 @@ def test_a_digest_mismatch_names_the_policy_rules_that_answer_the_ranks_differen
 def test_rank_that_voted_no_does_not_count_toward_its_group_majority():
     groups = ((0, 1, 2),)
     vs = votes(yes(0, 4, "good"), no(1), yes(2, 4, "good"))
-    d = decide(Prepare(7, "b", None, 1.0), vs, (0, 1, 2), groups, False)
+    d = decide(Prepare(7, "b", None, 1.0), tally(vs, (0, 1, 2)), groups, False)
     assert d.reasons == {1: "boom"}
 
 
@@ -194,7 +203,7 @@ LEAD_CASES = [
     "vs, lead_s, at_step, step", [c[1:] for c in LEAD_CASES], ids=[c[0] for c in LEAD_CASES]
 )
 def test_the_commit_step_is_booked_lead_seconds_ahead_of_every_vote(vs, lead_s, at_step, step):
-    d = decide(Prepare(7, "b", at_step, 2.5, lead_s), votes(*vs), RANKS, TP, False)
+    d = decide(Prepare(7, "b", at_step, 2.5, lead_s), tally(votes(*vs), RANKS), TP, False)
     assert (d.commit, d.step) == (True, step)
     for v in vs:  # no rank is held beyond the commit step: it can always still reach it
         assert hold_step(v.last_step, v.step_s, lead_s, at_step) <= step

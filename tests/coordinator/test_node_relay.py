@@ -14,7 +14,7 @@ from dist_quant.coordinator.coordinator import Coordinator
 from dist_quant.coordinator.decision_log import DecisionLog
 from dist_quant.coordinator.node_relay import GATHER_S, NodeRelay, relayed_nodes
 from dist_quant.coordinator.participant import Participant
-from dist_quant.coordinator.protocol import Alive, Vote, run_messages
+from dist_quant.coordinator.protocol import Alive, Hello, Vote, run_messages
 from dist_quant.coordinator.transport_memory import MemoryHub, MemoryTransport
 from dist_quant.coordinator.wire import INBOX, node_queue, seal, unseal
 from switch_harness import FAKE_HOOKS, FakeModel, wait_for
@@ -179,7 +179,8 @@ def test_relayed_nodes_are_hosts_with_two_ranks_or_more_in_a_job_across_hosts():
 
 def relay_bundles(pushes_before_start, pushes_after_start=(), quiet_s=0.2):
     """Start a relay for node (0, 1, 2), push the messages, return the Bundles it sent (each a
-    list of (kind, rank)) once the inbox has been quiet for `quiet_s`."""
+    list of (kind, rank), or of (kind, (first, last)) for a summary) once the inbox has been
+    quiet for `quiet_s`."""
     hub = MemoryHub()
     transport = MemoryTransport(hub)
     for msg in pushes_before_start:
@@ -190,7 +191,10 @@ def relay_bundles(pushes_before_start, pushes_after_start=(), quiet_s=0.2):
     bundles = []
     while (data := transport.pop(INBOX, quiet_s)) is not None:
         bundle = unseal(data, TOKEN)
-        bundles.append([(m.kind, m.rank) for run in bundle.runs for m in run_messages(run)])
+        messages = [m for run in bundle.runs for m in run_messages(run)]
+        bundles.append(
+            [(m.kind, m.rank if hasattr(m, "rank") else (m.first, m.last)) for m in messages]
+        )
     relay.stop()
     hub.close()
     return bundles
@@ -209,14 +213,19 @@ def long_gather(monkeypatch):
 def test_a_nodes_votes_of_a_switch_go_as_one_bundle_once_the_last_arrives(long_gather):
     votes = [vote(r) for r in (2, 0, 1)]
     got = relay_bundles(votes[:1], votes[1:], quiet_s=5.0)
-    assert got == [[("vote", 2), ("vote", 0), ("vote", 1)]]
+    assert got == [[("vote_summary", (0, 2))]]  # the node agrees: one summary
 
 
-def test_a_sign_of_life_goes_at_once_with_whatever_is_held(long_gather):
-    assert relay_bundles([vote(0), Alive(7, 1)], quiet_s=5.0) == [[("vote", 0), ("alive", 1)]]
+def test_a_hello_goes_at_once_with_whatever_is_held(long_gather):
+    assert relay_bundles([vote(0), Hello(1, "k")], quiet_s=5.0) == [[("vote", 0), ("hello", 1)]]
+
+
+def test_a_nodes_signs_of_life_go_as_one_summary_once_each_planning_rank_beat(long_gather):
+    beats = [Alive(7, r) for r in (1, 0, 2)]
+    assert relay_bundles(beats[:1], beats[1:], quiet_s=5.0) == [[("alive_summary", (0, 2))]]
 
 
 def test_a_rank_that_does_not_vote_holds_its_nodes_votes_only_for_the_gather_window():
     assert relay_bundles([], [vote(0), vote(1)], quiet_s=10 * GATHER_S) == [
-        [("vote", 0), ("vote", 1)]
+        [("vote_summary", (0, 1))]
     ]

@@ -1,0 +1,35 @@
+"""bench/bench_coordinator_cpu.py at a few nodes, so the coordinator benchmark cannot rot: both
+modes commit a switch of relayed nodes, and the store mode's rank 0 moves one message per node
+per round (Prepare, votes, decision, acks) plus the client's three, summaries or not."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "bench_coordinator_cpu.py"
+
+
+def run_bench(*args: str) -> list[dict]:
+    out = subprocess.run(
+        [sys.executable, str(BENCH), "--json", "--ranks", "64", "--per-node", "8", *args],
+        capture_output=True, text=True, timeout=240, check=True,
+    )  # fmt: skip
+    return [json.loads(line) for line in out.stdout.splitlines()]
+
+
+@pytest.mark.parametrize("summaries", [True, False])
+def test_the_store_mode_moves_four_messages_per_node_at_rank_0(summaries):
+    (row,) = run_bench("--store", *(() if summaries else ("--no-summaries",)))
+    assert (row["ranks"], row["nodes"], row["summaries"]) == (64, 8, summaries)
+    assert row["rank0_messages"] == 4 * 8 + 3  # request, "accepted", result
+    assert 0 < row["decision_ms"] <= row["acked_ms"] and 0 < row["published_ms"] <= row["acked_ms"]
+    assert row["coordinator_cpu_ms"] > 0 and row["voters_cpu_ms"] > 0
+
+
+def test_the_memory_mode_reports_cpu_per_rank_and_per_node():
+    (row,) = run_bench()
+    assert row["cpu_us_per_node"] == pytest.approx(row["cpu_us_per_rank"] * 8)
+    assert row["cpu_ms"] > 0 and row["summaries"] is True
