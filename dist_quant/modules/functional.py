@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from dist_quant.forward import enrol_backward_from
 from dist_quant.gemm import gemm, per_tensor_gemm
+from dist_quant.kernels import swiglu, swiglu_backward
 from dist_quant.kinds import ParallelMode, PassMode
 from dist_quant.parallel import (
     TPLayout,
@@ -106,6 +107,22 @@ def fake_quantize(q: Quantizer | None, t: torch.Tensor) -> torch.Tensor:
         return Float8Tensor(cast.data, cast.scale_inv, dtype=t.dtype).dequantize(t.dtype)
     q.set_usage(rowwise=True, columnwise=False)
     return q.quantize(t).dequantize(t.dtype)
+
+
+class SwiGLU(torch.autograd.Function):
+    """``silu(gate) * up`` of ``h = [gate, up]`` and its gradient, one kernel each way
+    (``kernels/swiglu.py``: the bits of eager torch's ops on the halves, without their strided
+    passes and the gradients' concat); keeps ``h`` for the backward, not the silu it recomputes."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(h)
+        return swiglu(h)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> torch.Tensor:
+        (h,) = ctx.saved_tensors
+        return swiglu_backward(dy, h)
 
 
 class _QuantizedLinear(torch.autograd.Function):
@@ -294,11 +311,16 @@ def quantized_linear(
     fp8_output: bool = False,
     fp8_grad_input: bool = False,
     tp: TPLayout | None = None,
+    swiglu_input: bool = False,
 ) -> torch.Tensor:
     """`x @ weight.T + bias` with the operands quantized by `slots` (weight pre-quantized).
 
     With `tp` the GEMM is one rank's part of a tensor-parallel GEMM (`weight` is the shard) and runs
     the collectives of its layout; the slots' quantizers must come from `tp.shard_quantizers`.
+
+    With `swiglu_input`, `x` is `h = [gate, up]` and the GEMM's input is `swiglu(h)`: on the
+    per-tensor path the input cast reads `h` (`cast_swiglu`), so the activation is never written in
+    high precision; on any other path `SwiGLU` computes it first. The same bits either way.
     """
     if tp is not None and tp.sequence_parallel:
         check_sequence_shardable(x, tp)
@@ -308,7 +330,9 @@ def quantized_linear(
         and not (fp8_output or fp8_grad_input)
         and type(weight_q) is Float8Tensor
     ):
-        return _PerTensorLinear.apply(x, weight, bias, slots, weight_q)
+        return _PerTensorLinear.apply(x, weight, bias, slots, weight_q, swiglu_input)
+    if swiglu_input:
+        x = SwiGLU.apply(x)
     # The usage flags are set here, not in the autograd.Function, where torch.compile refuses a
     # mutation (it traces the backward with the forward); the backward's own set_usage then
     # stores nothing, its needs being the inputs' requires_grad.
@@ -336,7 +360,12 @@ class _PerTensorLinear(torch.autograd.Function):
     no FP8 boundary, with the host time cut: the casts hand over their bytes and scale inverses
     (`Quantizer.cast`) and the GEMMs take them (`per_tensor_gemm`), with no containers, operands
     or layouts built in between. The same casts and GEMMs on the same operands as the general
-    path, hence the same bits; saved tensors are the FP8 bytes, as there."""
+    path, hence the same bits; saved tensors are the FP8 bytes, as there.
+
+    With `swiglu`, `x` is `h = [gate, up]` (LayerNormMLP's fc1 output) and the input cast is
+    `cast_swiglu(h)`: the bytes of casting `swiglu(h)`, which is never written in high precision;
+    `h` is saved and the backward turns the GEMM's input gradient into `h`'s (`swiglu_backward`),
+    as `SwiGLU` would after the unfused GEMM."""
 
     @staticmethod
     def forward(
@@ -346,12 +375,17 @@ class _PerTensorLinear(torch.autograd.Function):
         bias: torch.Tensor | None,
         slots: LinearSlots,
         weight_q: Float8Tensor,
+        swiglu: bool,
     ) -> torch.Tensor:
         out_features, in_features = weight.shape
-        # (tokens, in_features); a 2D input is used as it is (a view op costs host time)
-        x2d = x if x.dim() == 2 else x.reshape(-1, in_features)
+        width = 2 * in_features if swiglu else in_features
+        # (tokens, width); a 2D input is used as it is (a view op costs host time)
+        x2d = x if x.dim() == 2 else x.reshape(-1, width)
         need_wgrad = weight.requires_grad
-        x_data, x_t, x_scale_inv = slots.input.cast(x2d, transpose=need_wgrad)
+        if swiglu:
+            x_data, x_t, x_scale_inv = slots.input.cast_swiglu(x2d, transpose=need_wgrad)
+        else:
+            x_data, x_t, x_scale_inv = slots.input.cast(x2d, transpose=need_wgrad)
         w_scale_inv = weight_q.scale_inv
         y = per_tensor_gemm(
             x_data,
@@ -365,14 +399,15 @@ class _PerTensorLinear(torch.autograd.Function):
         # as the general path: x only as the wgrad operand x^T, W^T only for dgrad
         x_saved = (x_t, x_scale_inv) if need_wgrad else (None, None)
         w_saved = (weight_q.transpose_data(), w_scale_inv) if x.requires_grad else (None, None)
-        ctx.save_for_backward(*x_saved, *w_saved)
+        h_saved = x2d if swiglu and x.requires_grad else None  # (tokens, 2 * in_features)
+        ctx.save_for_backward(*x_saved, *w_saved, h_saved)
         ctx.shapes = (x.shape, x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return y if x2d is x else y.reshape(*x.shape[:-1], out_features)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple:
         slots: LinearSlots = ctx.slots
-        x_t, x_scale_inv, w_t, w_scale_inv = ctx.saved_tensors
+        x_t, x_scale_inv, w_t, w_scale_inv, h = ctx.saved_tensors
         x_shape, x_dtype, w_dtype, b_dtype = ctx.shapes
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         dy2d = (dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])).contiguous()
@@ -382,13 +417,15 @@ class _PerTensorLinear(torch.autograd.Function):
         dx = dw = db = None
         if need_dx:
             dx = per_tensor_gemm(dy_data, dy_scale_inv, w_t, w_scale_inv, out_dtype=x_dtype)
+            if h is not None:  # the activation's gradient -> h's (tokens, 2 * in_features)
+                dx = swiglu_backward(dx, h)
             if len(x_shape) != 2:
                 dx = dx.reshape(x_shape)
         if need_dw:
             dw = per_tensor_gemm(dy_t, dy_scale_inv, x_t, x_scale_inv, out_dtype=w_dtype)
         if need_db and b_dtype is not None:
             db = dy2d.float().sum(0).to(b_dtype)
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
 
 
 def check_sequence_shardable(x: torch.Tensor, tp: TPLayout) -> None:

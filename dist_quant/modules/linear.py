@@ -215,10 +215,12 @@ class LinearBase(QuantizedModule):
         fp8_output: bool = False,
         fp8_grad_input: bool = False,
         tp: TPLayout | None = None,
+        swiglu_input: bool = False,
     ) -> torch.Tensor:
         """One GEMM triple: exact PyTorch when autocast is off or every operand is high precision,
         else quantized with `slots` (the forward plan's; the weight cached under `cache_slot`);
-        `tp` splits it over ranks."""
+        `tp` splits it over ranks. `swiglu_input`: `x` is `h = [gate, up]`, the GEMM reads
+        `swiglu(h)` (see `quantized_linear`); set only where `slots` is a per-tensor plan."""
         gathered_fp8 = isinstance(weight, GatheredFloat8Weight)
         if runtime is None or (slots.high_precision and not (fp8_output or fp8_grad_input)):
             if gathered_fp8:
@@ -257,6 +259,7 @@ class LinearBase(QuantizedModule):
             fp8_output=fp8_output,
             fp8_grad_input=fp8_grad_input,
             tp=tp,
+            swiglu_input=swiglu_input,
         )
 
     def _gemm(
