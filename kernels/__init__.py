@@ -22,8 +22,6 @@ path (eager calls run the launcher or the reference directly; torch.compile trac
 - ``swiglu.py``: ``swiglu``, ``swiglu_backward`` (LayerNormMLP's activation, torch's bits on
   CUDA in one launch each); ``swiglu_cast.py``: ``delayed_swiglu_cast``, ``current_swiglu_cast``
   (SwiGLU fused with fc2's per-tensor input cast: the cast's bytes without writing SwiGLU's output).
-- ``rmsnorm_cast.py``: ``rmsnorm_cast_triton`` (RMSNorm in torch's CUDA summation order fused with
-  the delayed cast; not used by the modules until its GPU test proves it equals ``F.rms_norm``).
 - ``attention.py``: ``fp8_attention_fwd``, ``fp8_attention_bwd`` (FP8 flash attention, kernels
   in ``attention_fwd.py`` / ``attention_bwd.py``, held to a tolerance of its float64 definition
   ``reference_attention.py``; imported from there, not exported here).
