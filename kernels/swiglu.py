@@ -72,6 +72,17 @@ def swiglu_value(g, u, out_ty, BITS: tl.constexpr):
 
 
 @triton.jit
+def swiglu_grads(dy, g, u, out_ty, BITS: tl.constexpr):
+    """``(d_gate, d_up)`` in fp32 holding values of ``out_ty``, rounded where torch's ops round
+    (``swiglu_cast.py`` casts them without writing them)."""
+    silu, sig = silu_parts(g)
+    silu = round_to(silu, out_ty, BITS)
+    d_silu = round_to(dy * u, out_ty, BITS)
+    d_gate = round_to(d_silu * sig * (1.0 + g * (1.0 - sig)), out_ty, BITS)
+    return d_gate, round_to(dy * silu, out_ty, BITS)
+
+
+@triton.jit
 def _swiglu_fwd_kernel(h_ptr, out_ptr, FFN, BLOCK: tl.constexpr, BITS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -93,12 +104,9 @@ def _swiglu_bwd_kernel(dy_ptr, h_ptr, dh_ptr, FFN, BLOCK: tl.constexpr, BITS: tl
     gate_off = row * 2 * FFN + cols
     g = tl.load(h_ptr + gate_off, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(h_ptr + gate_off + FFN, mask=ok, other=0.0).to(tl.float32)
-    silu, sig = silu_parts(g)
-    silu = round_to(silu, out_ty, BITS)
-    d_silu = round_to(dy * u, out_ty, BITS)
-    d_gate = round_to(d_silu * sig * (1.0 + g * (1.0 - sig)), out_ty, BITS)
+    d_gate, d_up = swiglu_grads(dy, g, u, out_ty, BITS)
     store_rounded(dh_ptr + gate_off, d_gate, ok, BITS)
-    store_rounded(dh_ptr + gate_off + FFN, round_to(dy * silu, out_ty, BITS), ok, BITS)
+    store_rounded(dh_ptr + gate_off + FFN, d_up, ok, BITS)
 
 
 def stacked_rows(h: Tensor, what: str) -> tuple[Tensor, int]:

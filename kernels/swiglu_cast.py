@@ -39,7 +39,7 @@ from dist_quant.kernels._fp8_round import (
 )
 from dist_quant.kernels._op import register_op
 from dist_quant.kernels._triton import tl, triton
-from dist_quant.kernels.cast import GPU_TILE, AmaxPartials, launch_cast
+from dist_quant.kernels.cast import AmaxPartials, launch_cast
 from dist_quant.kernels.current import CurrentScalingCast, current_scaling_cast_triton
 from dist_quant.kernels.delayed import DelayedCast
 from dist_quant.kernels.swiglu import (
@@ -54,6 +54,22 @@ from torch import Tensor
 
 # Current scaling's SwiGLU + amax pass: persistent programs per SM (as current.py's amax pass)
 GPU_AMAX_PROGRAMS_PER_SM = 4
+# The delayed kernel's (rows, ffn) tiles. cast.py's 128x128 / 8 warps (64 elements per thread)
+# ran this kernel at 354 us on the bench shape, slower than SwiGLU then the cast (309 us): with
+# SwiGLU's exp and divisions on every element the large tile holds too many live registers and
+# too few warps to cover its loads. 16 elements per thread, as many tiles in flight as the
+# registers allow; `bench/bench_swiglu_cast.py --sweep` times the alternatives.
+GPU_SWIGLU_TILE = {"BM": 32, "BN": 128, "num_warps": 8}
+
+
+@triton.jit
+def tile_of(pid, rows, ffn, BM: tl.constexpr, BN: tl.constexpr):
+    """Program ``pid``'s ``[BM, BN]`` tile of the ``(rows, ffn)`` grid, tiles row-major: its row
+    and column indices (int64) and the in-bounds mask."""
+    n_col_tiles = tl.cdiv(ffn, BN)
+    r = ((pid // n_col_tiles) * BM + tl.arange(0, BM)).to(tl.int64)
+    c = ((pid % n_col_tiles) * BN + tl.arange(0, BN)).to(tl.int64)
+    return r, c, (r < rows)[:, None] & (c < ffn)[None, :]
 
 
 @triton.jit
@@ -78,10 +94,8 @@ def _swiglu_cast_kernel(
     pid = tl.program_id(0)
     scale = tl.load(scale_ptr)
     tl.store(scale_inv_ptr, reciprocal(scale), mask=pid == 0)
-    n_col_tiles = tl.cdiv(ffn, BN)
-    r = ((pid // n_col_tiles) * BM + tl.arange(0, BM)).to(tl.int64)
-    c = ((pid % n_col_tiles) * BN + tl.arange(0, BN)).to(tl.int64)
-    mask = (r < rows)[:, None] & (c < ffn)[None, :]
+    r, c, mask = tile_of(pid, rows, ffn, BM, BN)
+    # gate and up tiles: each row's BN columns contiguous (coalesced along ffn)
     gate_ptr = h_ptr + r[:, None] * 2 * ffn + c[None, :]
     g = tl.load(gate_ptr, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gate_ptr + ffn, mask=mask, other=0.0).to(tl.float32)
@@ -89,6 +103,7 @@ def _swiglu_cast_kernel(
     code = fp8_encode(a * scale, MAX_BITS, MANT_BITS, MIN_EXP, HW_ROUND).to(tl.uint8)
     tl.store(q_ptr + r[:, None] * ffn + c[None, :], code, mask=mask)
     if TRANSPOSE:
+        # the compiler turns the tile through shared memory: each q_t row's BM bytes contiguous
         tl.store(qt_ptr + c[None, :] * rows + r[:, None], code, mask=mask)
     tl.atomic_max(amax_acc_ptr, tl.max(tl.max(abs_bits(a), axis=1), axis=0), sem="relaxed")
 
@@ -118,7 +133,8 @@ def _swiglu_amax_kernel(
     tl.store(partials_ptr + pid, tl.max(acc, axis=0))
 
 
-def _check_fp32_scalar(t: Tensor, name: str, device: torch.device, what: str) -> None:
+def check_fp32_scalar(t: Tensor, name: str, device: torch.device, what: str) -> None:
+    """``t`` is a 1-element fp32 tensor on ``device``; ``ValueError`` naming the op otherwise."""
     if not isinstance(t, Tensor) or t.dtype != torch.float32 or t.numel() != 1:
         got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, Tensor) else repr(t)
         raise ValueError(f"kernels.swiglu_cast.{what}: {name} must be a 1-element fp32 tensor, "
@@ -131,8 +147,15 @@ def _check_fp32_scalar(t: Tensor, name: str, device: torch.device, what: str) ->
 
 
 @functools.cache
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def tile_config(h: Tensor, rows: int) -> tuple[int, int, int]:
+    """``(BM, BN, num_warps)`` of the tiled SwiGLU casts for ``h``'s device."""
+    if is_gpu(h):
+        return GPU_SWIGLU_TILE["BM"], GPU_SWIGLU_TILE["BN"], GPU_SWIGLU_TILE["num_warps"]
+    return min(32, next_pow2(rows)), 64, 1  # the interpreter: masked tails in every test
 
 
 def delayed_swiglu_cast_triton(
@@ -145,18 +168,15 @@ def delayed_swiglu_cast_triton(
     spec = fp8_spec(fp8_dtype, f"kernels.swiglu_cast.{what}")
     h2, ffn = stacked_rows(h.detach(), what)  # (rows, 2 * ffn)
     rows, dev = h2.shape[0], h.device
-    _check_fp32_scalar(scale, "scale", dev, what)
-    _check_fp32_scalar(amax_out, "amax_out", dev, what)
+    check_fp32_scalar(scale, "scale", dev, what)
+    check_fp32_scalar(amax_out, "amax_out", dev, what)
     q = torch.empty(*h.shape[:-1], ffn, dtype=fp8_dtype, device=dev)
     q_t = torch.empty((ffn, rows), dtype=fp8_dtype, device=dev) if transpose else None
     scale_inv = torch.empty(1, dtype=torch.float32, device=dev)
     if rows * ffn == 0:  # no program runs to write it
         scale_inv.copy_(torch.reciprocal(scale.reshape(1)))
         return DelayedCast(q, q_t, scale_inv)
-    if is_gpu(h):
-        bm, bn, warps = GPU_TILE["BM"], GPU_TILE["BN"], GPU_TILE["num_warps"]
-    else:  # the interpreter: small tiles keep masked tails in every test
-        bm, bn, warps = min(32, next_pow2(rows)), 64, 1
+    bm, bn, warps = tile_config(h, rows)
     q_bytes = q.view(torch.uint8)
     _swiglu_cast_kernel[(cdiv(rows, bm) * cdiv(ffn, bn),)](
         h2, q_bytes, q_bytes if q_t is None else q_t.view(torch.uint8), scale.reshape(1),
@@ -190,7 +210,7 @@ def current_swiglu_cast_triton(
                                            transpose)  # fmt: skip
     if is_gpu(h):
         block, warps = GPU_BLOCK["BLOCK"], GPU_BLOCK["num_warps"]
-        programs = min(rows, _sm_count(dev) * GPU_AMAX_PROGRAMS_PER_SM)
+        programs = min(rows, sm_count(dev) * GPU_AMAX_PROGRAMS_PER_SM)
     else:  # the interpreter: a few programs, several rows each, masked tails
         block, warps, programs = 64, 1, min(rows, 4)
     partials = torch.empty(programs, dtype=torch.int32, device=dev)
@@ -215,7 +235,7 @@ def current_swiglu_cast_triton(
 
 
 # ---- the ops: reference calls, fakes, registration -----------------------------------------------
-def _cast_ref(a: Tensor, scale: Tensor, fp8_dtype: torch.dtype, transpose: bool) -> tuple:
+def cast_ref(a: Tensor, scale: Tensor, fp8_dtype: torch.dtype, transpose: bool) -> tuple:
     """``(q, q_t)``: q_t an empty (0, 0) placeholder without ``transpose`` (an op's outputs are
     tensors); the public functions turn it into None."""
     if not transpose:
@@ -235,7 +255,7 @@ def _q_fake(h: Tensor, fp8_dtype: torch.dtype) -> Tensor:
     return h.new_empty((*h.shape[:-1], h.shape[-1] // 2), dtype=fp8_dtype)
 
 
-def _or_empty(q_t: Tensor | None, q: Tensor) -> Tensor:
+def or_empty(q_t: Tensor | None, q: Tensor) -> Tensor:
     return q.new_empty((0, 0)) if q_t is None else q_t
 
 
@@ -243,7 +263,7 @@ def _delayed_ref(
     h: Tensor, scale: Tensor, fp8_dtype: torch.dtype, amax_out: Tensor, transpose: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
     a = swiglu_reference(h)
-    q, q_t = _cast_ref(a, scale, fp8_dtype, transpose)
+    q, q_t = cast_ref(a, scale, fp8_dtype, transpose)
     amax_out.copy_(torch.maximum(amax_out, reference.amax(a)))
     return q, q_t, torch.reciprocal(scale.reshape(1))
 
@@ -252,7 +272,7 @@ def _delayed_cuda(
     h: Tensor, scale: Tensor, fp8_dtype: torch.dtype, amax_out: Tensor, transpose: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
     q, q_t, scale_inv = delayed_swiglu_cast_triton(h, scale, fp8_dtype, amax_out, transpose)
-    return q, _or_empty(q_t, q), scale_inv
+    return q, or_empty(q_t, q), scale_inv
 
 
 def _delayed_fake(
@@ -271,7 +291,7 @@ def _current_ref(
     scale, scale_inv = reference.current_scale(
         amax, fp8_dtype, amax_epsilon=amax_epsilon, use_power_2_scales=use_power_2_scales
     )
-    q, q_t = _cast_ref(a, scale, fp8_dtype, transpose)
+    q, q_t = cast_ref(a, scale, fp8_dtype, transpose)
     return q, q_t, scale.reshape(1), scale_inv.reshape(1), amax
 
 
@@ -280,7 +300,7 @@ def _current_cuda(
     transpose: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     out = current_swiglu_cast_triton(h, fp8_dtype, amax_epsilon, use_power_2_scales, transpose)
-    return out.data, _or_empty(out.data_t, out.data), out.scale, out.scale_inv, out.amax
+    return out.data, or_empty(out.data_t, out.data), out.scale, out.scale_inv, out.amax
 
 
 def _current_fake(
