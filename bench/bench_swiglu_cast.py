@@ -1,38 +1,107 @@
-"""SwiGLU -> fc2's per-tensor FP8 input cast, fused vs unfused, one run, one GPU.
+"""SwiGLU and its backward fused with the neighbouring per-tensor FP8 casts, vs unfused, one GPU.
 
-Unfused is what LayerNormMLP(activation="swiglu") ran before the fusion: ``K.swiglu(h)`` writes
-the activation in bf16, then the fc2 input quantizer's ``cast`` reads it (delayed: one pass;
-current: the amax pass and the cast pass). Fused is ``Quantizer.cast_swiglu(h)``, what the module
-runs now for per-tensor fc2 inputs. Both produce the transpose (the wgrad operand), as a training
-step does. The script checks the two give the same bytes, scale inverse and amax, then prints the
-median GPU time of each and the ratio. Default shape: Llama-3-8B's MLP at seq 8192, batch 1.
+Forward: unfused is ``K.swiglu(h)`` writing the activation in bf16, then fc2's input quantizer's
+``cast`` reading it (delayed: one pass; current: the amax pass and the cast pass); fused is
+``Quantizer.cast_swiglu(h)``. Backward: unfused is ``K.swiglu_backward(dy, h)`` writing ``dh`` in
+bf16, then fc1's grad-output quantizer (E5M2) casting it; fused is
+``Quantizer.cast_swiglu_backward(dy, h)``. Every cast also writes the transpose (the wgrad
+operand), as a training step does. The script checks each pair gives the same bytes, scale
+inverse and amax, then prints the median GPU time of each and the ratio. Default shape:
+Llama-3-8B's MLP at seq 8192, batch 1. ``--sweep`` also times the fused delayed kernels' tile
+configurations (``swiglu_cast.GPU_SWIGLU_TILE``, both directions), each checked against the
+default configuration's bytes.
 
-    python bench/bench_swiglu_cast.py [--tokens 8192] [--ffn 14336]
+    python bench/bench_swiglu_cast.py [--tokens 8192] [--ffn 14336] [--sweep]
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 import torch
 from bench_linear import cuda_median_ms
+from dist_quant.kernels import swiglu_cast
 
 import dist_quant as dq
 from dist_quant import kernels as K
 
+# (BM, BN, num_warps) of the delayed kernels' tiles; 32x128/8 is the default
+SWEEP_TILES = [
+    (32, 128, 8), (32, 128, 4), (64, 64, 4), (64, 64, 8), (64, 128, 8), (16, 128, 4),
+    (16, 256, 8), (32, 64, 4), (32, 256, 8), (128, 128, 8),
+]  # fmt: skip
 
-def _quantizers() -> dict[str, tuple]:
+
+def _quantizers(fp8: torch.dtype) -> dict[str, tuple]:
     """Two equal quantizers per recipe (their amax slots are compared after one cast each)."""
 
     def delayed() -> dq.Float8Quantizer:
         return dq.Float8Quantizer(
-            torch.full((1,), 0.5, device="cuda"), torch.zeros(1, device="cuda"), torch.float8_e4m3fn
+            torch.full((1,), 0.5, device="cuda"), torch.zeros(1, device="cuda"), fp8
         )
 
     def current() -> dq.Float8CurrentScalingQuantizer:
-        return dq.Float8CurrentScalingQuantizer(torch.float8_e4m3fn)
+        return dq.Float8CurrentScalingQuantizer(fp8)
 
     return {"delayed": (delayed(), delayed()), "current": (current(), current())}
+
+
+def _same(got, want, q_got, q_want, delayed: bool) -> bool:
+    same = all(
+        torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got[:2], want[:2])
+    ) and torch.equal(got.scale_inv, want.scale_inv)
+    return same and (not delayed or torch.equal(q_got.amax, q_want.amax))
+
+
+def _pair(direction: str, h: torch.Tensor, dy: torch.Tensor) -> tuple[Callable, Callable]:
+    """(unfused, fused) calls of one direction, each taking a quantizer."""
+    if direction == "fwd":
+        return (
+            lambda q: q.cast(K.swiglu(h), transpose=True),
+            lambda q: q.cast_swiglu(h, transpose=True),
+        )
+    return (
+        lambda q: q.cast(K.swiglu_backward(dy, h), transpose=True),
+        lambda q: q.cast_swiglu_backward(dy, h, transpose=True),
+    )
+
+
+def compare(h: torch.Tensor, dy: torch.Tensor) -> None:
+    print(f"{'pass':>4} {'recipe':>8} | {'unfused us':>10} | {'fused us':>8} | {'speedup':>7} | "
+          "same bits")  # fmt: skip
+    for direction, fp8 in (("fwd", torch.float8_e4m3fn), ("bwd", torch.float8_e5m2)):
+        unfused, fused = _pair(direction, h, dy)
+        for name, (q_unfused, q_fused) in _quantizers(fp8).items():
+            same = _same(fused(q_fused), unfused(q_unfused), q_fused, q_unfused, name == "delayed")
+            unfused_ms = cuda_median_ms(lambda q=q_unfused, f=unfused: f(q))
+            fused_ms = cuda_median_ms(lambda q=q_fused, f=fused: f(q))
+            print(
+                f"{direction:>4} {name:>8} | {unfused_ms * 1e3:>10.1f} | {fused_ms * 1e3:>8.1f} | "
+                f"{unfused_ms / fused_ms:>6.2f}x | {same}"
+            )
+
+
+def sweep(h: torch.Tensor, dy: torch.Tensor) -> None:
+    """The fused delayed kernels under each tile configuration; the default is restored."""
+    default = dict(swiglu_cast.GPU_SWIGLU_TILE)
+    print(f"\n# sweep swiglu_cast.GPU_SWIGLU_TILE (default {default}), delayed, us")
+    expected = {}
+    for direction, fp8 in (("fwd", torch.float8_e4m3fn), ("bwd", torch.float8_e5m2)):
+        q = _quantizers(fp8)["delayed"][0]
+        expected[direction] = [t.clone() for t in _pair(direction, h, dy)[1](q)[:2]]
+    for bm, bn, warps in SWEEP_TILES:
+        swiglu_cast.GPU_SWIGLU_TILE.update(BM=bm, BN=bn, num_warps=warps)
+        row = []
+        for direction, fp8 in (("fwd", torch.float8_e4m3fn), ("bwd", torch.float8_e5m2)):
+            q = _quantizers(fp8)["delayed"][0]
+            fused = _pair(direction, h, dy)[1]
+            same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                       for a, b in zip(fused(q)[:2], expected[direction]))  # fmt: skip
+            ms = cuda_median_ms(lambda q=q, f=fused: f(q))
+            row.append(f"{direction} {ms * 1e3:7.1f}" + ("" if same else " BYTES DIFFER"))
+        print(f"  BM {bm:>3} BN {bn:>3} warps {warps:>2}: " + " | ".join(row))
+    swiglu_cast.GPU_SWIGLU_TILE.update(default)
 
 
 def main() -> None:
@@ -41,25 +110,17 @@ def main() -> None:
     )
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--ffn", type=int, default=14336)
+    p.add_argument("--sweep", action="store_true", help="also sweep the fused tile configs")
     args = p.parse_args()
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
-    print(f"h: ({args.tokens}, 2 * {args.ffn}) bf16 -> fc2 input ({args.tokens}, {args.ffn}) E4M3")
+    print(f"h: ({args.tokens}, 2 * {args.ffn}) bf16 -> fc2 input ({args.tokens}, {args.ffn}) E4M3;"
+          f" dy: ({args.tokens}, {args.ffn}) bf16 -> fc1 grad output ({args.tokens}, "
+          f"2 * {args.ffn}) E5M2")  # fmt: skip
     h = torch.randn(args.tokens, 2 * args.ffn, device="cuda", dtype=torch.bfloat16) * 3
-    print(f"{'recipe':>8} | {'unfused us':>10} | {'fused us':>8} | {'speedup':>7} | same bits")
-    for name, (q_unfused, q_fused) in _quantizers().items():
-        want = q_unfused.cast(K.swiglu(h), transpose=True)
-        got = q_fused.cast_swiglu(h, transpose=True)
-        same = all(
-            torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got[:2], want[:2])
-        ) and torch.equal(got.scale_inv, want.scale_inv)
-        if name == "delayed":
-            same = same and torch.equal(q_fused.amax, q_unfused.amax)
-        unfused_ms = cuda_median_ms(lambda q=q_unfused: q.cast(K.swiglu(h), transpose=True))
-        fused_ms = cuda_median_ms(lambda q=q_fused: q.cast_swiglu(h, transpose=True))
-        print(
-            f"{name:>8} | {unfused_ms * 1e3:>10.1f} | {fused_ms * 1e3:>8.1f} | "
-            f"{unfused_ms / fused_ms:>6.2f}x | {same}"
-        )
+    dy = torch.randn(args.tokens, args.ffn, device="cuda", dtype=torch.bfloat16) * 1e-3
+    compare(h, dy)
+    if args.sweep:
+        sweep(h, dy)
 
 
 if __name__ == "__main__":

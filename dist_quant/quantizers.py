@@ -225,6 +225,19 @@ class Float8Quantizer(Quantizer):
         )
         return PerTensorCast(out.data, out.data_t, out.scale_inv)
 
+    def cast_swiglu_backward(self, dy: Tensor, h: Tensor, *, transpose: bool) -> PerTensorCast:
+        """``cast(swiglu_backward(dy, h))`` (fc1's incoming gradient from the activation's) without
+        writing the high-precision gradient: the same bytes, transpose, scale inverse and amax
+        fold, one launch on CUDA (``kernels/swiglu_backward_cast.py``); two ops on a telemetry
+        step, as ``cast_swiglu``."""
+        h = self._check_input(h)
+        if _cast_observers:
+            return self.cast(fp8_kernels.swiglu_backward(dy, h), transpose=transpose)
+        out = fp8_kernels.delayed_swiglu_backward_cast(
+            dy, h, self.scale, self.fp8_dtype, self.amax, transpose=transpose
+        )
+        return PerTensorCast(out.data, out.data_t, out.scale_inv)
+
 
 class Float8CurrentScalingQuantizer(Quantizer):
     """Current scaling: the scale comes from this tensor's own amax.
@@ -317,6 +330,23 @@ class Float8CurrentScalingQuantizer(Quantizer):
         if self.amax_reduction_group is not None or _cast_observers:
             return self.cast(fp8_kernels.swiglu(h), transpose=transpose)
         out = fp8_kernels.current_swiglu_cast(
+            h,
+            self.fp8_dtype,
+            amax_epsilon=self.amax_epsilon,
+            use_power_2_scales=self.use_power_2_scales,
+            transpose=transpose,
+        )
+        return PerTensorCast(out.data, out.data_t, out.scale_inv)
+
+    def cast_swiglu_backward(self, dy: Tensor, h: Tensor, *, transpose: bool) -> PerTensorCast:
+        """As ``Float8Quantizer.cast_swiglu_backward``: the SwiGLU backward writes the gradient and
+        its amax partials in one launch, the cast reads it once; two ops with an
+        ``amax_reduction_group`` or on a telemetry step, as ``cast_swiglu``."""
+        h = self._check_input(h)
+        if self.amax_reduction_group is not None or _cast_observers:
+            return self.cast(fp8_kernels.swiglu_backward(dy, h), transpose=transpose)
+        out = fp8_kernels.current_swiglu_backward_cast(
+            dy,
             h,
             self.fp8_dtype,
             amax_epsilon=self.amax_epsilon,
