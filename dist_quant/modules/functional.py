@@ -125,6 +125,25 @@ class SwiGLU(torch.autograd.Function):
         return swiglu_backward(dy, h)
 
 
+class SwiGLUGradHandoff:
+    """fc1 -> SwiGLU -> fc2 on the per-tensor path (one per LayerNormMLP forward): fc2's backward
+    casts ``h``'s gradient itself with fc1's grad-output quantizer
+    (``Quantizer.cast_swiglu_backward``: no high-precision ``dh``) and leaves the cast here; fc1's
+    backward takes it instead of casting its incoming gradient, which is then an all-zero
+    stand-in (autograd needs a tensor of ``h``'s shape; nothing else reads ``h``'s gradient).
+
+    fc1's forward arms it (``quantizer``, ``transpose``) only where its own backward would cast
+    that gradient per-tensor and use it for nothing else: its ``_PerTensorLinear`` path, no bias
+    gradient (the bias gradient sums the high-precision ``dh``)."""
+
+    __slots__ = ("cast", "quantizer", "transpose")
+
+    def __init__(self) -> None:
+        self.quantizer: Any = None  # fc1's grad-output quantizer, once armed
+        self.transpose = False  # fc1 computes its weight gradient: the cast's transpose too
+        self.cast: Any = None  # PerTensorCast of dh, from fc2's backward to fc1's
+
+
 class _QuantizedLinear(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -312,6 +331,7 @@ def quantized_linear(
     fp8_grad_input: bool = False,
     tp: TPLayout | None = None,
     swiglu_input: bool = False,
+    swiglu_handoff: SwiGLUGradHandoff | None = None,
 ) -> torch.Tensor:
     """`x @ weight.T + bias` with the operands quantized by `slots` (weight pre-quantized).
 
@@ -321,6 +341,8 @@ def quantized_linear(
     With `swiglu_input`, `x` is `h = [gate, up]` and the GEMM's input is `swiglu(h)`: on the
     per-tensor path the input cast reads `h` (`cast_swiglu`), so the activation is never written in
     high precision; on any other path `SwiGLU` computes it first. The same bits either way.
+    `swiglu_handoff` (LayerNormMLP, both GEMMs): fc1's call (no `swiglu_input`) arms it where its
+    backward can take its gradient's cast from fc2's (`SwiGLUGradHandoff`), fc2's call fills it.
     """
     if tp is not None and tp.sequence_parallel:
         check_sequence_shardable(x, tp)
@@ -330,7 +352,16 @@ def quantized_linear(
         and not (fp8_output or fp8_grad_input)
         and type(weight_q) is Float8Tensor
     ):
-        return _PerTensorLinear.apply(x, weight, bias, slots, weight_q, swiglu_input)
+        if (
+            swiglu_handoff is not None
+            and not swiglu_input
+            and not (bias is not None and bias.requires_grad)
+        ):
+            swiglu_handoff.quantizer = slots.grad_output
+            swiglu_handoff.transpose = weight.requires_grad
+        return _PerTensorLinear.apply(
+            x, weight, bias, slots, weight_q, swiglu_input, swiglu_handoff
+        )
     if swiglu_input:
         x = SwiGLU.apply(x)
     # The usage flags are set here, not in the autograd.Function, where torch.compile refuses a
@@ -365,7 +396,8 @@ class _PerTensorLinear(torch.autograd.Function):
     With `swiglu`, `x` is `h = [gate, up]` (LayerNormMLP's fc1 output) and the input cast is
     `cast_swiglu(h)`: the bytes of casting `swiglu(h)`, which is never written in high precision;
     `h` is saved and the backward turns the GEMM's input gradient into `h`'s (`swiglu_backward`),
-    as `SwiGLU` would after the unfused GEMM."""
+    as `SwiGLU` would after the unfused GEMM. With an armed `handoff` that gradient is cast to
+    fc1's grad-output FP8 right there (`SwiGLUGradHandoff`), and fc1's backward takes the cast."""
 
     @staticmethod
     def forward(
@@ -376,6 +408,7 @@ class _PerTensorLinear(torch.autograd.Function):
         slots: LinearSlots,
         weight_q: Float8Tensor,
         swiglu: bool,
+        handoff: SwiGLUGradHandoff | None,
     ) -> torch.Tensor:
         out_features, in_features = weight.shape
         width = 2 * in_features if swiglu else in_features
@@ -395,7 +428,7 @@ class _PerTensorLinear(torch.autograd.Function):
             out_dtype=x.dtype,
             bias=bias,
         )
-        ctx.slots = slots
+        ctx.slots, ctx.handoff, ctx.swiglu = slots, handoff, swiglu
         # as the general path: x only as the wgrad operand x^T, W^T only for dgrad
         x_saved = (x_t, x_scale_inv) if need_wgrad else (None, None)
         w_saved = (weight_q.transpose_data(), w_scale_inv) if x.requires_grad else (None, None)
@@ -410,22 +443,36 @@ class _PerTensorLinear(torch.autograd.Function):
         x_t, x_scale_inv, w_t, w_scale_inv, h = ctx.saved_tensors
         x_shape, x_dtype, w_dtype, b_dtype = ctx.shapes
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        dy2d = (dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])).contiguous()
-        dy_data, dy_t, dy_scale_inv = slots.grad_output.cast(dy2d, transpose=need_dw)
+        handoff: SwiGLUGradHandoff | None = ctx.handoff
+        handed = None
+        if handoff is not None and not ctx.swiglu:  # fc1: fc2's backward may have cast dy
+            handed, handoff.cast = handoff.cast, None
+        if handed is not None:  # dy is the all-zero stand-in: not read, not made contiguous
+            dy2d = dy
+            dy_data, dy_t, dy_scale_inv = handed
+        else:
+            dy2d = (dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])).contiguous()
+            dy_data, dy_t, dy_scale_inv = slots.grad_output.cast(dy2d, transpose=need_dw)
         if slots.bwd_groups:
             enrol_backward_from(dy2d, slots.enrol_key, slots.bwd_groups, slots.reduction_group)
         dx = dw = db = None
         if need_dx:
             dx = per_tensor_gemm(dy_data, dy_scale_inv, w_t, w_scale_inv, out_dtype=x_dtype)
-            if h is not None:  # the activation's gradient -> h's (tokens, 2 * in_features)
+            if h is not None and handoff is not None and handoff.quantizer is not None:
+                # fc1's grad-output cast of h's gradient, fused with SwiGLU's backward
+                handoff.cast = handoff.quantizer.cast_swiglu_backward(
+                    dx, h, transpose=handoff.transpose
+                )
+                dx = dx.new_zeros(()).expand(x_shape)
+            elif h is not None:  # the activation's gradient -> h's (tokens, 2 * in_features)
                 dx = swiglu_backward(dx, h)
-            if len(x_shape) != 2:
+            if len(x_shape) != 2 and dx.shape != x_shape:
                 dx = dx.reshape(x_shape)
         if need_dw:
             dw = per_tensor_gemm(dy_t, dy_scale_inv, x_t, x_scale_inv, out_dtype=w_dtype)
         if need_db and b_dtype is not None:
             db = dy2d.float().sum(0).to(b_dtype)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 def check_sequence_shardable(x: torch.Tensor, tp: TPLayout) -> None:
