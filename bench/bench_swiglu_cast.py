@@ -8,8 +8,12 @@ bf16, then fc1's grad-output quantizer (E5M2) casting it; fused is
 operand), as a training step does. The script checks each pair gives the same bytes, scale
 inverse and amax, then prints the median GPU time of each and the ratio. Default shape:
 Llama-3-8B's MLP at seq 8192, batch 1. ``--sweep`` also times the fused delayed kernels' tile
-configurations (``swiglu_cast.GPU_SWIGLU_TILE``, both directions), each checked against the
-default configuration's bytes.
+configurations (``swiglu_cast.GPU_SWIGLU_TILE``, both directions) and the current-scaling
+amax pass's programs per SM (``swiglu_cast.GPU_SWIGLU_AMAX``), each checked against the default
+configuration's bytes. The "op alone" column is ``K.swiglu`` / ``K.swiglu_backward`` by itself:
+per element of the (tokens, ffn) grid the fused delayed kernels move the bytes it moves (forward
+4 read, 1 + 1 FP8 written vs 2 bf16; backward 6 read, 2 + 2 FP8 written vs 4 bf16), so it is the
+mark they can reach.
 
     python bench/bench_swiglu_cast.py [--tokens 8192] [--ffn 14336] [--sweep]
 """
@@ -68,40 +72,53 @@ def _pair(direction: str, h: torch.Tensor, dy: torch.Tensor) -> tuple[Callable, 
 
 
 def compare(h: torch.Tensor, dy: torch.Tensor) -> None:
-    print(f"{'pass':>4} {'recipe':>8} | {'unfused us':>10} | {'fused us':>8} | {'speedup':>7} | "
-          "same bits")  # fmt: skip
+    print(f"{'pass':>4} {'recipe':>8} | {'op alone us':>11} | {'unfused us':>10} | "
+          f"{'fused us':>8} | {'speedup':>7} | same bits")  # fmt: skip
     for direction, fp8 in (("fwd", torch.float8_e4m3fn), ("bwd", torch.float8_e5m2)):
         unfused, fused = _pair(direction, h, dy)
+        alone = (lambda: K.swiglu(h)) if direction == "fwd" else lambda: K.swiglu_backward(dy, h)
+        alone_ms = cuda_median_ms(alone)
         for name, (q_unfused, q_fused) in _quantizers(fp8).items():
             same = _same(fused(q_fused), unfused(q_unfused), q_fused, q_unfused, name == "delayed")
             unfused_ms = cuda_median_ms(lambda q=q_unfused, f=unfused: f(q))
             fused_ms = cuda_median_ms(lambda q=q_fused, f=fused: f(q))
             print(
-                f"{direction:>4} {name:>8} | {unfused_ms * 1e3:>10.1f} | {fused_ms * 1e3:>8.1f} | "
-                f"{unfused_ms / fused_ms:>6.2f}x | {same}"
+                f"{direction:>4} {name:>8} | {alone_ms * 1e3:>11.1f} | {unfused_ms * 1e3:>10.1f} | "
+                f"{fused_ms * 1e3:>8.1f} | {unfused_ms / fused_ms:>6.2f}x | {same}"
             )
 
 
-def sweep(h: torch.Tensor, dy: torch.Tensor) -> None:
-    """The fused delayed kernels under each tile configuration; the default is restored."""
-    default = dict(swiglu_cast.GPU_SWIGLU_TILE)
-    print(f"\n# sweep swiglu_cast.GPU_SWIGLU_TILE (default {default}), delayed, us")
+def _sweep(
+    title: str, config: dict, candidates: list[dict], recipe: str, h: torch.Tensor, dy: torch.Tensor
+) -> None:
+    """The fused ops of ``recipe`` under each candidate of ``config`` (a launcher's dict), bytes
+    checked against the default's; the default is restored."""
+    default = dict(config)
+    print(f"\n# sweep {title} (default {default}), {recipe}, us")
+    directions = (("fwd", torch.float8_e4m3fn), ("bwd", torch.float8_e5m2))
     expected = {}
-    for direction, fp8 in (("fwd", torch.float8_e4m3fn), ("bwd", torch.float8_e5m2)):
-        q = _quantizers(fp8)["delayed"][0]
+    for direction, fp8 in directions:
+        q = _quantizers(fp8)[recipe][0]
         expected[direction] = [t.clone() for t in _pair(direction, h, dy)[1](q)[:2]]
-    for bm, bn, warps in SWEEP_TILES:
-        swiglu_cast.GPU_SWIGLU_TILE.update(BM=bm, BN=bn, num_warps=warps)
+    for candidate in candidates:
+        config.update(candidate)
         row = []
-        for direction, fp8 in (("fwd", torch.float8_e4m3fn), ("bwd", torch.float8_e5m2)):
-            q = _quantizers(fp8)["delayed"][0]
+        for direction, fp8 in directions:
+            q = _quantizers(fp8)[recipe][0]
             fused = _pair(direction, h, dy)[1]
             same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                        for a, b in zip(fused(q)[:2], expected[direction]))  # fmt: skip
             ms = cuda_median_ms(lambda q=q, f=fused: f(q))
             row.append(f"{direction} {ms * 1e3:7.1f}" + ("" if same else " BYTES DIFFER"))
-        print(f"  BM {bm:>3} BN {bn:>3} warps {warps:>2}: " + " | ".join(row))
-    swiglu_cast.GPU_SWIGLU_TILE.update(default)
+        print(f"  {candidate}: " + " | ".join(row))
+    config.update(default)
+
+
+def sweep(h: torch.Tensor, dy: torch.Tensor) -> None:
+    tiles = [{"BM": m, "BN": n, "num_warps": w} for m, n, w in SWEEP_TILES]
+    _sweep("swiglu_cast.GPU_SWIGLU_TILE", swiglu_cast.GPU_SWIGLU_TILE, tiles, "delayed", h, dy)
+    programs = [{"PROGRAMS_PER_SM": p} for p in (4, 2, 8, 16)]
+    _sweep("swiglu_cast.GPU_SWIGLU_AMAX", swiglu_cast.GPU_SWIGLU_AMAX, programs, "current", h, dy)
 
 
 def main() -> None:

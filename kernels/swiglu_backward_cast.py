@@ -44,11 +44,10 @@ from dist_quant.kernels.swiglu import (
     swiglu_grads,
 )
 from dist_quant.kernels.swiglu_cast import (
-    GPU_AMAX_PROGRAMS_PER_SM,
+    amax_programs,
     cast_ref,
     check_fp32_scalar,
     or_empty,
-    sm_count,
     tile_config,
     tile_of,
 )
@@ -197,7 +196,7 @@ def current_swiglu_backward_cast_triton(
                                            transpose)  # fmt: skip
     if is_gpu(h):
         block, warps = GPU_BLOCK["BLOCK"], GPU_BLOCK["num_warps"]
-        programs = min(rows, sm_count(dev) * GPU_AMAX_PROGRAMS_PER_SM)
+        programs = amax_programs(dev, rows)
     else:  # the interpreter: a few programs, several rows each, masked tails
         block, warps, programs = 64, 1, min(rows, 4)
     partials = torch.empty(programs, dtype=torch.int32, device=dev)

@@ -52,8 +52,9 @@ from dist_quant.kernels.swiglu import (
 )
 from torch import Tensor
 
-# Current scaling's SwiGLU + amax pass: persistent programs per SM (as current.py's amax pass)
-GPU_AMAX_PROGRAMS_PER_SM = 4
+# Current scaling's SwiGLU (or SwiGLU backward) + amax pass: persistent programs per SM, as
+# current.py's amax pass; `bench/bench_swiglu_cast.py --sweep` times the alternatives.
+GPU_SWIGLU_AMAX = {"PROGRAMS_PER_SM": 4}
 # The delayed kernel's (rows, ffn) tiles. cast.py's 128x128 / 8 warps (64 elements per thread)
 # ran this kernel at 354 us on the bench shape, slower than SwiGLU then the cast (309 us): with
 # SwiGLU's exp and divisions on every element the large tile holds too many live registers and
@@ -187,6 +188,11 @@ def delayed_swiglu_cast_triton(
     return DelayedCast(q, q_t, scale_inv)
 
 
+def amax_programs(dev: torch.device, rows: int) -> int:
+    """Programs of a persistent SwiGLU + amax pass on a GPU: a few per SM, at most one per row."""
+    return min(rows, sm_count(dev) * GPU_SWIGLU_AMAX["PROGRAMS_PER_SM"])
+
+
 def current_swiglu_cast_triton(
     h: Tensor,
     fp8_dtype: torch.dtype,
@@ -210,7 +216,7 @@ def current_swiglu_cast_triton(
                                            transpose)  # fmt: skip
     if is_gpu(h):
         block, warps = GPU_BLOCK["BLOCK"], GPU_BLOCK["num_warps"]
-        programs = min(rows, sm_count(dev) * GPU_AMAX_PROGRAMS_PER_SM)
+        programs = amax_programs(dev, rows)
     else:  # the interpreter: a few programs, several rows each, masked tails
         block, warps, programs = 64, 1, min(rows, 4)
     partials = torch.empty(programs, dtype=torch.int32, device=dev)
