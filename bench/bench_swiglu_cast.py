@@ -7,13 +7,13 @@ bf16, then fc1's grad-output quantizer (E5M2) casting it; fused is
 ``Quantizer.cast_swiglu_backward(dy, h)``. Every cast also writes the transpose (the wgrad
 operand), as a training step does. The script checks each pair gives the same bytes, scale
 inverse and amax, then prints the median GPU time of each and the ratio. Default shape:
-Llama-3-8B's MLP at seq 8192, batch 1. ``--sweep`` also times the fused delayed kernels' tile
-configurations (``swiglu_cast.GPU_SWIGLU_TILE``, both directions) and the current-scaling
-amax pass's programs per SM (``swiglu_cast.GPU_SWIGLU_AMAX``), each checked against the default
-configuration's bytes. The "op alone" column is ``K.swiglu`` / ``K.swiglu_backward`` by itself:
-per element of the (tokens, ffn) grid the fused delayed kernels move the bytes it moves (forward
-4 read, 1 + 1 FP8 written vs 2 bf16; backward 6 read, 2 + 2 FP8 written vs 4 bf16), so it is the
-mark they can reach.
+Llama-3-8B's MLP at seq 8192, batch 1. ``--sweep`` also times the fused delayed kernels' tiles
+(``swiglu_cast.GPU_SWIGLU_TILE``, ``swiglu_backward_cast.GPU_SWIGLU_BWD_TILE``) and the current-
+scaling amax pass's programs per SM (``swiglu_cast.GPU_SWIGLU_AMAX``), each configuration's
+bytes checked against the default's. The "op alone" column is ``K.swiglu`` /
+``K.swiglu_backward`` by itself: per element of the (tokens, ffn) grid the fused delayed kernels
+move the bytes it moves (forward 4 read, 1 + 1 FP8 written vs 2 bf16; backward 6 read, 2 + 2 FP8
+written vs 4 bf16), so it is the mark they can reach.
 
     python bench/bench_swiglu_cast.py [--tokens 8192] [--ffn 14336] [--sweep]
 """
@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 from bench_linear import cuda_median_ms
-from dist_quant.kernels import swiglu_cast
+from dist_quant.kernels import swiglu_backward_cast, swiglu_cast
 
 import dist_quant as dq
 from dist_quant import kernels as K
@@ -89,13 +89,13 @@ def compare(h: torch.Tensor, dy: torch.Tensor) -> None:
 
 
 def _sweep(
-    title: str, config: dict, candidates: list[dict], recipe: str, h: torch.Tensor, dy: torch.Tensor
-) -> None:
+    title: str, config: dict, candidates: list[dict], recipe: str, h: torch.Tensor,
+    dy: torch.Tensor, directions: tuple = (("fwd", torch.float8_e4m3fn), ("bwd", torch.float8_e5m2)),
+) -> None:  # fmt: skip
     """The fused ops of ``recipe`` under each candidate of ``config`` (a launcher's dict), bytes
     checked against the default's; the default is restored."""
     default = dict(config)
     print(f"\n# sweep {title} (default {default}), {recipe}, us")
-    directions = (("fwd", torch.float8_e4m3fn), ("bwd", torch.float8_e5m2))
     expected = {}
     for direction, fp8 in directions:
         q = _quantizers(fp8)[recipe][0]
@@ -116,7 +116,10 @@ def _sweep(
 
 def sweep(h: torch.Tensor, dy: torch.Tensor) -> None:
     tiles = [{"BM": m, "BN": n, "num_warps": w} for m, n, w in SWEEP_TILES]
-    _sweep("swiglu_cast.GPU_SWIGLU_TILE", swiglu_cast.GPU_SWIGLU_TILE, tiles, "delayed", h, dy)
+    fwd, bwd = (("fwd", torch.float8_e4m3fn),), (("bwd", torch.float8_e5m2),)
+    _sweep("swiglu_cast.GPU_SWIGLU_TILE", swiglu_cast.GPU_SWIGLU_TILE, tiles, "delayed", h, dy, fwd)
+    _sweep("swiglu_backward_cast.GPU_SWIGLU_BWD_TILE", swiglu_backward_cast.GPU_SWIGLU_BWD_TILE,
+           tiles, "delayed", h, dy, bwd)  # fmt: skip
     programs = [{"PROGRAMS_PER_SM": p} for p in (4, 2, 8, 16)]
     _sweep("swiglu_cast.GPU_SWIGLU_AMAX", swiglu_cast.GPU_SWIGLU_AMAX, programs, "current", h, dy)
 

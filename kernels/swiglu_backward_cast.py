@@ -53,6 +53,10 @@ from dist_quant.kernels.swiglu_cast import (
 )
 from torch import Tensor
 
+# The backward's tiles: as the forward's (`GPU_SWIGLU_TILE`), kept apart because each element
+# holds three loads and two results; `bench/bench_swiglu_cast.py --sweep` times the alternatives.
+GPU_SWIGLU_BWD_TILE = {"BM": 32, "BN": 128, "num_warps": 8}
+
 
 @triton.jit
 def _swiglu_backward_cast_kernel(
@@ -90,9 +94,8 @@ def _swiglu_backward_cast_kernel(
     tl.store(q_ptr + gate_off + ffn, code_u, mask=mask)
     if TRANSPOSE:
         # through shared memory, as the forward: each q_t row's BM bytes contiguous
-        gate_t = c[None, :] * rows + r[:, None]
-        tl.store(qt_ptr + gate_t, code_g, mask=mask)
-        tl.store(qt_ptr + gate_t + ffn * rows, code_u, mask=mask)
+        tl.store(qt_ptr + c[None, :] * rows + r[:, None], code_g, mask=mask)
+        tl.store(qt_ptr + (c[None, :] + ffn) * rows + r[:, None], code_u, mask=mask)  # int64
     tile_max = tl.maximum(abs_bits(d_gate), abs_bits(d_up))
     tl.atomic_max(amax_acc_ptr, tl.max(tl.max(tile_max, axis=1), axis=0), sem="relaxed")
 
@@ -161,7 +164,7 @@ def delayed_swiglu_backward_cast_triton(
     if rows * ffn == 0:  # no program runs to write it
         scale_inv.copy_(torch.reciprocal(scale.reshape(1)))
         return DelayedCast(q, q_t, scale_inv)
-    bm, bn, warps = tile_config(h, rows)
+    bm, bn, warps = tile_config(h, rows, GPU_SWIGLU_BWD_TILE)
     q_bytes = q.view(torch.uint8)
     _swiglu_backward_cast_kernel[(cdiv(rows, bm) * cdiv(ffn, bn),)](
         dy2, h2, q_bytes, q_bytes if q_t is None else q_t.view(torch.uint8), scale.reshape(1),

@@ -152,10 +152,10 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def tile_config(h: Tensor, rows: int) -> tuple[int, int, int]:
-    """``(BM, BN, num_warps)`` of the tiled SwiGLU casts for ``h``'s device."""
+def tile_config(h: Tensor, rows: int, gpu_tile: dict[str, int]) -> tuple[int, int, int]:
+    """``(BM, BN, num_warps)`` of a tiled SwiGLU cast for ``h``'s device (``gpu_tile`` on a GPU)."""
     if is_gpu(h):
-        return GPU_SWIGLU_TILE["BM"], GPU_SWIGLU_TILE["BN"], GPU_SWIGLU_TILE["num_warps"]
+        return gpu_tile["BM"], gpu_tile["BN"], gpu_tile["num_warps"]
     return min(32, next_pow2(rows)), 64, 1  # the interpreter: masked tails in every test
 
 
@@ -177,7 +177,7 @@ def delayed_swiglu_cast_triton(
     if rows * ffn == 0:  # no program runs to write it
         scale_inv.copy_(torch.reciprocal(scale.reshape(1)))
         return DelayedCast(q, q_t, scale_inv)
-    bm, bn, warps = tile_config(h, rows)
+    bm, bn, warps = tile_config(h, rows, GPU_SWIGLU_TILE)
     q_bytes = q.view(torch.uint8)
     _swiglu_cast_kernel[(cdiv(rows, bm) * cdiv(ffn, bn),)](
         h2, q_bytes, q_bytes if q_t is None else q_t.view(torch.uint8), scale.reshape(1),
