@@ -30,10 +30,15 @@ from dist_quant.kernels import swiglu_backward_cast, swiglu_cast
 import dist_quant as dq
 from dist_quant import kernels as K
 
-# (BM, BN, num_warps) of the delayed kernels' tiles; 32x128/8 is the default
-SWEEP_TILES = [
-    (32, 128, 8), (32, 128, 4), (64, 64, 4), (64, 64, 8), (64, 128, 8), (16, 128, 4),
-    (16, 256, 8), (32, 64, 4), (32, 256, 8), (128, 128, 8),
+# (BM, BN, num_warps) of the delayed kernels' tiles, the default first; sm_90 registers per
+# thread of each: bench/swiglu_cast_registers.py
+SWEEP_FWD_TILES = [
+    (64, 64, 16), (32, 128, 16), (32, 64, 8), (64, 32, 8), (16, 128, 8), (8, 256, 8),
+    (32, 128, 8), (128, 128, 8),
+]  # fmt: skip
+SWEEP_BWD_TILES = [
+    (32, 64, 16), (64, 32, 16), (16, 128, 16), (32, 128, 32), (16, 64, 8), (64, 64, 16),
+    (32, 128, 8),
 ]  # fmt: skip
 
 
@@ -115,11 +120,15 @@ def _sweep(
 
 
 def sweep(h: torch.Tensor, dy: torch.Tensor) -> None:
-    tiles = [{"BM": m, "BN": n, "num_warps": w} for m, n, w in SWEEP_TILES]
+    fwd_tiles, bwd_tiles = (
+        [{"BM": m, "BN": n, "num_warps": w} for m, n, w in tiles]
+        for tiles in (SWEEP_FWD_TILES, SWEEP_BWD_TILES)
+    )
     fwd, bwd = (("fwd", torch.float8_e4m3fn),), (("bwd", torch.float8_e5m2),)
-    _sweep("swiglu_cast.GPU_SWIGLU_TILE", swiglu_cast.GPU_SWIGLU_TILE, tiles, "delayed", h, dy, fwd)
+    _sweep("swiglu_cast.GPU_SWIGLU_TILE", swiglu_cast.GPU_SWIGLU_TILE, fwd_tiles, "delayed", h, dy,
+           fwd)  # fmt: skip
     _sweep("swiglu_backward_cast.GPU_SWIGLU_BWD_TILE", swiglu_backward_cast.GPU_SWIGLU_BWD_TILE,
-           tiles, "delayed", h, dy, bwd)  # fmt: skip
+           bwd_tiles, "delayed", h, dy, bwd)  # fmt: skip
     programs = [{"PROGRAMS_PER_SM": p} for p in (4, 2, 8, 16)]
     _sweep("swiglu_cast.GPU_SWIGLU_AMAX", swiglu_cast.GPU_SWIGLU_AMAX, programs, "current", h, dy)
 

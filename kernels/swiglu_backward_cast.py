@@ -53,9 +53,11 @@ from dist_quant.kernels.swiglu_cast import (
 )
 from torch import Tensor
 
-# The backward's tiles: as the forward's (`GPU_SWIGLU_TILE`), kept apart because each element
-# holds three loads and two results; `bench/bench_swiglu_cast.py --sweep` times the alternatives.
-GPU_SWIGLU_BWD_TILE = {"BM": 32, "BN": 128, "num_warps": 8}
+# The backward's tiles, apart from the forward's (`GPU_SWIGLU_TILE`): each element holds three
+# loads and two results, so 8 elements per thread already take 110 registers for sm_90 (64x64 /
+# 16 warps; 32x128 / 8 warps: 180), 4 take 54 (32x64 / 16 warps, 32 warps resident;
+# bench/swiglu_cast_registers.py). `bench/bench_swiglu_cast.py --sweep` times the alternatives.
+GPU_SWIGLU_BWD_TILE = {"BM": 32, "BN": 64, "num_warps": 16}
 
 
 @triton.jit

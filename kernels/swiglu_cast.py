@@ -55,12 +55,14 @@ from torch import Tensor
 # Current scaling's SwiGLU (or SwiGLU backward) + amax pass: persistent programs per SM, as
 # current.py's amax pass; `bench/bench_swiglu_cast.py --sweep` times the alternatives.
 GPU_SWIGLU_AMAX = {"PROGRAMS_PER_SM": 4}
-# The delayed kernel's (rows, ffn) tiles. cast.py's 128x128 / 8 warps (64 elements per thread)
-# ran this kernel at 354 us on the bench shape, slower than SwiGLU then the cast (309 us): with
-# SwiGLU's exp and divisions on every element the large tile holds too many live registers and
-# too few warps to cover its loads. 16 elements per thread, as many tiles in flight as the
-# registers allow; `bench/bench_swiglu_cast.py --sweep` times the alternatives.
-GPU_SWIGLU_TILE = {"BM": 32, "BN": 128, "num_warps": 8}
+# The delayed kernel's (rows, ffn) tiles. cast.py's 128x128 / 8 warps ran this kernel at 354 us
+# on the bench shape (H200), slower than SwiGLU then the cast (309 us): with SwiGLU's exp and
+# division on 64 elements per thread it compiles to 255 registers and a stack spill for sm_90,
+# so an SM holds one program of 8 warps, too few to cover the loads. At 8 elements per thread
+# 64x64 / 16 warps takes 62 registers (32 warps resident), the unfused swiglu kernel's density
+# (bench/swiglu_cast_registers.py, Triton 3.9's ptxas); `bench/bench_swiglu_cast.py --sweep`
+# times the alternatives.
+GPU_SWIGLU_TILE = {"BM": 64, "BN": 64, "num_warps": 16}
 
 
 @triton.jit
