@@ -45,6 +45,7 @@ from dist_quant.quantizers import (
     Float8CurrentScalingQuantizer,
     Float8Quantizer,
     IdentityQuantizer,
+    PerTensorCast,
     Quantizer,
 )
 from dist_quant.tensor import Float8Tensor, QuantizedTensor, from_saved, to_saved
@@ -139,9 +140,10 @@ class SwiGLUGradHandoff:
     __slots__ = ("cast", "quantizer", "transpose")
 
     def __init__(self) -> None:
-        self.quantizer: Any = None  # fc1's grad-output quantizer, once armed
+        # fc1's grad-output quantizer (a _PER_TENSOR type: _PerTensorLinear's slots), once armed
+        self.quantizer: Float8Quantizer | Float8CurrentScalingQuantizer | None = None
         self.transpose = False  # fc1 computes its weight gradient: the cast's transpose too
-        self.cast: Any = None  # PerTensorCast of dh, from fc2's backward to fc1's
+        self.cast: PerTensorCast | None = None  # dh's cast, from fc2's backward to fc1's
 
 
 class _QuantizedLinear(torch.autograd.Function):
