@@ -7,9 +7,10 @@ writes the activation ``a`` (ffn columns) in high precision, and fc2's input cas
 (twice under current scaling: the amax pass and the cast pass). The backward needs only ``h`` (the
 SwiGLU gradient recomputes silu from it) and the FP8 copies of ``a``, so ``a`` need not exist:
 
-- delayed scaling (the scale is known before the kernel): one launch reads ``h``, computes each
-  element of ``a`` exactly as ``swiglu_value`` (rounded to ``h``'s dtype where torch rounds),
-  writes its FP8 code and the transposed code, folds ``max|a|`` into ``amax_out`` by the same
+- delayed scaling (the scale is known before the kernel): one launch reads ``h`` by ``[BM, BN]``
+  tiles of the ``(rows, ffn)`` grid (the gate and up tiles along ffn), computes each element of
+  ``a`` exactly as ``swiglu_value`` (rounded to ``h``'s dtype where torch rounds), writes the FP8
+  tile row-major and its transpose along rows (``GPU_SWIGLU_TILE``), folds ``max|a|`` into ``amax_out`` by the same
   integer atomic max as ``cast.py`` and writes ``1 / scale``. No high-precision ``a`` is written.
 - current scaling (the scale needs ``max|a|`` first): the SwiGLU pass writes ``a`` and its per-
   program amax partials in one launch (what ``current.py``'s amax pass would read ``a`` again
