@@ -212,6 +212,32 @@ class Float8Quantizer(Quantizer):
             observe_cast(self, x, self.scale)
         return PerTensorCast(out.data, out.data_t, out.scale_inv)
 
+    def cast_swiglu(self, h: Tensor, *, transpose: bool) -> PerTensorCast:
+        """``cast(swiglu(h))`` (``h = [gate, up]`` along the last dim, fc1's output) without
+        writing ``swiglu(h)``: the same bytes, transpose, scale inverse and amax fold, one launch
+        on CUDA (``kernels/swiglu_cast.py``). A telemetry step's observers read the activation
+        itself, so there it is computed and cast as two ops."""
+        h = self._check_input(h)
+        if _cast_observers:
+            return self.cast(fp8_kernels.swiglu(h), transpose=transpose)
+        out = fp8_kernels.delayed_swiglu_cast(
+            h, self.scale, self.fp8_dtype, self.amax, transpose=transpose
+        )
+        return PerTensorCast(out.data, out.data_t, out.scale_inv)
+
+    def cast_swiglu_backward(self, dy: Tensor, h: Tensor, *, transpose: bool) -> PerTensorCast:
+        """``cast(swiglu_backward(dy, h))`` (fc1's incoming gradient from the activation's) without
+        writing the high-precision gradient: the same bytes, transpose, scale inverse and amax
+        fold, one launch on CUDA (``kernels/swiglu_backward_cast.py``); two ops on a telemetry
+        step, as ``cast_swiglu``."""
+        h = self._check_input(h)
+        if _cast_observers:
+            return self.cast(fp8_kernels.swiglu_backward(dy, h), transpose=transpose)
+        out = fp8_kernels.delayed_swiglu_backward_cast(
+            dy, h, self.scale, self.fp8_dtype, self.amax, transpose=transpose
+        )
+        return PerTensorCast(out.data, out.data_t, out.scale_inv)
+
 
 class Float8CurrentScalingQuantizer(Quantizer):
     """Current scaling: the scale comes from this tensor's own amax.
@@ -294,6 +320,40 @@ class Float8CurrentScalingQuantizer(Quantizer):
         else:
             data, data_t = fp8_kernels.cast_to_fp8(x, scale, self.fp8_dtype), None
         return PerTensorCast(data, data_t, scale_inv)
+
+    def cast_swiglu(self, h: Tensor, *, transpose: bool) -> PerTensorCast:
+        """As ``Float8Quantizer.cast_swiglu``: SwiGLU writes its output and amax partials in one
+        launch and the cast reads that output once (two launches on CUDA, not three). With an
+        ``amax_reduction_group`` (the amax is all-reduced between the passes) or on a telemetry
+        step, the activation is computed and cast as two ops."""
+        h = self._check_input(h)
+        if self.amax_reduction_group is not None or _cast_observers:
+            return self.cast(fp8_kernels.swiglu(h), transpose=transpose)
+        out = fp8_kernels.current_swiglu_cast(
+            h,
+            self.fp8_dtype,
+            amax_epsilon=self.amax_epsilon,
+            use_power_2_scales=self.use_power_2_scales,
+            transpose=transpose,
+        )
+        return PerTensorCast(out.data, out.data_t, out.scale_inv)
+
+    def cast_swiglu_backward(self, dy: Tensor, h: Tensor, *, transpose: bool) -> PerTensorCast:
+        """As ``Float8Quantizer.cast_swiglu_backward``: the SwiGLU backward writes the gradient and
+        its amax partials in one launch, the cast reads it once; two ops with an
+        ``amax_reduction_group`` or on a telemetry step, as ``cast_swiglu``."""
+        h = self._check_input(h)
+        if self.amax_reduction_group is not None or _cast_observers:
+            return self.cast(fp8_kernels.swiglu_backward(dy, h), transpose=transpose)
+        out = fp8_kernels.current_swiglu_backward_cast(
+            dy,
+            h,
+            self.fp8_dtype,
+            amax_epsilon=self.amax_epsilon,
+            use_power_2_scales=self.use_power_2_scales,
+            transpose=transpose,
+        )
+        return PerTensorCast(out.data, out.data_t, out.scale_inv)
 
 
 class MXFP8Quantizer(Quantizer):

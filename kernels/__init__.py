@@ -20,7 +20,10 @@ path (eager calls run the launcher or the reference directly; torch.compile trac
   ``nvfp4_global_scales`` are the reference functions themselves, exact on any device);
 - ``fp8_stats.py``: ``cast_stats`` (telemetry; imported from there, not exported here);
 - ``swiglu.py``: ``swiglu``, ``swiglu_backward`` (LayerNormMLP's activation, torch's bits on
-  CUDA in one launch each).
+  CUDA in one launch each); ``swiglu_cast.py``: ``delayed_swiglu_cast``, ``current_swiglu_cast``
+  (SwiGLU fused with fc2's per-tensor input cast: the cast's bytes without writing SwiGLU's output);
+  ``swiglu_backward_cast.py``: ``delayed_swiglu_backward_cast``, ``current_swiglu_backward_cast``
+  (its backward fused with fc1's per-tensor grad-output cast, likewise).
 - ``attention.py``: ``fp8_attention_fwd``, ``fp8_attention_bwd`` (FP8 flash attention, kernels
   in ``attention_fwd.py`` / ``attention_bwd.py``, held to a tolerance of its float64 definition
   ``reference_attention.py``; imported from there, not exported here).
@@ -58,6 +61,11 @@ from dist_quant.kernels.reference_nvfp4 import (
     random_hadamard_transform,
 )
 from dist_quant.kernels.swiglu import swiglu, swiglu_backward
+from dist_quant.kernels.swiglu_backward_cast import (
+    current_swiglu_backward_cast,
+    delayed_swiglu_backward_cast,
+)
+from dist_quant.kernels.swiglu_cast import current_swiglu_cast, delayed_swiglu_cast
 
 __all__ = [
     "FLT_MAX",
@@ -78,9 +86,13 @@ __all__ = [
     "cast_transpose_with_amax",
     "current_scale",
     "current_scaling_cast",
+    "current_swiglu_backward_cast",
+    "current_swiglu_cast",
     "delayed_cast",
     "delayed_scaling_update",
     "delayed_scaling_update_groups",
+    "delayed_swiglu_backward_cast",
+    "delayed_swiglu_cast",
     "dequantize",
     "fp8_max",
     "mxfp8_cast",

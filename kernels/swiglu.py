@@ -35,7 +35,7 @@ GPU_BLOCK = {"BLOCK": 1024, "num_warps": 4}  # columns per program: one row's st
 
 
 @triton.jit
-def _silu_parts(g):
+def silu_parts(g):
     """(silu(g), sigmoid(g)) in fp32, as torch's CUDA silu and silu_backward compute them."""
     if _INTERPRETED:  # the interpreter has no libdevice; its tl.exp is numpy's, not approximate
         e = tl.exp(-g)
@@ -46,7 +46,7 @@ def _silu_parts(g):
 
 
 @triton.jit
-def _rounded(x, out_ty, BITS: tl.constexpr):
+def round_to(x, out_ty, BITS: tl.constexpr):
     """`x` rounded to the output dtype, as fp32. BITS (bf16 in the interpreter, whose conversion
     truncates and flushes subnormals): round to nearest even on the bits instead."""
     if BITS:
@@ -55,12 +55,31 @@ def _rounded(x, out_ty, BITS: tl.constexpr):
 
 
 @triton.jit
-def _store(ptr, x, mask, BITS: tl.constexpr):
+def store_rounded(ptr, x, mask, BITS: tl.constexpr):
     """Store `x`, already rounded; under BITS `ptr` is the bf16 output's int16 view."""
     if BITS:
         tl.store(ptr, to_bf16_bits(x), mask=mask)
     else:
         tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def swiglu_value(g, u, out_ty, BITS: tl.constexpr):
+    """``silu(g) * u`` in fp32 holding a value of ``out_ty``, rounded where torch's ops round
+    (``swiglu_cast.py`` casts this value without writing it)."""
+    silu, _ = silu_parts(g)
+    return round_to(round_to(silu, out_ty, BITS) * u, out_ty, BITS)
+
+
+@triton.jit
+def swiglu_grads(dy, g, u, out_ty, BITS: tl.constexpr):
+    """``(d_gate, d_up)`` in fp32 holding values of ``out_ty``, rounded where torch's ops round
+    (``swiglu_cast.py`` casts them without writing them)."""
+    silu, sig = silu_parts(g)
+    silu = round_to(silu, out_ty, BITS)
+    d_silu = round_to(dy * u, out_ty, BITS)
+    d_gate = round_to(d_silu * sig * (1.0 + g * (1.0 - sig)), out_ty, BITS)
+    return d_gate, round_to(dy * silu, out_ty, BITS)
 
 
 @triton.jit
@@ -72,9 +91,7 @@ def _swiglu_fwd_kernel(h_ptr, out_ptr, FFN, BLOCK: tl.constexpr, BITS: tl.conste
     gate_ptr = h_ptr + row * 2 * FFN + cols
     g = tl.load(gate_ptr, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(gate_ptr + FFN, mask=ok, other=0.0).to(tl.float32)
-    silu, _ = _silu_parts(g)
-    out = _rounded(_rounded(silu, out_ty, BITS) * u, out_ty, BITS)
-    _store(out_ptr + row * FFN + cols, out, ok, BITS)
+    store_rounded(out_ptr + row * FFN + cols, swiglu_value(g, u, out_ty, BITS), ok, BITS)
 
 
 @triton.jit
@@ -87,15 +104,12 @@ def _swiglu_bwd_kernel(dy_ptr, h_ptr, dh_ptr, FFN, BLOCK: tl.constexpr, BITS: tl
     gate_off = row * 2 * FFN + cols
     g = tl.load(h_ptr + gate_off, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(h_ptr + gate_off + FFN, mask=ok, other=0.0).to(tl.float32)
-    silu, sig = _silu_parts(g)
-    silu = _rounded(silu, out_ty, BITS)
-    d_silu = _rounded(dy * u, out_ty, BITS)
-    d_gate = _rounded(d_silu * sig * (1.0 + g * (1.0 - sig)), out_ty, BITS)
-    _store(dh_ptr + gate_off, d_gate, ok, BITS)
-    _store(dh_ptr + gate_off + FFN, _rounded(dy * silu, out_ty, BITS), ok, BITS)
+    d_gate, d_up = swiglu_grads(dy, g, u, out_ty, BITS)
+    store_rounded(dh_ptr + gate_off, d_gate, ok, BITS)
+    store_rounded(dh_ptr + gate_off + FFN, d_up, ok, BITS)
 
 
-def _rows(h: Tensor, what: str) -> tuple[Tensor, int]:
+def stacked_rows(h: Tensor, what: str) -> tuple[Tensor, int]:
     """`h` as contiguous (rows, 2 * ffn), and ffn; refuses what the kernels cannot take."""
     if h.dtype not in _DTYPES:
         raise ValueError(f"kernels.swiglu.{what}: h must be fp32/bf16/fp16, got {h.dtype}")
@@ -107,7 +121,7 @@ def _rows(h: Tensor, what: str) -> tuple[Tensor, int]:
     return h.contiguous().view(-1, h.shape[-1]), h.shape[-1] // 2
 
 
-def _bits(h: Tensor) -> bool:
+def bits_mode(h: Tensor) -> bool:
     """Round bf16 on the bits: only the interpreter needs it (its conversion truncates)."""
     return h.dtype == torch.bfloat16 and bool(_INTERPRETED.value)
 
@@ -123,11 +137,11 @@ def _block(h: Tensor) -> tuple[int, int]:
 
 
 def swiglu_triton(h: Tensor) -> Tensor:
-    h2, ffn = _rows(h, "swiglu")
+    h2, ffn = stacked_rows(h, "swiglu")
     out = torch.empty(*h.shape[:-1], ffn, dtype=h.dtype, device=h.device)
     if out.numel():
         block, warps = _block(h)
-        bits = _bits(h)
+        bits = bits_mode(h)
         _swiglu_fwd_kernel[_grid(h2.shape[0], ffn, block)](
             h2, out.view(torch.int16) if bits else out, ffn, BLOCK=block, BITS=bits,
             num_warps=warps,
@@ -136,7 +150,7 @@ def swiglu_triton(h: Tensor) -> Tensor:
 
 
 def swiglu_backward_triton(dy: Tensor, h: Tensor) -> Tensor:
-    h2, ffn = _rows(h, "swiglu_backward")
+    h2, ffn = stacked_rows(h, "swiglu_backward")
     if dy.shape != (*h.shape[:-1], ffn) or dy.dtype != h.dtype:
         raise ValueError(
             f"kernels.swiglu.swiglu_backward: dy must be {h.dtype} of shape "
@@ -145,7 +159,7 @@ def swiglu_backward_triton(dy: Tensor, h: Tensor) -> Tensor:
     dh = torch.empty(h.shape, dtype=h.dtype, device=h.device)
     if dh.numel():
         block, warps = _block(h)
-        bits = _bits(h)
+        bits = bits_mode(h)
         _swiglu_bwd_kernel[_grid(h2.shape[0], ffn, block)](
             dy.contiguous(), h2, dh.view(torch.int16) if bits else dh, ffn, BLOCK=block,
             BITS=bits, num_warps=warps,

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from dist_quant.forward import enrol_backward_from
 from dist_quant.gemm import gemm, per_tensor_gemm
+from dist_quant.kernels import swiglu, swiglu_backward
 from dist_quant.kinds import ParallelMode, PassMode
 from dist_quant.parallel import (
     TPLayout,
@@ -44,6 +45,7 @@ from dist_quant.quantizers import (
     Float8CurrentScalingQuantizer,
     Float8Quantizer,
     IdentityQuantizer,
+    PerTensorCast,
     Quantizer,
 )
 from dist_quant.tensor import Float8Tensor, QuantizedTensor, from_saved, to_saved
@@ -106,6 +108,42 @@ def fake_quantize(q: Quantizer | None, t: torch.Tensor) -> torch.Tensor:
         return Float8Tensor(cast.data, cast.scale_inv, dtype=t.dtype).dequantize(t.dtype)
     q.set_usage(rowwise=True, columnwise=False)
     return q.quantize(t).dequantize(t.dtype)
+
+
+class SwiGLU(torch.autograd.Function):
+    """``silu(gate) * up`` of ``h = [gate, up]`` and its gradient, one kernel each way
+    (``kernels/swiglu.py``: the bits of eager torch's ops on the halves, without their strided
+    passes and the gradients' concat); keeps ``h`` for the backward, not the silu it recomputes."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(h)
+        return swiglu(h)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> torch.Tensor:
+        (h,) = ctx.saved_tensors
+        return swiglu_backward(dy, h)
+
+
+class SwiGLUGradHandoff:
+    """fc1 -> SwiGLU -> fc2 on the per-tensor path (one per LayerNormMLP forward): fc2's backward
+    casts ``h``'s gradient itself with fc1's grad-output quantizer
+    (``Quantizer.cast_swiglu_backward``: no high-precision ``dh``) and leaves the cast here; fc1's
+    backward takes it instead of casting its incoming gradient, which is then an all-zero
+    stand-in (autograd needs a tensor of ``h``'s shape; nothing else reads ``h``'s gradient).
+
+    fc1's forward arms it (``quantizer``, ``transpose``) only where its own backward would cast
+    that gradient per-tensor and use it for nothing else: its ``_PerTensorLinear`` path, no bias
+    gradient (the bias gradient sums the high-precision ``dh``)."""
+
+    __slots__ = ("cast", "quantizer", "transpose")
+
+    def __init__(self) -> None:
+        # fc1's grad-output quantizer (a _PER_TENSOR type: _PerTensorLinear's slots), once armed
+        self.quantizer: Float8Quantizer | Float8CurrentScalingQuantizer | None = None
+        self.transpose = False  # fc1 computes its weight gradient: the cast's transpose too
+        self.cast: PerTensorCast | None = None  # dh's cast, from fc2's backward to fc1's
 
 
 class _QuantizedLinear(torch.autograd.Function):
@@ -294,11 +332,19 @@ def quantized_linear(
     fp8_output: bool = False,
     fp8_grad_input: bool = False,
     tp: TPLayout | None = None,
+    swiglu_input: bool = False,
+    swiglu_handoff: SwiGLUGradHandoff | None = None,
 ) -> torch.Tensor:
     """`x @ weight.T + bias` with the operands quantized by `slots` (weight pre-quantized).
 
     With `tp` the GEMM is one rank's part of a tensor-parallel GEMM (`weight` is the shard) and runs
     the collectives of its layout; the slots' quantizers must come from `tp.shard_quantizers`.
+
+    With `swiglu_input`, `x` is `h = [gate, up]` and the GEMM's input is `swiglu(h)`: on the
+    per-tensor path the input cast reads `h` (`cast_swiglu`), so the activation is never written in
+    high precision; on any other path `SwiGLU` computes it first. The same bits either way.
+    `swiglu_handoff` (LayerNormMLP, both GEMMs): fc1's call (no `swiglu_input`) arms it where its
+    backward can take its gradient's cast from fc2's (`SwiGLUGradHandoff`), fc2's call fills it.
     """
     if tp is not None and tp.sequence_parallel:
         check_sequence_shardable(x, tp)
@@ -308,7 +354,18 @@ def quantized_linear(
         and not (fp8_output or fp8_grad_input)
         and type(weight_q) is Float8Tensor
     ):
-        return _PerTensorLinear.apply(x, weight, bias, slots, weight_q)
+        if (
+            swiglu_handoff is not None
+            and not swiglu_input
+            and not (bias is not None and bias.requires_grad)
+        ):
+            swiglu_handoff.quantizer = slots.grad_output
+            swiglu_handoff.transpose = weight.requires_grad
+        return _PerTensorLinear.apply(
+            x, weight, bias, slots, weight_q, swiglu_input, swiglu_handoff
+        )
+    if swiglu_input:
+        x = SwiGLU.apply(x)
     # The usage flags are set here, not in the autograd.Function, where torch.compile refuses a
     # mutation (it traces the backward with the forward); the backward's own set_usage then
     # stores nothing, its needs being the inputs' requires_grad.
@@ -336,7 +393,13 @@ class _PerTensorLinear(torch.autograd.Function):
     no FP8 boundary, with the host time cut: the casts hand over their bytes and scale inverses
     (`Quantizer.cast`) and the GEMMs take them (`per_tensor_gemm`), with no containers, operands
     or layouts built in between. The same casts and GEMMs on the same operands as the general
-    path, hence the same bits; saved tensors are the FP8 bytes, as there."""
+    path, hence the same bits; saved tensors are the FP8 bytes, as there.
+
+    With `swiglu`, `x` is `h = [gate, up]` (LayerNormMLP's fc1 output) and the input cast is
+    `cast_swiglu(h)`: the bytes of casting `swiglu(h)`, which is never written in high precision;
+    `h` is saved and the backward turns the GEMM's input gradient into `h`'s (`swiglu_backward`),
+    as `SwiGLU` would after the unfused GEMM. With an armed `handoff` that gradient is cast to
+    fc1's grad-output FP8 right there (`SwiGLUGradHandoff`), and fc1's backward takes the cast."""
 
     @staticmethod
     def forward(
@@ -346,12 +409,18 @@ class _PerTensorLinear(torch.autograd.Function):
         bias: torch.Tensor | None,
         slots: LinearSlots,
         weight_q: Float8Tensor,
+        swiglu: bool,
+        handoff: SwiGLUGradHandoff | None,
     ) -> torch.Tensor:
         out_features, in_features = weight.shape
-        # (tokens, in_features); a 2D input is used as it is (a view op costs host time)
-        x2d = x if x.dim() == 2 else x.reshape(-1, in_features)
+        width = 2 * in_features if swiglu else in_features
+        # (tokens, width); a 2D input is used as it is (a view op costs host time)
+        x2d = x if x.dim() == 2 else x.reshape(-1, width)
         need_wgrad = weight.requires_grad
-        x_data, x_t, x_scale_inv = slots.input.cast(x2d, transpose=need_wgrad)
+        if swiglu:
+            x_data, x_t, x_scale_inv = slots.input.cast_swiglu(x2d, transpose=need_wgrad)
+        else:
+            x_data, x_t, x_scale_inv = slots.input.cast(x2d, transpose=need_wgrad)
         w_scale_inv = weight_q.scale_inv
         y = per_tensor_gemm(
             x_data,
@@ -361,34 +430,51 @@ class _PerTensorLinear(torch.autograd.Function):
             out_dtype=x.dtype,
             bias=bias,
         )
-        ctx.slots = slots
+        ctx.slots, ctx.handoff, ctx.swiglu = slots, handoff, swiglu
         # as the general path: x only as the wgrad operand x^T, W^T only for dgrad
         x_saved = (x_t, x_scale_inv) if need_wgrad else (None, None)
         w_saved = (weight_q.transpose_data(), w_scale_inv) if x.requires_grad else (None, None)
-        ctx.save_for_backward(*x_saved, *w_saved)
+        h_saved = x2d if swiglu and x.requires_grad else None  # (tokens, 2 * in_features)
+        ctx.save_for_backward(*x_saved, *w_saved, h_saved)
         ctx.shapes = (x.shape, x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return y if x2d is x else y.reshape(*x.shape[:-1], out_features)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple:
         slots: LinearSlots = ctx.slots
-        x_t, x_scale_inv, w_t, w_scale_inv = ctx.saved_tensors
+        x_t, x_scale_inv, w_t, w_scale_inv, h = ctx.saved_tensors
         x_shape, x_dtype, w_dtype, b_dtype = ctx.shapes
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        dy2d = (dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])).contiguous()
-        dy_data, dy_t, dy_scale_inv = slots.grad_output.cast(dy2d, transpose=need_dw)
+        handoff: SwiGLUGradHandoff | None = ctx.handoff
+        handed = None
+        if handoff is not None and not ctx.swiglu:  # fc1: fc2's backward may have cast dy
+            handed, handoff.cast = handoff.cast, None
+        if handed is not None:  # dy is the all-zero stand-in: not read, not made contiguous
+            dy2d = dy
+            dy_data, dy_t, dy_scale_inv = handed
+        else:
+            dy2d = (dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])).contiguous()
+            dy_data, dy_t, dy_scale_inv = slots.grad_output.cast(dy2d, transpose=need_dw)
         if slots.bwd_groups:
             enrol_backward_from(dy2d, slots.enrol_key, slots.bwd_groups, slots.reduction_group)
         dx = dw = db = None
         if need_dx:
             dx = per_tensor_gemm(dy_data, dy_scale_inv, w_t, w_scale_inv, out_dtype=x_dtype)
-            if len(x_shape) != 2:
+            if h is not None and handoff is not None and handoff.quantizer is not None:
+                # fc1's grad-output cast of h's gradient, fused with SwiGLU's backward
+                handoff.cast = handoff.quantizer.cast_swiglu_backward(
+                    dx, h, transpose=handoff.transpose
+                )
+                dx = dx.new_zeros(()).expand(x_shape)
+            elif h is not None:  # the activation's gradient -> h's (tokens, 2 * in_features)
+                dx = swiglu_backward(dx, h)
+            if len(x_shape) != 2 and dx.shape != x_shape:
                 dx = dx.reshape(x_shape)
         if need_dw:
             dw = per_tensor_gemm(dy_t, dy_scale_inv, x_t, x_scale_inv, out_dtype=w_dtype)
         if need_db and b_dtype is not None:
             db = dy2d.float().sum(0).to(b_dtype)
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None, None
 
 
 def check_sequence_shardable(x: torch.Tensor, tp: TPLayout) -> None:

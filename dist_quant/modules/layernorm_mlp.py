@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dist_quant.forward import forward_plan
-from dist_quant.kernels import swiglu, swiglu_backward
 from dist_quant.kinds import ParallelMode
 from dist_quant.modules.base import check_sizes
+from dist_quant.modules.functional import SwiGLU, SwiGLUGradHandoff
 from dist_quant.modules.layernorm_linear import NormLinearBase, check_normalization
 from dist_quant.modules.linear import GemmSlots, init_linear_
 from dist_quant.parallel import mark_sequence_parallel, mark_tp_split
@@ -47,23 +47,7 @@ def activate(h: torch.Tensor, activation: str) -> torch.Tensor:
     h2 are the first and second halves of fc1's output."""
     if activation == "gelu":
         return F.gelu(h, approximate="tanh")
-    return _SwiGLU.apply(h)
-
-
-class _SwiGLU(torch.autograd.Function):
-    """``silu(gate) * up`` and its gradient, one kernel each way (``kernels/swiglu.py``: the bits
-    of eager torch's ops on the halves, without their strided passes and the gradients' concat);
-    keeps fc1's output for the backward, not the silu it recomputes."""
-
-    @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, h: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(h)
-        return swiglu(h)
-
-    @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, dy: torch.Tensor) -> torch.Tensor:
-        (h,) = ctx.saved_tensors
-        return swiglu_backward(dy, h)
+    return SwiGLU.apply(h)
 
 
 class LayerNormMLP(NormLinearBase):
@@ -170,18 +154,30 @@ class LayerNormMLP(NormLinearBase):
         if plan is not None:
             runtime, (fc1_slots, fc2_slots) = plan.runtime, plan.gemms
         ln_out = self._norm(x)
+        # SwiGLU -> fc2's per-tensor input cast fused on one rank: fc2 reads h, and SwiGLU's
+        # output is never written in high precision (functional.quantized_linear)
+        fused = (
+            self.activation == "swiglu"
+            and fc2_slots is not None
+            and fc2_slots.per_tensor
+            and self.tp_size == 1
+        )
+        # ... and in the backward SwiGLU's gradient -> fc1's grad-output cast, where fc1 arms the
+        # handoff (eager only: a traced backward cannot pass Python state between the GEMMs)
+        handoff = SwiGLUGradHandoff() if fused and not torch.compiler.is_compiling() else None
         h = self._linear(
             ln_out, self.fc1_weight, self.fc1_bias, runtime=runtime, slots=fc1_slots,
             cache_slot="fc1_weight", is_first_microbatch=is_first_microbatch,
-            tp=self._tp_layout(FC1_SLOTS.parallel_mode),
+            tp=self._tp_layout(FC1_SLOTS.parallel_mode), swiglu_handoff=handoff,
         )  # fmt: skip
         # h: (..., ffn) or (..., 2 * ffn) for swiglu; per rank: ffn / tp (SP: sequence gathered)
-        a = activate(h, self.activation)  # (..., ffn)
+        a = h if fused else activate(h, self.activation)  # (..., ffn) unless fused
         # -> (..., hidden): partial sums reduced over TP (SP: reduce-scattered to this rank's rows)
         return self._linear(
             a, self.fc2_weight, self.fc2_bias, runtime=runtime, slots=fc2_slots,
             cache_slot="fc2_weight", is_first_microbatch=is_first_microbatch,
-            tp=self._tp_layout(FC2_SLOTS.parallel_mode),
+            tp=self._tp_layout(FC2_SLOTS.parallel_mode), swiglu_input=fused,
+            swiglu_handoff=handoff,
         )  # fmt: skip
 
     def extra_repr(self) -> str:

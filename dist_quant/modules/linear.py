@@ -23,7 +23,12 @@ from dist_quant.forward import delayed_anchor, forward_plan
 from dist_quant.fsdp_tensor import GatheredFloat8Weight, gathered_weight_operand
 from dist_quant.kinds import NVFP4_BLOCK, ParallelMode, PassMode, ScalingKind
 from dist_quant.modules.base import QuantizedModule, check_sizes
-from dist_quant.modules.functional import LinearSlots, parallel_linear_hp, quantized_linear
+from dist_quant.modules.functional import (
+    LinearSlots,
+    SwiGLUGradHandoff,
+    parallel_linear_hp,
+    quantized_linear,
+)
 from dist_quant.parallel import TPLayout, group_size, mark_sequence_parallel, mark_tp_split
 from dist_quant.roles import QuantizerRole
 from dist_quant.runtime import ModuleRuntime
@@ -215,10 +220,14 @@ class LinearBase(QuantizedModule):
         fp8_output: bool = False,
         fp8_grad_input: bool = False,
         tp: TPLayout | None = None,
+        swiglu_input: bool = False,
+        swiglu_handoff: SwiGLUGradHandoff | None = None,
     ) -> torch.Tensor:
         """One GEMM triple: exact PyTorch when autocast is off or every operand is high precision,
         else quantized with `slots` (the forward plan's; the weight cached under `cache_slot`);
-        `tp` splits it over ranks."""
+        `tp` splits it over ranks. `swiglu_input`: `x` is `h = [gate, up]`, the GEMM reads
+        `swiglu(h)` (see `quantized_linear`); set only where `slots` is a per-tensor plan.
+        `swiglu_handoff`: LayerNormMLP's fc1 -> fc2 gradient cast (`SwiGLUGradHandoff`)."""
         gathered_fp8 = isinstance(weight, GatheredFloat8Weight)
         if runtime is None or (slots.high_precision and not (fp8_output or fp8_grad_input)):
             if gathered_fp8:
@@ -257,6 +266,8 @@ class LinearBase(QuantizedModule):
             fp8_output=fp8_output,
             fp8_grad_input=fp8_grad_input,
             tp=tp,
+            swiglu_input=swiglu_input,
+            swiglu_handoff=swiglu_handoff,
         )
 
     def _gemm(

@@ -12,6 +12,7 @@ NEEDS_TRITON = [
     "test_fast_launch.py",
     "test_fp8_stats.py",
     "test_swiglu.py",
+    "test_swiglu_cast.py",
     "test_triton_block_scaled.py",
     "test_triton_cast.py",
     "test_triton_current.py",

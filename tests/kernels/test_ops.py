@@ -71,6 +71,10 @@ def _cases() -> dict[str, tuple]:
         "fp8_attention_bwd": attn_bwd,
         "swiglu": (x3,),
         "swiglu_backward": (x3[..., :20].contiguous(), x3),
+        "delayed_swiglu_cast": (x3, scale, E4M3, slot.clone(), True),
+        "current_swiglu_cast": (x3, E5M2, 0.0, False, False),
+        "delayed_swiglu_backward_cast": (x3[..., :20], x3, scale, E5M2, slot.clone(), True),
+        "current_swiglu_backward_cast": (x3[..., :20].contiguous(), x3, E5M2, 0.0, False, True),
         "nvfp4_cast": (
             torch.randn(32, 48, generator=g),
             torch.tensor([9.0]),

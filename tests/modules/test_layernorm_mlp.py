@@ -17,6 +17,7 @@ from recipe_cases import builtin_and_reference_factory
 import dist_quant as dq
 from dist_quant import factories
 from dist_quant.forward import active_runtime
+from dist_quant.modules import functional, layernorm_mlp
 
 HIDDEN, FFN = 32, 48
 
@@ -174,3 +175,96 @@ def test_weight_cache_keeps_one_entry_per_gemm():
     with dq.autocast(recipe=recipe):
         mod(x, is_first_microbatch=False)
     assert all(mod.quant_binding.cached_weight(k) is v for k, v in first.items())
+
+
+class _UnfusedMLP(torch.nn.Module):
+    """LayerNormMLP(activation="swiglu") written as the public pieces it fuses: LayerNormLinear,
+    then torch's own `F.silu(gate) * up` in high precision, then Linear."""
+
+    def __init__(self, mlp: dq.LayerNormMLP, dtype: torch.dtype) -> None:
+        super().__init__()
+        hidden, ffn = mlp.hidden_size, mlp.ffn_hidden_size
+        kw = dict(device=DEVICE, params_dtype=dtype, bias=mlp.fc1_bias is not None)
+        self.fc1 = dq.LayerNormLinear(hidden, 2 * ffn, name="unfused.fc1", **kw)
+        self.fc2 = dq.Linear(ffn, hidden, name="unfused.fc2", **kw)
+        with torch.no_grad():
+            for dst, src in zip(self.parameters(), mlp.parameters(), strict=True):
+                dst.copy_(src)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.fc1(x).chunk(2, dim=-1)
+        return self.fc2(F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "recipe",
+    [dq.DelayedScaling(amax_history_len=4), dq.Float8CurrentScaling()],
+    ids=["delayed", "current"],
+)
+def test_swiglu_fused_into_fc2_cast_gives_the_unfused_bits_and_amaxes(
+    monkeypatch, recipe, dtype, bias
+):
+    """Per-tensor fc2 inputs take the fused SwiGLU -> cast (the high-precision activation is
+    never formed: `activate` must not run) and give, over three steps whose growing input moves
+    delayed scaling's scales by the recorded amaxes, the bits of the unfused pieces; delayed
+    scaling's amax history of fc2's input equals the unfused Linear's, row for row. Without a
+    bias the backward fuses too (SwiGLU's gradient cast straight to fc1's grad-output FP8, the
+    high-precision gradient never formed: `swiglu_backward` must not run) and fc1's grad-output
+    amax history equals the unfused LayerNormLinear's; with fc1's bias (its gradient sums the
+    high-precision gradient) it does not."""
+    mod = make("swiglu", seed=7, params_dtype=dtype, bias=bias)
+    unfused = _UnfusedMLP(mod, dtype)
+    x, dy = (t.to(dtype) for t in inputs(7))
+    fused_bwd = []
+
+    def not_called(*args):
+        raise AssertionError("an unfused SwiGLU op ran")
+
+    def counted(self, dy, h, *, transpose):
+        fused_bwd.append(transpose)
+        return cast_swiglu_backward[type(self)](self, dy, h, transpose=transpose)
+
+    quantizers = (dq.Float8Quantizer, dq.Float8CurrentScalingQuantizer)
+    cast_swiglu_backward = {q: q.cast_swiglu_backward for q in quantizers}
+    for step in range(3):
+        with monkeypatch.context() as patch:
+            patch.setattr(layernorm_mlp, "activate", not_called)
+            if not bias:
+                patch.setattr(functional, "swiglu_backward", not_called)
+            for q in quantizers:
+                patch.setattr(q, "cast_swiglu_backward", counted)
+            got = run(mod, x * (step + 1), dy, recipe)
+        want = run(unfused, x * (step + 1), dy, recipe)
+        for a, b in zip(got, want, strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+    assert fused_bwd == ([] if bias else [True] * 3)  # the weight gradient needs the transpose
+    if isinstance(recipe, dq.DelayedScaling):
+        (fused,) = mod.quant_binding.runtime.fwd_state.delayed_groups()
+        (fc2,) = unfused.fc2.quant_binding.runtime.fwd_state.delayed_groups()
+        # fc2's input is the module's slot 3, Linear's slot 0; three steps' amaxes, all > 0
+        assert fused.amax_history[1:, 3].gt(0).all()
+        assert torch.equal(fused.amax_history[:, 3], fc2.amax_history[:, 0])
+        assert torch.equal(fused.scale[3], fc2.scale[0])
+        # fc1's grad output: the module's backward slot 0, LayerNormLinear's backward slot 0
+        (fused,) = mod.quant_binding.runtime.bwd_state.delayed_groups()
+        (fc1,) = unfused.fc1.quant_binding.runtime.bwd_state.delayed_groups()
+        assert fused.amax_history[1:, 0].gt(0).all()
+        assert torch.equal(fused.amax_history[:, 0], fc1.amax_history[:, 0])
+        assert torch.equal(fused.scale[0], fc1.scale[0])
+
+
+def test_swiglu_is_not_fused_where_fc2_input_is_not_per_tensor(monkeypatch):
+    """MXFP8 (a per-block fc2 input) keeps the unfused activation: `activate` runs once."""
+    mod = make("swiglu", seed=8)
+    x, dy = inputs(8)
+    calls = []
+
+    def counted(h, activation):
+        calls.append(activation)
+        return layernorm_mlp.SwiGLU.apply(h)
+
+    monkeypatch.setattr(layernorm_mlp, "activate", counted)
+    run(mod, x, dy, dq.MXFP8BlockScaling())
+    assert calls == ["swiglu"]
