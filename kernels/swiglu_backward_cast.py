@@ -53,11 +53,11 @@ from dist_quant.kernels.swiglu_cast import (
 )
 from torch import Tensor
 
-# The backward's tiles, apart from the forward's (`GPU_SWIGLU_TILE`): each element holds three
-# loads and two results, so 8 elements per thread already take 110 registers for sm_90 (64x64 /
-# 16 warps; 32x128 / 8 warps: 180), 4 take 54 (32x64 / 16 warps, 32 warps resident;
-# bench/swiglu_cast_registers.py). `bench/bench_swiglu_cast.py --sweep` times the alternatives.
-GPU_SWIGLU_BWD_TILE = {"BM": 32, "BN": 64, "num_warps": 16}
+# The backward's tiles, apart from the forward's (`GPU_SWIGLU_TILE`): the fastest of
+# `bench/bench_swiglu_cast.py --sweep` on the H200 (2026-12-04, dy (8192, 14336)): 32 x 128 / 8
+# warps 480.0 us (swiglu_backward then the cast, unfused: 542.9; 64 x 64 / 16 warps 503.7; 32 x 64
+# / 16 warps 542.0), although it takes 180 registers for sm_90 against 54.
+GPU_SWIGLU_BWD_TILE = {"BM": 32, "BN": 128, "num_warps": 8}
 
 
 @triton.jit

@@ -54,16 +54,13 @@ from dist_quant.kernels.swiglu import (
 from torch import Tensor
 
 # Current scaling's SwiGLU (or SwiGLU backward) + amax pass: persistent programs per SM, as
-# current.py's amax pass; `bench/bench_swiglu_cast.py --sweep` times the alternatives.
-GPU_SWIGLU_AMAX = {"PROGRAMS_PER_SM": 4}
-# The delayed kernel's (rows, ffn) tiles. cast.py's 128x128 / 8 warps ran this kernel at 354 us
-# on the bench shape (H200), slower than SwiGLU then the cast (309 us): with SwiGLU's exp and
-# division on 64 elements per thread it compiles to 255 registers and a stack spill for sm_90,
-# so an SM holds one program of 8 warps, too few to cover the loads. At 8 elements per thread
-# 64x64 / 16 warps takes 62 registers (32 warps resident), the unfused swiglu kernel's density
-# (bench/swiglu_cast_registers.py, Triton 3.9's ptxas); `bench/bench_swiglu_cast.py --sweep`
-# times the alternatives.
-GPU_SWIGLU_TILE = {"BM": 64, "BN": 64, "num_warps": 16}
+# current.py's amax pass. `bench/bench_swiglu_cast.py --sweep` on the H200 (2026-12-04, h (8192,
+# 2 x 14336)): 4 per SM 393.8 us forward / 641.0 backward, 8 per SM 331.6 / 581.1, 16 340.8 / 581.9.
+GPU_SWIGLU_AMAX = {"PROGRAMS_PER_SM": 8}
+# The delayed kernel's (rows, ffn) tiles, the fastest of the same sweep: 32 x 128 / 8 warps 247.8
+# us (SwiGLU then the cast, unfused: 310.2; 64 x 64 / 16 warps 294.5; cast.py's 128 x 128 / 8
+# warps 358.9, whose 64 elements per thread compile to 255 registers and a stack spill).
+GPU_SWIGLU_TILE = {"BM": 32, "BN": 128, "num_warps": 8}
 
 
 @triton.jit
