@@ -18,7 +18,8 @@ Per N it reports request -> decision, request -> every rank published, the longe
 step beyond its sleep, i.e. every rank's boundary, then the wait for the other processes), CPU
 of the coordinator's threads per switch, CPU of all simulated ranks together (`ranks_cpu_ms`: on
 2 cores the ranks' own work, which a cluster runs in parallel, dominates the latencies above a
-few hundred ranks), messages the coordinator sent and received, and connections open at rank
+few hundred ranks; `ranks_cpu_by_thread_ms` splits it by kind of thread, as
+bench/profile_switch_ranks.py names them), messages the coordinator sent and received, and connections open at rank
 0's server, before the request or after the publish, whichever is more (for `ray`: calls in
 flight inside the actor, each a coroutine on its event loop). With `--relays`, each simulated
 node's lowest rank relays its node's messages and, off rank 0's node, serves its node's queues
@@ -211,7 +212,12 @@ class Bench:
         cpu = thread_cpu_s(self.coordinator_threads) - cpu0
         if self.server:  # any the switch opened (a rank asking rank 0 itself) and left open
             connections = max(connections, server_connections(self.server.port))
-        ranks_cpu = sum(r["cpu_s"] for r in self._reports())  # acks sent too
+        final = self._reports()
+        ranks_cpu = sum(r["cpu_s"] for r in final)  # acks sent too
+        by_thread: dict[str, float] = {}
+        for r in final:
+            for kind, s in r.get("cpu_by_thread_s", {}).items():
+                by_thread[kind] = by_thread.get(kind, 0.0) + 1e3 * s
         if self.local is not None:
             ranks_cpu -= cpu  # one process: all but the coordinator's threads (and the client)
         return {
@@ -221,6 +227,7 @@ class Bench:
             "max_step_ms": 1e3 * max(r["max_step_s"] for r in reports),
             "coordinator_cpu_ms": 1e3 * cpu,
             "ranks_cpu_ms": 1e3 * ranks_cpu,
+            "ranks_cpu_by_thread_ms": {k: round(v, 1) for k, v in sorted(by_thread.items())},
             "rank0_messages": self._messages() - moved0,
             "rank0_connections": connections if self.server else self.gauge["peak"],
             "leader_connections": leaders,
