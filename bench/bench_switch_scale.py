@@ -11,7 +11,9 @@ thread, state machine, votes and acks) and the client's `request_switch`. Simula
 and planner (a stub whose plan and publish take microseconds), the network (every rank on this
 host: loopback or in-process), and training (one thread per worker process calls
 `step_boundary` for each of its ranks every `--step-ms`, i.e. its ranks run in lockstep as the
-collectives of a real job would keep them).
+collectives of a real job would keep them). Left out: what hundreds of ranks' threads sharing one
+interpreter cost each other beyond a real rank's (a worker's GIL switch interval is 50 ms,
+`--gil-switch-ms`, so its waiting threads do not wake every 5 ms to ask for the GIL).
 
 Per N it reports request -> decision, request -> every rank published, the longest
 `step_boundary` call any rank saw while the switch ran (its stall; `max_step_ms`: the longest
@@ -43,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from switch_scale_ranks import (
+    GIL_SWITCH_S,
     RECIPE_B,
     THREAD_STACK,
     ActorCalls,
@@ -141,6 +144,7 @@ class Bench:
                         barrier,
                         there,
                         self.relayed,
+                        self.args.gil_switch_ms / 1e3,
                     ),  # fmt: skip
                     daemon=True,
                 )
@@ -346,6 +350,9 @@ def main() -> None:
     parser.add_argument("--relays", action="store_true",
                         help="store: each node's lowest rank relays its node's messages, as "
                         "attach sets up across hosts (rank 0 then handles O(nodes) messages)")  # fmt: skip
+    parser.add_argument("--gil-switch-ms", type=float, default=1e3 * GIL_SWITCH_S,
+                        help="store: the GIL switch interval of the simulated ranks' processes "
+                        "(CPython's default is 5; switch_scale_ranks.py says why it is longer)")  # fmt: skip
     args = parser.parse_args()
     if args.ranks_per_node < 1 or args.ranks_per_process < 1 or min(args.ranks) < 1:
         parser.error("--ranks, --ranks-per-node and --ranks-per-process must be >= 1")

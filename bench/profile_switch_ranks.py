@@ -37,7 +37,7 @@ from dist_quant.coordinator.decision_log import DecisionLog
 from dist_quant.coordinator.job_host import connect_endpoint
 from dist_quant.coordinator.switch_requests import request_switch, status
 from dist_quant.coordinator.transport_store import StoreServer
-from switch_scale_ranks import RECIPE_A, RECIPE_B, THREAD_STACK, Ranks, ThreadClock
+from switch_scale_ranks import GIL_SWITCH_S, RECIPE_A, RECIPE_B, THREAD_STACK, Ranks, ThreadClock
 
 
 class StoreOps:
@@ -67,7 +67,10 @@ def main() -> None:
     parser.add_argument("--switches", type=int, default=6)
     parser.add_argument("--idle-s", type=float, default=2.0)
     parser.add_argument("--step-ms", type=float, default=20.0)
+    parser.add_argument("--gil-switch-ms", type=float, default=1e3 * GIL_SWITCH_S,
+                        help="this process's GIL switch interval, as a worker's (CPython: 5)")  # fmt: skip
     args = parser.parse_args()
+    sys.setswitchinterval(args.gil_switch_ms / 1e3)
     clock, ops = ThreadClock(), StoreOps()
     world, rpn, token = args.ranks, args.ranks_per_node, secrets.token_hex(16)
     nodes = tuple(tuple(range(g, min(g + rpn, world))) for g in range(0, world, rpn))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +18,13 @@ from dist_quant.coordinator.transport import TransportError
 
 # Simulated ranks are many threads; their stacks stay tiny.
 THREAD_STACK = 256 * 1024
+# The GIL switch interval of a process of simulated ranks. Every thread waiting for the GIL wakes
+# once per interval to ask for it; a real rank's process has a handful of threads, a worker here
+# hundreds, which wake together when a Prepare or a decision reaches every rank. At CPython's 5 ms
+# that churn was most of the simulated ranks' CPU (1,024 relayed ranks: 10.0 s per switch, 3.1 s
+# at 50 ms; BENCHMARKS.md). The ranks' threads wait on sockets, not on the interpreter, so a
+# longer interval delays none of them.
+GIL_SWITCH_S = 0.05
 _TICK = os.sysconf("SC_CLK_TCK")
 RECIPE_A, RECIPE_B = {"name": "A"}, {"name": "B"}
 
@@ -360,9 +368,11 @@ def worker(
     barrier: Any,
     conn: Any,
     relayed: tuple[tuple[int, ...], ...] = (),
+    gil_switch_s: float = GIL_SWITCH_S,
 ) -> None:
     """A process of simulated ranks, driven by `conn` (a Pipe): "measure", "report", "exit"."""
     threading.stack_size(THREAD_STACK)
+    sys.setswitchinterval(gil_switch_s)
     clock = ThreadClock()
     from dist_quant.coordinator.job_host import connect_endpoint
 
