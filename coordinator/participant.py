@@ -76,8 +76,8 @@ from dist_quant.runtime import plan_model, recipe_key_of
 # still answers. A leader that dies closes the connection, which wakes the listener at once; only
 # a stopped (hung) leader needs the check, and its collectives hold the whole job until it resumes
 # or the job restarts, so its node gains nothing by noticing faster than the lease. A check is a
-# timed pop and its cancel (~0.1 ms of CPU); every BEAT_S, 4,096 simulated ranks waiting 25 s for
-# a decision spent some 20 s of CPU on them.
+# timed pop and its cancel (~0.1 ms of CPU); every BEAT_S, that comes to some 20 s of CPU for
+# 4,096 simulated ranks that wait 25 s for a decision.
 PROBE_S = LEASE_S
 
 
