@@ -21,9 +21,9 @@ THREAD_STACK = 256 * 1024
 # The GIL switch interval of a process of simulated ranks. Every thread waiting for the GIL wakes
 # once per interval to ask for it; a real rank's process has a handful of threads, a worker here
 # hundreds, which wake together when a Prepare or a decision reaches every rank. At CPython's 5 ms
-# that churn was most of the simulated ranks' CPU (1,024 relayed ranks: 10.0 s per switch, 3.1 s
-# at 50 ms; BENCHMARKS.md). The ranks' threads wait on sockets, not on the interpreter, so a
-# longer interval delays none of them.
+# that churn was most of the simulated ranks' CPU on a loaded machine (1,024 relayed ranks: 10.0 s
+# per switch, 3.1 s at 50 ms; BENCHMARKS.md). The interval bounds how long a thread may keep the
+# GIL while others wait, and the ranks' threads give it up at their next system call anyway.
 GIL_SWITCH_S = 0.05
 _TICK = os.sysconf("SC_CLK_TCK")
 RECIPE_A, RECIPE_B = {"name": "A"}, {"name": "B"}
