@@ -11,14 +11,17 @@ thread, state machine, votes and acks) and the client's `request_switch`. Simula
 and planner (a stub whose plan and publish take microseconds), the network (every rank on this
 host: loopback or in-process), and training (one thread per worker process calls
 `step_boundary` for each of its ranks every `--step-ms`, i.e. its ranks run in lockstep as the
-collectives of a real job would keep them).
+collectives of a real job would keep them). Left out: what hundreds of ranks' threads sharing one
+interpreter cost each other beyond a real rank's (a worker's GIL switch interval is 50 ms,
+`--gil-switch-ms`, so its waiting threads do not wake every 5 ms to ask for the GIL).
 
 Per N it reports request -> decision, request -> every rank published, the longest
 `step_boundary` call any rank saw while the switch ran (its stall; `max_step_ms`: the longest
 step beyond its sleep, i.e. every rank's boundary, then the wait for the other processes), CPU
 of the coordinator's threads per switch, CPU of all simulated ranks together (`ranks_cpu_ms`: on
 2 cores the ranks' own work, which a cluster runs in parallel, dominates the latencies above a
-few hundred ranks), messages the coordinator sent and received, and connections open at rank
+few hundred ranks; `ranks_cpu_by_thread_ms` splits it by kind of thread, as
+bench/profile_switch_ranks.py names them), messages the coordinator sent and received, and connections open at rank
 0's server, before the request or after the publish, whichever is more (for `ray`: calls in
 flight inside the actor, each a coroutine on its event loop). With `--relays`, each simulated
 node's lowest rank relays its node's messages and, off rank 0's node, serves its node's queues
@@ -42,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from switch_scale_ranks import (
+    GIL_SWITCH_S,
     RECIPE_B,
     THREAD_STACK,
     ActorCalls,
@@ -140,6 +144,7 @@ class Bench:
                         barrier,
                         there,
                         self.relayed,
+                        self.args.gil_switch_ms / 1e3,
                     ),  # fmt: skip
                     daemon=True,
                 )
@@ -211,7 +216,12 @@ class Bench:
         cpu = thread_cpu_s(self.coordinator_threads) - cpu0
         if self.server:  # any the switch opened (a rank asking rank 0 itself) and left open
             connections = max(connections, server_connections(self.server.port))
-        ranks_cpu = sum(r["cpu_s"] for r in self._reports())  # acks sent too
+        final = self._reports()
+        ranks_cpu = sum(r["cpu_s"] for r in final)  # acks sent too
+        by_thread: dict[str, float] = {}
+        for r in final:
+            for kind, s in r.get("cpu_by_thread_s", {}).items():
+                by_thread[kind] = by_thread.get(kind, 0.0) + 1e3 * s
         if self.local is not None:
             ranks_cpu -= cpu  # one process: all but the coordinator's threads (and the client)
         return {
@@ -221,6 +231,7 @@ class Bench:
             "max_step_ms": 1e3 * max(r["max_step_s"] for r in reports),
             "coordinator_cpu_ms": 1e3 * cpu,
             "ranks_cpu_ms": 1e3 * ranks_cpu,
+            "ranks_cpu_by_thread_ms": {k: round(v, 1) for k, v in sorted(by_thread.items())},
             "rank0_messages": self._messages() - moved0,
             "rank0_connections": connections if self.server else self.gauge["peak"],
             "leader_connections": leaders,
@@ -339,6 +350,9 @@ def main() -> None:
     parser.add_argument("--relays", action="store_true",
                         help="store: each node's lowest rank relays its node's messages, as "
                         "attach sets up across hosts (rank 0 then handles O(nodes) messages)")  # fmt: skip
+    parser.add_argument("--gil-switch-ms", type=float, default=1e3 * GIL_SWITCH_S,
+                        help="store: the GIL switch interval of the simulated ranks' processes "
+                        "(CPython's default is 5; switch_scale_ranks.py says why it is longer)")  # fmt: skip
     args = parser.parse_args()
     if args.ranks_per_node < 1 or args.ranks_per_process < 1 or min(args.ranks) < 1:
         parser.error("--ranks, --ranks-per-node and --ranks-per-process must be >= 1")

@@ -5,7 +5,9 @@ in lockstep. Imported by the bench and by its worker processes."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +18,14 @@ from dist_quant.coordinator.transport import TransportError
 
 # Simulated ranks are many threads; their stacks stay tiny.
 THREAD_STACK = 256 * 1024
+# The GIL switch interval of a process of simulated ranks. Every thread waiting for the GIL wakes
+# once per interval to ask for it; a real rank's process has a handful of threads, a worker here
+# hundreds, which wake together when a Prepare or a decision reaches every rank. At CPython's 5 ms
+# that churn was most of the simulated ranks' CPU on a loaded machine (1,024 relayed ranks: 10.0 s
+# per switch, 3.1 s at 50 ms; BENCHMARKS.md). The interval bounds how long a thread may keep the
+# GIL while others wait, and the ranks' threads give it up at their next system call anyway.
+GIL_SWITCH_S = 0.05
+_TICK = os.sysconf("SC_CLK_TCK")
 RECIPE_A, RECIPE_B = {"name": "A"}, {"name": "B"}
 
 
@@ -153,6 +163,62 @@ def thread_cpu_s(threads: list[threading.Thread]) -> float:
             except OSError:
                 pass  # ended between the check and the read
     return total
+
+
+def role(name: str) -> str:
+    """The kind of thread, from the names the library and the bench give them."""
+    if ".plan" in name:
+        return "planner"
+    if name.startswith("dist_quant.participant"):
+        return "listener"
+    if name.startswith("dist_quant.relay"):
+        return "relay." + name.rsplit(".", 1)[1]
+    if name == "bench.trainer":
+        return "trainer"
+    if name.startswith("pt_tcpstore"):  # torch's server threads (not Python threads)
+        return "store"
+    if name.startswith("dist_quant.coordinator"):
+        return "coordinator"
+    return "other"  # a main thread: the bench's client, a worker's pipe
+
+
+class ThreadClock:
+    """CPU per kind of thread: live threads read from /proc, ended ones added up as they end."""
+
+    def __init__(self) -> None:
+        self.ended: collections.Counter[str] = collections.Counter()
+        run = threading.Thread.run
+        clock = self
+
+        def timed_run(thread: threading.Thread) -> None:
+            try:
+                run(thread)
+            finally:
+                clock.ended[role(thread.name)] += time.thread_time()
+
+        threading.Thread.run = timed_run  # type: ignore[method-assign]
+
+    def read(self) -> collections.Counter[str]:
+        total = collections.Counter(self.ended)
+        python = {}
+        for t in threading.enumerate():
+            try:
+                python[t.native_id] = (t.name, time.pthread_getcpuclockid(t.ident))
+            except (OSError, TypeError):
+                continue  # not started, or ended meanwhile: counted in `ended`
+        for tid in map(int, os.listdir("/proc/self/task")):
+            try:
+                if tid in python:  # the thread's own clock, to the nanosecond
+                    name, clock = python[tid]
+                    total[role(name)] += time.clock_gettime(clock)
+                    continue
+                # torch's server threads: only /proc knows them, in clock ticks (utime + stime)
+                stat = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+                name = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+            except OSError:
+                continue  # ended meanwhile
+            total[role(name)] += (int(stat[11]) + int(stat[12])) / _TICK
+        return total
 
 
 def server_connections(port: int) -> int:
@@ -302,9 +368,12 @@ def worker(
     barrier: Any,
     conn: Any,
     relayed: tuple[tuple[int, ...], ...] = (),
+    gil_switch_s: float = GIL_SWITCH_S,
 ) -> None:
     """A process of simulated ranks, driven by `conn` (a Pipe): "measure", "report", "exit"."""
     threading.stack_size(THREAD_STACK)
+    sys.setswitchinterval(gil_switch_s)
+    clock = ThreadClock()
     from dist_quant.coordinator.job_host import connect_endpoint
 
     connect = lambda address: connect_endpoint({**endpoint, "address": address})  # noqa: E731
@@ -319,6 +388,7 @@ def worker(
         if cmd == "measure":
             ranks.measuring.set()
             cpu0 = time.process_time()  # every rank's threads in this process
+            kinds0 = clock.read()
             conn.send(ranks.step)
         elif cmd == "report":
             conn.send(
@@ -329,6 +399,7 @@ def worker(
                     "max_step_s": ranks.max_step_s,
                     "step": ranks.step,
                     "cpu_s": time.process_time() - cpu0,
+                    "cpu_by_thread_s": dict(clock.read() - kinds0),
                 }
             )
         else:

@@ -52,6 +52,7 @@ from dist_quant.coordinator.participant_state import (
 )
 from dist_quant.coordinator.protocol import (
     BEAT_S,
+    LEASE_S,
     Ack,
     Alive,
     CancelDecision,
@@ -70,6 +71,14 @@ from dist_quant.coordinator.wire import CLOSED, INBOX, rank_queue, seal, unseal
 
 from dist_quant.recipes import recipe_from_dict
 from dist_quant.runtime import plan_model, recipe_key_of
+
+# How often a listener behind a node leader's store, holding a YES vote, checks that the store
+# still answers. A leader that dies closes the connection, which wakes the listener at once; only
+# a stopped (hung) leader needs the check, and its collectives hold the whole job until it resumes
+# or the job restarts, so its node gains nothing by noticing faster than the lease. A check is a
+# timed pop and its cancel (~0.1 ms of CPU); every BEAT_S, that comes to some 20 s of CPU for
+# 4,096 simulated ranks that wait 25 s for a decision.
+PROBE_S = LEASE_S
 
 
 def _default_describe(model: Any) -> str:
@@ -339,13 +348,15 @@ class Participant:
 
     def _beat(self, state: State) -> float | None:
         """How long the listener may wait for a message: forever, except while it plans (it says
-        it is alive every BEAT_S) or, behind a node relay, while it holds a YES vote (it asks the
-        coordinator straight for the decision once training waits for it; behind a leader's
-        store, a store that stopped answering fails a pop within the connection's timeout)."""
+        it is alive every BEAT_S) or, behind a node relay, while it holds a YES vote: once
+        training waits at the hold step, a rank that can reach the coordinator asks it for the
+        decision every BEAT_S; a rank behind its leader's store checks every PROBE_S that the
+        store still answers (a timed pop it does not answer within the connection's timeout
+        fails)."""
         if isinstance(state, Preparing):
             return BEAT_S
         if isinstance(state, Voted) and self._upstream != INBOX:
-            return BEAT_S
+            return BEAT_S if self._open_direct is None or self._home_lost else PROBE_S
         return None
 
     def _on_quiet(self, state: State) -> None:

@@ -35,6 +35,7 @@ _VALIDATE, _WAIT, _CANCEL_WAIT, _PING, _QUEUE_PUSH, _QUEUE_POP = 0, 6, 12, 13, 1
 _VALIDATION_MAGIC = 0x3C85F7CE
 _STOP_WAITING, _WAIT_CANCELED = 0, 1  # c10d::detail::WaitResponseType
 _KEY_PREFIX = "/"  # TCPStore's own key prefix
+_READ_AHEAD = 65536  # bytes asked of one recv: a whole reply, and whatever follows it
 
 
 def _string(data: bytes) -> bytes:
@@ -42,13 +43,22 @@ def _string(data: bytes) -> bytes:
 
 
 class _Connection:
-    """One socket, shared by the handles `clone()` makes; closed with the last of them."""
+    """One socket, shared by the handles `clone()` makes; closed with the last of them.
 
-    def __init__(self, sock: socket.socket) -> None:
+    The socket is non-blocking and every wait is an explicit poll: a socket with a timeout polls
+    before each send and recv, which doubled the system calls (and the GIL hand-offs, each of
+    which costs a thread switch when a process holds thousands of ranks' threads) of every
+    message. Replies are read into a buffer, so a QUEUE_POP's count, size and data usually take
+    one recv, not three."""
+
+    def __init__(self, sock: socket.socket, timeout_s: float) -> None:
+        sock.setblocking(False)
         self.sock: socket.socket | None = sock
+        self.timeout_s = timeout_s  # the longest a send or an expected reply may take
         self.send_lock = threading.Lock()  # whole commands, never interleaved
         self.reader: StoreClientTransport | None = None  # the one handle that pops
         self.handles = 1
+        self._received = bytearray()  # read ahead by the reader, not yet taken
 
     def release(self) -> None:
         with self.send_lock:
@@ -56,6 +66,39 @@ class _Connection:
             if self.handles == 0 and self.sock is not None:
                 self.sock.close()
                 self.sock = None
+
+    def send(self, sock: socket.socket, data: bytes) -> None:
+        """All of `data` (callers hold `send_lock`); a peer that takes none of it for the
+        connection's timeout is an error."""
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[sock.send(view) :]
+            except BlockingIOError:
+                if not _ready(sock, select.POLLOUT, self.timeout_s):
+                    raise TimeoutError("timed out") from None
+
+    def answered(self, sock: socket.socket, timeout: float | None) -> bool:
+        """Whether the server's reply arrives within `timeout` seconds (None: however long)."""
+        return bool(self._received) or _ready(sock, select.POLLIN, timeout)
+
+    def read(self, sock: socket.socket, n: int, address: str) -> bytes:
+        """The next `n` bytes of the server's replies (the reader only); each must come within
+        the connection's timeout."""
+        buf = self._received
+        while len(buf) < n:
+            try:
+                chunk = sock.recv(max(n - len(buf), _READ_AHEAD))
+            except BlockingIOError:
+                if not _ready(sock, select.POLLIN, self.timeout_s):
+                    raise TimeoutError("timed out") from None
+                continue
+            if not chunk:
+                raise ConnectionResetError(f"the store at {address} closed the connection")
+            buf += chunk
+        data = bytes(buf[:n])
+        del buf[:n]
+        return data
 
 
 class StoreClientTransport:
@@ -85,7 +128,7 @@ class StoreClientTransport:
                 f"the coordinator store at {address} answered the ping with {echo}, not {nonce}: "
                 "not a TCPStore of this protocol"
             )
-        self._conn = _Connection(sock)
+        self._conn = _Connection(sock, connect_timeout_s)
 
     def _sock(self) -> socket.socket:
         sock = self._conn.sock
@@ -95,7 +138,7 @@ class StoreClientTransport:
 
     def _send(self, data: bytes) -> None:
         with self._conn.send_lock:
-            self._sock().sendall(data)
+            self._conn.send(self._sock(), data)
 
     def push(self, queue: str, data: bytes) -> None:
         key = (_KEY_PREFIX + queue).encode()
@@ -114,27 +157,26 @@ class StoreClientTransport:
                     f"coordinator store {self.address}: another handle of this connection already "
                     "pops; a second reader needs a connection of its own"
                 )
+        conn = self._conn
         try:
             sock = self._sock()
             self._send(bytes([_WAIT]) + struct.pack("<Q", 1) + _string(key))
-            # The wait is a poll, not a socket timeout: the socket's one timeout (the connect
-            # timeout) never changes, so a push on it from another thread never sees it change.
-            if _answered(sock, timeout):
-                response = _recv(sock, 1, self.address)[0]
+            if conn.answered(sock, timeout):
+                response = conn.read(sock, 1, self.address)[0]
             else:
                 self._send(bytes([_CANCEL_WAIT]))
                 # the server may have answered STOP_WAITING just before the cancel: skip it
-                while _recv(sock, 1, self.address)[0] != _WAIT_CANCELED:
+                while conn.read(sock, 1, self.address)[0] != _WAIT_CANCELED:
                     pass
                 return None
             if response != _STOP_WAITING:
                 raise TransportError(f"coordinator store {self.address}: bad wait reply {response}")
             self._send(bytes([_QUEUE_POP]) + _string(key))
-            (count,) = struct.unpack("<q", _recv(sock, 8, self.address))
+            (count,) = struct.unpack("<q", conn.read(sock, 8, self.address))
             if count <= 0:
                 return None  # another reader of this queue took the item first
-            (size,) = struct.unpack("<Q", _recv(sock, 8, self.address))
-            return _recv(sock, size, self.address)
+            (size,) = struct.unpack("<Q", conn.read(sock, 8, self.address))
+            return conn.read(sock, size, self.address)
         except OSError as e:
             raise TransportError(f"coordinator store {self.address}: {e}") from e
 
@@ -154,13 +196,13 @@ class StoreClientTransport:
             self._conn.release()
 
 
-def _answered(sock: socket.socket, timeout: float | None) -> bool:
-    """Whether the server's answer arrives within `timeout` seconds (None: however long). A
+def _ready(sock: socket.socket, event: int, timeout: float | None) -> bool:
+    """Whether `sock` is ready for `event` within `timeout` seconds (None: however long). A
     poll, which unlike select takes descriptors above 1024 (thousands of ranks per process)."""
     if sock.fileno() < 0:
         raise ConnectionResetError("the connection was closed")
     poller = select.poll()
-    poller.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+    poller.register(sock, event | select.POLLERR | select.POLLHUP)
     wait_ms = -1 if timeout is None else max(int(timeout * 1000), 1)
     return bool(poller.poll(wait_ms))
 

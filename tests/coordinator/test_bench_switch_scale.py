@@ -61,3 +61,16 @@ def test_bench_with_relays_puts_one_connection_per_other_node_on_rank_0s_store()
 def test_bench_reports_a_timeout_as_an_error_row_not_a_hang():
     (row,) = run_bench("--ranks", "8", "--transport", "ray", "--timeout", "0.001")
     assert row["ranks"] == 8 and "TimeoutError" in row["error"]
+
+
+def test_the_rank_profile_splits_a_switchs_cpu_by_kind_of_thread():
+    profile = BENCH.with_name("profile_switch_ranks.py")
+    out = subprocess.run(
+        [sys.executable, str(profile), "--ranks", "16", "--switches", "1", "--idle-s", "0.2"],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    (switch,) = [line for line in out.stdout.splitlines() if line.startswith("switch 1:")]
+    # two nodes of 8: every rank listens and plans, both leaders relay, the trainer publishes
+    for kind in ("listener", "planner", "relay.up", "relay.down", "trainer"):
+        assert f" {kind} " in switch, (kind, switch)
+    assert "us/rank" in switch and "'push'" in switch

@@ -9,10 +9,10 @@ import pytest
 import torch.distributed as dist
 from dist_quant.coordinator import SwitchError, fail_at, request_switch
 from dist_quant.coordinator.decision_log import DecisionLog
-from dist_quant.coordinator.participant import Participant
-from dist_quant.coordinator.protocol import Ack, Alive, Decision, Hello, Prepare, Vote
+from dist_quant.coordinator.participant import PROBE_S, Participant
+from dist_quant.coordinator.protocol import BEAT_S, Ack, Alive, Decision, Hello, Prepare, Vote
 from dist_quant.coordinator.transport_memory import MemoryHub, MemoryTransport
-from dist_quant.coordinator.wire import rank_queue
+from dist_quant.coordinator.wire import node_queue, rank_queue
 from switch_harness import (
     FAKE_HOOKS,
     CountingTransport,
@@ -376,3 +376,51 @@ def test_the_pace_a_vote_reports_counts_only_consecutive_boundaries(solo):
     p.step_boundary(7)  # nor is a jump
     vote = vote_after_prepare(coord, p, 1)
     assert vote.step_s >= 0.02
+
+
+class PopTimeouts(MemoryTransport):
+    """The listener's connection: records the timeout of every pop of its rank's queue."""
+
+    def __init__(self, hub, rank):
+        super().__init__(hub)
+        self.rank, self.timeouts = rank, []
+
+    def pop(self, queue, timeout=None):
+        if queue == rank_queue(self.rank):
+            self.timeouts.append(timeout)
+        return super().pop(queue, timeout)
+
+    def clone(self):
+        return MemoryTransport(self.hub)
+
+
+@pytest.mark.parametrize(("behind_leaders_store", "voted_beat"), [(True, PROBE_S), (False, BEAT_S)])
+def test_a_yes_voter_behind_a_relay_wakes_every_probe_behind_a_store_every_beat_otherwise(
+    behind_leaders_store, voted_beat
+):
+    """Behind its leader's store, a rank holding a YES vote only checks that the store answers
+    (every PROBE_S); a rank that can reach the coordinator asks it for the decision every beat.
+    Both read without a timeout once decided, and plan with the beat (their `Alive`s)."""
+    hub = MemoryHub()
+    rx = PopTimeouts(hub, rank=5)
+    link = (lambda: MemoryTransport(hub)) if behind_leaders_store else None
+    p = Participant(FakeModel(5), rank=5, transport=rx, token=TOKEN, upstream=node_queue(4),
+                    coordinator_link=link, **FAKE_HOOKS).start()  # fmt: skip
+    coord = Script(MemoryTransport(hub), TOKEN)
+    try:
+        assert isinstance(coord.recv(node_queue(4)), Hello)
+        p.step_boundary(0)
+        planning = {"name": "B", "sleep_rank": 5, "sleep_s": 0.1}  # the listener reads meanwhile
+        coord.send(Prepare(1, planning, None, 30.0, 10.0), rank_queue(5))
+        assert isinstance(coord.recv(node_queue(4)), Vote)
+        wait_for(lambda: len(rx.timeouts) >= 3, 10, "a pop while voted")
+        coord.send(Decision(1, False, None, {}, "aborted"), rank_queue(5))
+        wait_for(lambda: p.state == "idle", 10, "the abort")
+        wait_for(lambda: rx.timeouts[-1] is None, 10, "the idle pop")
+    finally:
+        p.close()
+    # idle, planning (the beat), then as many voted pops as the wait took, then idle again
+    waits = rx.timeouts
+    assert waits[:2] == [None, BEAT_S]
+    assert set(waits[2:-1]) == {voted_beat}
+    assert waits[-1] is None
