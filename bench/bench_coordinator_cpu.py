@@ -169,6 +169,11 @@ class _Counting:
         self.counts["messages"] += data is not None
         return data
 
+    def pop_many(self, queue: str, most: int, timeout: float | None = None) -> list[bytes]:
+        items = self.inner.pop_many(queue, most, timeout)
+        self.counts["messages"] += len(items)
+        return items
+
     def clone(self) -> _Counting:
         return _Counting(self.inner.clone(), self.counts)
 

@@ -82,6 +82,12 @@ class Counted:
                 self.counts["received"] += 1
         return data
 
+    def pop_many(self, queue: str, most: int, timeout: float | None = None) -> list[bytes]:
+        items = self.inner.pop_many(queue, most, timeout)
+        with self._lock:
+            self.counts["received"] += len(items)
+        return items
+
     def clone(self) -> Counted:
         return Counted(self.inner.clone(), self.counts)
 

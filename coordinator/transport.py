@@ -45,6 +45,13 @@ class Transport(Protocol):
         """
         ...
 
+    def pop_many(self, queue: str, most: int, timeout: float | None = None) -> list[bytes]:
+        """Remove and return up to `most` items, oldest first: whatever is queued, once at least
+        one is (waiting up to `timeout` seconds, None: forever). [] when the timeout passes;
+        `TransportError` as `pop`. For readers of busy queues (the coordinator's inbox, a relay's),
+        which a message at a time would pay a round trip each."""
+        ...
+
     def clone(self) -> Transport:
         """A handle on the same queues for another thread (a new connection, or a share of this
         one where the transport says so)."""
@@ -69,6 +76,9 @@ class PairedTransport:
 
     def pop(self, queue: str, timeout: float | None = None) -> bytes | None:
         return self._first.pop(queue, timeout)
+
+    def pop_many(self, queue: str, most: int, timeout: float | None = None) -> list[bytes]:
+        return self._first.pop_many(queue, most, timeout)
 
     def clone(self) -> Transport:
         second, self._second = self._second, None

@@ -123,6 +123,24 @@ class StoreTransport:
         except RuntimeError as e:
             raise TransportError(f"coordinator store {self.address}: {e}") from e
 
+    def pop_many(self, queue: str, most: int, timeout: float | None = None) -> list[bytes]:
+        """torch's client pops one item per round trip: the first waits, the rest are the ones
+        the queue's length said were there."""
+        if most < 1:
+            raise ValueError(
+                f"coordinator store {self.address}: pop_many needs most >= 1, got {most}"
+            )
+        first = self.pop(queue, timeout)
+        if first is None:
+            return []
+        try:
+            queued = self._client().queue_len(queue)
+            return [first] + [
+                bytes(self._client().queue_pop(queue)) for _ in range(min(queued, most - 1))
+            ]
+        except RuntimeError as e:
+            raise TransportError(f"coordinator store {self.address}: {e}") from e
+
     def clone(self) -> StoreTransport:
         return StoreTransport(self.address, connect_timeout_s=self._connect_timeout_s)
 

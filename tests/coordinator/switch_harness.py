@@ -82,6 +82,10 @@ class CountingTransport:
         self._count("pop")
         return self.inner.pop(queue, timeout)
 
+    def pop_many(self, queue: str, most: int, timeout: float | None = None) -> list[bytes]:
+        self._count("pop")
+        return self.inner.pop_many(queue, most, timeout)
+
     def clone(self) -> CountingTransport:
         return CountingTransport(self.inner.clone(), self.counts)
 
