@@ -25,6 +25,7 @@ refused, loudly.
 
 from __future__ import annotations
 
+import math
 import os
 import select
 import socket
@@ -257,7 +258,8 @@ def _ready(sock: socket.socket, event: int, timeout: float | None) -> bool:
         raise ConnectionResetError("the connection was closed")
     poller = select.poll()
     poller.register(sock, event | select.POLLERR | select.POLLHUP)
-    wait_ms = -1 if timeout is None else max(int(timeout * 1000), 1)
+    # rounded up: a poll of fewer milliseconds than asked would end a timed pop early
+    wait_ms = -1 if timeout is None else max(math.ceil(timeout * 1000), 1)
     return bool(poller.poll(wait_ms))
 
 
