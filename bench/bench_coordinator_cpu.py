@@ -164,6 +164,10 @@ class _Counting:
         self.inner.push(queue, data)
         self.counts["messages"] += 1
 
+    def push_many(self, pushes: list[tuple[str, bytes]]) -> None:
+        self.inner.push_many(pushes)
+        self.counts["messages"] += len(pushes)
+
     def pop(self, queue: str, timeout: float | None = None) -> bytes | None:
         data = self.inner.pop(queue, timeout)
         self.counts["messages"] += data is not None

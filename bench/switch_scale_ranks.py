@@ -75,6 +75,11 @@ class Counted:
         with self._lock:
             self.counts["sent"] += 1
 
+    def push_many(self, pushes: list[tuple[str, bytes]]) -> None:
+        self.inner.push_many(pushes)
+        with self._lock:
+            self.counts["sent"] += len(pushes)
+
     def pop(self, queue: str, timeout: float | None = None) -> bytes | None:
         data = self.inner.pop(queue, timeout)
         if data is not None:

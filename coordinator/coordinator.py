@@ -532,10 +532,9 @@ class Coordinator:
 
     def _broadcast(self, msg: Message) -> None:
         data = seal(msg, self._token)
-        for leader in self._relays:
-            self._out.push(node_down_queue(leader), data)
-        for r in self._direct:
-            self._out.push(rank_queue(r), data)
+        pushes = [(node_down_queue(leader), data) for leader in self._relays]
+        pushes += [(rank_queue(r), data) for r in self._direct]
+        self._out.push_many(pushes)
 
     def _reply(self, reply: Reply) -> None:
         self._out.push(reply_queue(reply.request_id), seal(reply, self._token))

@@ -196,8 +196,7 @@ class NodeRelay:
                         return
                     if isinstance(msg, Decision):
                         inject(self._faults, "relay", rank=self.leader, switch_id=msg.switch_id)
-                    for r in self.ranks:
-                        self._down_out.push(rank_queue(r), data)
+                    self._down_out.push_many([(rank_queue(r), data) for r in self.ranks])
         except TransportError as e:
             self._say.info(f"relay down ends: {e}")
 

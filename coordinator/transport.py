@@ -15,6 +15,7 @@ connection may pop (transport_store_client.py).
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from typing import Protocol
 
 
@@ -36,6 +37,11 @@ class TransportError(ConnectionError):
 class Transport(Protocol):
     def push(self, queue: str, data: bytes) -> None:
         """Append `data` to `queue`; never blocks for a reader."""
+        ...
+
+    def push_many(self, pushes: Sequence[tuple[str, bytes]]) -> None:
+        """`push` each (queue, data) in order; on a store, in one write (a broadcast to every
+        node is thousands of pushes, and a write per push is a system call and a GIL hand-off)."""
         ...
 
     def pop(self, queue: str, timeout: float | None = None) -> bytes | None:
@@ -73,6 +79,9 @@ class PairedTransport:
 
     def push(self, queue: str, data: bytes) -> None:
         self._first.push(queue, data)
+
+    def push_many(self, pushes: Sequence[tuple[str, bytes]]) -> None:
+        self._first.push_many(pushes)
 
     def pop(self, queue: str, timeout: float | None = None) -> bytes | None:
         return self._first.pop(queue, timeout)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from dist_quant.coordinator.transport import TransportError
 
@@ -90,6 +90,10 @@ class MemoryTransport:
 
     def push(self, queue: str, data: bytes) -> None:
         self.hub.push(queue, data)
+
+    def push_many(self, pushes: Sequence[tuple[str, bytes]]) -> None:
+        for queue, data in pushes:  # through `push`, which a subclass may watch
+            self.push(queue, data)
 
     def pop(self, queue: str, timeout: float | None = None) -> bytes | None:
         return self.hub.pop(queue, timeout)

@@ -78,6 +78,11 @@ class _CoordinatorActor:
         self._loop = asyncio.get_running_loop()
         self._hub.push(queue, data)
 
+    async def push_many(self, pushes: Sequence[tuple[str, bytes]]) -> None:
+        self._loop = asyncio.get_running_loop()
+        for queue, data in pushes:
+            self._hub.push(queue, data)
+
     async def pop(self, queue: str, timeout: float | None) -> bytes | None:
         """The oldest item of `queue`, waiting up to `timeout` seconds (None: for ever) without
         holding a thread; None when the time is up. Raises `TransportError` once stopped."""
@@ -229,6 +234,9 @@ class RayTransport:
 
     def push(self, queue: str, data: bytes) -> None:
         self._call(self._actor.push, queue, data)
+
+    def push_many(self, pushes: Sequence[tuple[str, bytes]]) -> None:
+        self._call(self._actor.push_many, list(pushes))
 
     def pop(self, queue: str, timeout: float | None = None) -> bytes | None:
         return self._call(self._actor.pop, queue, timeout)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -107,6 +108,10 @@ class StoreTransport:
             self._client().queue_push(queue, data)
         except RuntimeError as e:
             raise TransportError(f"coordinator store {self.address}: {e}") from e
+
+    def push_many(self, pushes: Sequence[tuple[str, bytes]]) -> None:
+        for queue, data in pushes:  # torch's client sends each on its own
+            self.push(queue, data)
 
     def pop(self, queue: str, timeout: float | None = None) -> bytes | None:
         wanted = _FOREVER if timeout is None else timedelta(seconds=max(timeout, 0.001))

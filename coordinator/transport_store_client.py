@@ -32,6 +32,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Sequence
 
 from dist_quant.coordinator.endpoint import parse_address
 from dist_quant.coordinator.transport import TransportError
@@ -148,9 +149,17 @@ class StoreClientTransport:
             self._conn.send(self._sock(), data)
 
     def push(self, queue: str, data: bytes) -> None:
-        key = (_KEY_PREFIX + queue).encode()
+        self.push_many(((queue, data),))
+
+    def push_many(self, pushes: Sequence[tuple[str, bytes]]) -> None:
+        # QUEUE_PUSH has no reply: the commands go out back to back, in one write
+        command = bytes([_QUEUE_PUSH])
+        wire = b"".join(
+            command + _string((_KEY_PREFIX + queue).encode()) + _string(bytes(data))
+            for queue, data in pushes
+        )
         try:
-            self._send(bytes([_QUEUE_PUSH]) + _string(key) + _string(bytes(data)))
+            self._send(wire)
         except OSError as e:
             raise TransportError(f"coordinator store {self.address}: {e}") from e
 

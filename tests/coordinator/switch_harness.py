@@ -78,6 +78,11 @@ class CountingTransport:
         self._count("push")
         self.inner.push(queue, data)
 
+    def push_many(self, pushes: list[tuple[str, bytes]]) -> None:
+        for _ in pushes:
+            self._count("push")
+        self.inner.push_many(pushes)
+
     def pop(self, queue: str, timeout: float | None = None) -> bytes | None:
         self._count("pop")
         return self.inner.pop(queue, timeout)

@@ -1,7 +1,8 @@
-"""`pop_many` on every transport (the plain store client, torch's store client, the memory hub,
+"""`pop_many` and `push_many` on every transport (the plain store client, torch's store client, the memory hub,
 the Ray actor's queues without Ray): what is queued comes out oldest first and never more than
 asked, an empty queue waits out the timeout and returns [], `pop` and `pop_many` mixed keep one
-order, and a closed store or hub is a `TransportError`. The store client's own claim, a queue
+order, and a closed store or hub is a `TransportError`; `push_many` lands each item in its queue, in
+order. The store client's own claim, a queue
 drained in one pipelined write once a reply has said how long it is, is counted in writes."""
 
 import asyncio
@@ -25,6 +26,9 @@ class ActorHandle:
 
     def push(self, queue, data):
         asyncio.run(self.actor.push(queue, data))
+
+    def push_many(self, pushes):
+        asyncio.run(self.actor.push_many(pushes))
 
     def pop(self, queue, timeout=None):
         return asyncio.run(self.actor.pop(queue, timeout))
@@ -109,11 +113,30 @@ def test_pop_many_rejects_asking_for_nothing(pair):
     assert reader.pop("inbox", 5) == b"kept"
 
 
+def test_push_many_lands_each_item_in_its_queue_in_order(pair):
+    reader, writer, _ = pair
+    writer.push("rank/1", b"before")
+    writer.push_many([("rank/1", b"a1"), ("rank/2", b"b1"), ("rank/1", b"a2"), ("rank/2", b"")])
+    assert reader.pop_many("rank/1", 10, 5) == [b"before", b"a1", b"a2"]
+    assert reader.pop_many("rank/2", 10, 5) == [b"b1", b""]
+
+
 @pytest.fixture
 def server():
     srv = StoreServer()
     yield srv
     srv.close()
+
+
+def test_push_many_on_a_closed_connection_or_hub_is_a_transport_error(server):
+    """(A push has no reply: a store that went away is only seen by the next pop.)"""
+    plain = StoreClientTransport(server.address)
+    plain.close()
+    hub = MemoryHub()
+    hub.close()
+    for closed in (plain, MemoryTransport(hub)):
+        with pytest.raises(TransportError, match="closed"):
+            closed.push_many([("rank/1", b"late")])
 
 
 def test_the_store_client_drains_a_known_queue_in_one_write(server, monkeypatch):
