@@ -196,11 +196,12 @@ def _voter(
     there, then its ready acks once its decision is; `got` gets the time of the last decision,
     `cpu` this thread's CPU (on a cluster, the relays' work runs on their own hosts)."""
     try:
+        # each pops as a relay does (`pop_many`: a QUEUE_POP first, a WAIT only when empty)
         for leader in leaders:
-            transport.pop(node_down_queue(leader))  # the Prepare
+            transport.pop_many(node_down_queue(leader), 1)  # the Prepare
             transport.push(INBOX, votes[leader])
         for leader in leaders:
-            transport.pop(node_down_queue(leader))  # the decision
+            transport.pop_many(node_down_queue(leader), 1)  # the decision
             got.append(time.perf_counter())
             transport.push(INBOX, acks[leader])
     finally:
