@@ -164,10 +164,19 @@ class _Counting:
         self.inner.push(queue, data)
         self.counts["messages"] += 1
 
+    def push_many(self, pushes: list[tuple[str, bytes]]) -> None:
+        self.inner.push_many(pushes)
+        self.counts["messages"] += len(pushes)
+
     def pop(self, queue: str, timeout: float | None = None) -> bytes | None:
         data = self.inner.pop(queue, timeout)
         self.counts["messages"] += data is not None
         return data
+
+    def pop_many(self, queue: str, most: int, timeout: float | None = None) -> list[bytes]:
+        items = self.inner.pop_many(queue, most, timeout)
+        self.counts["messages"] += len(items)
+        return items
 
     def clone(self) -> _Counting:
         return _Counting(self.inner.clone(), self.counts)
@@ -187,11 +196,12 @@ def _voter(
     there, then its ready acks once its decision is; `got` gets the time of the last decision,
     `cpu` this thread's CPU (on a cluster, the relays' work runs on their own hosts)."""
     try:
+        # each pops as a relay does (`pop_many`: a QUEUE_POP first, a WAIT only when empty)
         for leader in leaders:
-            transport.pop(node_down_queue(leader))  # the Prepare
+            transport.pop_many(node_down_queue(leader), 1)  # the Prepare
             transport.push(INBOX, votes[leader])
         for leader in leaders:
-            transport.pop(node_down_queue(leader))  # the decision
+            transport.pop_many(node_down_queue(leader), 1)  # the decision
             got.append(time.perf_counter())
             transport.push(INBOX, acks[leader])
     finally:

@@ -75,12 +75,23 @@ class Counted:
         with self._lock:
             self.counts["sent"] += 1
 
+    def push_many(self, pushes: list[tuple[str, bytes]]) -> None:
+        self.inner.push_many(pushes)
+        with self._lock:
+            self.counts["sent"] += len(pushes)
+
     def pop(self, queue: str, timeout: float | None = None) -> bytes | None:
         data = self.inner.pop(queue, timeout)
         if data is not None:
             with self._lock:
                 self.counts["received"] += 1
         return data
+
+    def pop_many(self, queue: str, most: int, timeout: float | None = None) -> list[bytes]:
+        items = self.inner.pop_many(queue, most, timeout)
+        with self._lock:
+            self.counts["received"] += len(items)
+        return items
 
     def clone(self) -> Counted:
         return Counted(self.inner.clone(), self.counts)

@@ -63,6 +63,7 @@ from dist_quant.coordinator.wire import (
 )
 
 MAX_BUNDLE = 4096  # messages per Bundle; a node holds far fewer ranks
+_DOWN_BATCH = 16  # the coordinator's messages to a node come a few per switch
 # how long a vote or ack waits for the rest of its node: a node's ranks plan and publish the same
 # model at the same step, so they answer within milliseconds of each other; a rank that does not
 # (slow, dead) delays its node's others by this much, far inside the coordinator's 2 s lease
@@ -151,14 +152,17 @@ class NodeRelay:
         try:
             while True:
                 wait = held.wait_s(time.monotonic())
-                data = self._up_in.pop(queue, wait)
+                # everything its node queued at once, never more than a bundle holds
+                batch = self._up_in.pop_many(queue, MAX_BUNDLE - len(held.items), wait)
                 stopping = False
-                if data is not None:
+                now = time.monotonic()
+                for data in batch:
                     msg = self._checked(data)
                     if isinstance(msg, Stop):
-                        stopping = True
-                    elif msg is not None:
-                        held.add(msg, time.monotonic())
+                        stopping = True  # its node's ranks have stopped: nothing follows it
+                        break
+                    if msg is not None:
+                        held.add(msg, now)
                 if held.items and (stopping or held.due(time.monotonic())):
                     items = held.take()
                     bundle = Bundle.of(self.leader, summarized(self.leader, self.ranks, items))
@@ -181,19 +185,18 @@ class NodeRelay:
         queue = node_down_queue(self.leader)
         try:
             while True:
-                data = self._down_in.pop(queue)
-                try:
-                    msg = unseal(data, self._token)
-                except ProtocolError as e:
-                    self._say.warning(f"relay dropped a message: {e}")
-                    continue
-                if isinstance(msg, Stop):
-                    self._closed(self._down_in)
-                    return
-                if isinstance(msg, Decision):
-                    inject(self._faults, "relay", rank=self.leader, switch_id=msg.switch_id)
-                for r in self.ranks:
-                    self._down_out.push(rank_queue(r), data)
+                for data in self._down_in.pop_many(queue, _DOWN_BATCH):
+                    try:
+                        msg = unseal(data, self._token)
+                    except ProtocolError as e:
+                        self._say.warning(f"relay dropped a message: {e}")
+                        continue
+                    if isinstance(msg, Stop):
+                        self._closed(self._down_in)
+                        return
+                    if isinstance(msg, Decision):
+                        inject(self._faults, "relay", rank=self.leader, switch_id=msg.switch_id)
+                    self._down_out.push_many([(rank_queue(r), data) for r in self.ranks])
         except TransportError as e:
             self._say.info(f"relay down ends: {e}")
 

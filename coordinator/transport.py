@@ -15,6 +15,7 @@ connection may pop (transport_store_client.py).
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from typing import Protocol
 
 
@@ -38,11 +39,23 @@ class Transport(Protocol):
         """Append `data` to `queue`; never blocks for a reader."""
         ...
 
+    def push_many(self, pushes: Sequence[tuple[str, bytes]]) -> None:
+        """`push` each (queue, data) in order; on a store, in one write (a broadcast to every
+        node is thousands of pushes, and a write per push is a system call and a GIL hand-off)."""
+        ...
+
     def pop(self, queue: str, timeout: float | None = None) -> bytes | None:
         """Remove and return the oldest item; wait up to `timeout` seconds (None: forever).
 
         Returns None when the timeout passes; raises `TransportError` if the connection is lost.
         """
+        ...
+
+    def pop_many(self, queue: str, most: int, timeout: float | None = None) -> list[bytes]:
+        """Remove and return up to `most` items, oldest first: whatever is queued, once at least
+        one is (waiting up to `timeout` seconds, None: forever). [] when the timeout passes;
+        `TransportError` as `pop`. For readers of busy queues (the coordinator's inbox, a relay's),
+        which a message at a time would pay a round trip each."""
         ...
 
     def clone(self) -> Transport:
@@ -67,8 +80,14 @@ class PairedTransport:
     def push(self, queue: str, data: bytes) -> None:
         self._first.push(queue, data)
 
+    def push_many(self, pushes: Sequence[tuple[str, bytes]]) -> None:
+        self._first.push_many(pushes)
+
     def pop(self, queue: str, timeout: float | None = None) -> bytes | None:
         return self._first.pop(queue, timeout)
+
+    def pop_many(self, queue: str, most: int, timeout: float | None = None) -> list[bytes]:
+        return self._first.pop_many(queue, most, timeout)
 
     def clone(self) -> Transport:
         second, self._second = self._second, None

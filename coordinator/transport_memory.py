@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from dist_quant.coordinator.transport import TransportError
 
@@ -53,18 +53,24 @@ class MemoryHub:
             self._on_push(queue)
 
     def pop(self, queue: str, timeout: float | None = None) -> bytes | None:
+        items = self.pop_many(queue, 1, timeout)
+        return items[0] if items else None
+
+    def pop_many(self, queue: str, most: int, timeout: float | None = None) -> list[bytes]:
+        if most < 1:
+            raise ValueError(f"memory hub: pop_many needs most >= 1, got {most}")
         with self._lock:
             q = self._queue(queue)
             ready = q.ready.wait_for(lambda: q.items or self._closed, timeout)
             if self._closed:
                 raise TransportError("memory hub is closed")
             if not ready:
-                return None
-            item = q.items.popleft()
+                return []
+            items = [q.items.popleft() for _ in range(min(most, len(q.items)))]
             if q.items:
                 # a reader notified for an item another thread took without waiting
                 q.ready.notify()
-            return item
+            return items
 
     def close(self) -> None:
         """Makes every blocked and future call raise `TransportError`, like a dead server."""
@@ -85,8 +91,15 @@ class MemoryTransport:
     def push(self, queue: str, data: bytes) -> None:
         self.hub.push(queue, data)
 
+    def push_many(self, pushes: Sequence[tuple[str, bytes]]) -> None:
+        for queue, data in pushes:  # through `push`, which a subclass may watch
+            self.push(queue, data)
+
     def pop(self, queue: str, timeout: float | None = None) -> bytes | None:
         return self.hub.pop(queue, timeout)
+
+    def pop_many(self, queue: str, most: int, timeout: float | None = None) -> list[bytes]:
+        return self.hub.pop_many(queue, most, timeout)
 
     def clone(self) -> MemoryTransport:
         return MemoryTransport(self.hub)

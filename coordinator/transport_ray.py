@@ -78,9 +78,22 @@ class _CoordinatorActor:
         self._loop = asyncio.get_running_loop()
         self._hub.push(queue, data)
 
+    async def push_many(self, pushes: Sequence[tuple[str, bytes]]) -> None:
+        self._loop = asyncio.get_running_loop()
+        for queue, data in pushes:
+            self._hub.push(queue, data)
+
     async def pop(self, queue: str, timeout: float | None) -> bytes | None:
         """The oldest item of `queue`, waiting up to `timeout` seconds (None: for ever) without
         holding a thread; None when the time is up. Raises `TransportError` once stopped."""
+        items = await self.pop_many(queue, 1, timeout)
+        return items[0] if items else None
+
+    async def pop_many(self, queue: str, most: int, timeout: float | None) -> list[bytes]:
+        """Up to `most` items of `queue`, oldest first, once at least one is there (as `pop`
+        waits); [] when the time is up."""
+        if most < 1:
+            raise ValueError(f"coordinator actor: pop_many needs most >= 1, got {most}")
         loop = self._loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         while True:
@@ -88,16 +101,16 @@ class _CoordinatorActor:
             waiting = self._waiting.setdefault(queue, set())
             waiting.add(fut)  # before looking: a push after the look wakes it
             try:
-                item = self._hub.pop(queue, 0)
-                if item is not None:
-                    return item
+                items = self._hub.pop_many(queue, most, 0)
+                if items:
+                    return items
                 left = None if deadline is None else deadline - loop.time()
                 if left is not None and left <= 0:
-                    return None
+                    return []
                 try:
                     await asyncio.wait_for(fut, left)
                 except asyncio.TimeoutError:
-                    return None
+                    return []
             finally:
                 waiting.discard(fut)
                 if not waiting:
@@ -222,8 +235,14 @@ class RayTransport:
     def push(self, queue: str, data: bytes) -> None:
         self._call(self._actor.push, queue, data)
 
+    def push_many(self, pushes: Sequence[tuple[str, bytes]]) -> None:
+        self._call(self._actor.push_many, list(pushes))
+
     def pop(self, queue: str, timeout: float | None = None) -> bytes | None:
         return self._call(self._actor.pop, queue, timeout)
+
+    def pop_many(self, queue: str, most: int, timeout: float | None = None) -> list[bytes]:
+        return self._call(self._actor.pop_many, queue, most, timeout)
 
     def clone(self) -> RayTransport:
         return RayTransport(self._actor, self.address)

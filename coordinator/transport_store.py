@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -108,6 +109,10 @@ class StoreTransport:
         except RuntimeError as e:
             raise TransportError(f"coordinator store {self.address}: {e}") from e
 
+    def push_many(self, pushes: Sequence[tuple[str, bytes]]) -> None:
+        for queue, data in pushes:  # torch's client sends each on its own
+            self.push(queue, data)
+
     def pop(self, queue: str, timeout: float | None = None) -> bytes | None:
         wanted = _FOREVER if timeout is None else timedelta(seconds=max(timeout, 0.001))
         try:
@@ -120,6 +125,24 @@ class StoreTransport:
             if "timeout" in str(e):
                 return None
             raise TransportError(f"coordinator store {self.address}: {e}") from e
+        except RuntimeError as e:
+            raise TransportError(f"coordinator store {self.address}: {e}") from e
+
+    def pop_many(self, queue: str, most: int, timeout: float | None = None) -> list[bytes]:
+        """torch's client pops one item per round trip: the first waits, the rest are the ones
+        the queue's length said were there."""
+        if most < 1:
+            raise ValueError(
+                f"coordinator store {self.address}: pop_many needs most >= 1, got {most}"
+            )
+        first = self.pop(queue, timeout)
+        if first is None:
+            return []
+        try:
+            queued = self._client().queue_len(queue)
+            return [first] + [
+                bytes(self._client().queue_pop(queue)) for _ in range(min(queued, most - 1))
+            ]
         except RuntimeError as e:
             raise TransportError(f"coordinator store {self.address}: {e}") from e
 

@@ -4,7 +4,11 @@
 It speaks the few commands of torch's TCPStore wire protocol (libuv server) that a client of the
 coordinator needs, exactly as torch's own client sends them: a validation message and a ping on
 connect, `queue_push`, and `queue_pop` as WAIT on the queue's key followed by QUEUE_POP (with
-CANCEL_WAIT when the wait times out). Values are native-endian (little-endian on every platform
+CANCEL_WAIT when the wait times out). A QUEUE_POP reply starts with the queue's length before the
+pop (0, and nothing else, for an empty queue), so `pop_many` pops first and, when that length says
+more wait, sends that many QUEUE_POPs in one write and reads their replies together: a reader
+that keeps up with a busy queue (rank 0's inbox, a relay's) drains it in one round trip, and
+waits only once it is empty. Values are native-endian (little-endian on every platform
 torch ships for); strings and byte strings are a uint64 length and the bytes; every key carries
 the store's "/" prefix. `tests/coordinator/test_store_client.py` runs it against the installed
 torch's server and client in both directions, so a protocol change in torch fails there first.
@@ -21,11 +25,14 @@ refused, loudly.
 
 from __future__ import annotations
 
+import math
 import os
 import select
 import socket
 import struct
 import threading
+import time
+from collections.abc import Sequence
 
 from dist_quant.coordinator.endpoint import parse_address
 from dist_quant.coordinator.transport import TransportError
@@ -129,6 +136,7 @@ class StoreClientTransport:
                 "not a TCPStore of this protocol"
             )
         self._conn = _Connection(sock, connect_timeout_s)
+        self._backlog = ("", 0)  # (queue, items the last QUEUE_POP reply said were left)
 
     def _sock(self) -> socket.socket:
         sock = self._conn.sock
@@ -141,14 +149,37 @@ class StoreClientTransport:
             self._conn.send(self._sock(), data)
 
     def push(self, queue: str, data: bytes) -> None:
-        key = (_KEY_PREFIX + queue).encode()
+        self.push_many(((queue, data),))
+
+    def push_many(self, pushes: Sequence[tuple[str, bytes]]) -> None:
+        # QUEUE_PUSH has no reply: the commands go out back to back, in one write
+        command = bytes([_QUEUE_PUSH])
+        wire = b"".join(
+            command + _string((_KEY_PREFIX + queue).encode()) + _string(bytes(data))
+            for queue, data in pushes
+        )
         try:
-            self._send(bytes([_QUEUE_PUSH]) + _string(key) + _string(bytes(data)))
+            self._send(wire)
         except OSError as e:
             raise TransportError(f"coordinator store {self.address}: {e}") from e
 
     def pop(self, queue: str, timeout: float | None = None) -> bytes | None:
-        key = (_KEY_PREFIX + queue).encode()
+        # a single pop keeps waiting first unless a reply said items are queued: a listener's
+        # queue is usually empty, and a QUEUE_POP before every WAIT would cost it a round trip
+        items = self._take(queue, 1, timeout, eager=False)
+        return items[0] if items else None
+
+    def pop_many(self, queue: str, most: int, timeout: float | None = None) -> list[bytes]:
+        """Up to `most` items, oldest first, taking everything already queued in one round trip
+        where it can: QUEUE_POP first (a pipelined run of them when the last reply said how many
+        wait), WAIT only once the queue is found empty. [] when `timeout` passes."""
+        if most < 1:
+            raise ValueError(
+                f"coordinator store {self.address}: pop_many needs most >= 1, got {most}"
+            )
+        return self._take(queue, most, timeout, eager=True)
+
+    def _take(self, queue: str, most: int, timeout: float | None, *, eager: bool) -> list[bytes]:
         with self._conn.send_lock:
             if self._conn.reader is None:
                 self._conn.reader = self
@@ -157,35 +188,68 @@ class StoreClientTransport:
                     f"coordinator store {self.address}: another handle of this connection already "
                     "pops; a second reader needs a connection of its own"
                 )
-        conn = self._conn
+        key = (_KEY_PREFIX + queue).encode()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        # QUEUE_POP answers with the queue's length before the pop: what is known to wait
+        queued = self._backlog[1] if self._backlog[0] == queue else 0
+        items: list[bytes] = []
         try:
             sock = self._sock()
-            self._send(bytes([_WAIT]) + struct.pack("<Q", 1) + _string(key))
-            if conn.answered(sock, timeout):
-                response = conn.read(sock, 1, self.address)[0]
-            else:
-                self._send(bytes([_CANCEL_WAIT]))
-                # the server may have answered STOP_WAITING just before the cancel: skip it
-                while conn.read(sock, 1, self.address)[0] != _WAIT_CANCELED:
-                    pass
-                return None
-            if response != _STOP_WAITING:
-                raise TransportError(f"coordinator store {self.address}: bad wait reply {response}")
-            self._send(bytes([_QUEUE_POP]) + _string(key))
-            (count,) = struct.unpack("<q", conn.read(sock, 8, self.address))
-            if count <= 0:
-                return None  # another reader of this queue took the item first
-            (size,) = struct.unpack("<Q", conn.read(sock, 8, self.address))
-            return conn.read(sock, size, self.address)
+            while True:
+                if queued > 0 or eager:
+                    queued = self._pop_run(sock, key, max(min(queued, most - len(items)), 1), items)
+                    eager = False
+                    if len(items) == most or (items and queued == 0):
+                        break
+                    if queued > 0:
+                        continue
+                if not self._wait(sock, key, deadline):
+                    break
+                queued = 1  # the server saw an item
+        except TransportError:
+            raise
         except OSError as e:
             raise TransportError(f"coordinator store {self.address}: {e}") from e
+        finally:
+            self._backlog = (queue, queued)
+        return items
+
+    def _pop_run(self, sock: socket.socket, key: bytes, n: int, items: list[bytes]) -> int:
+        """`n` QUEUE_POPs in one write, their replies read in order; what the last reply says is
+        still queued after it (a reply of an empty queue has no item)."""
+        conn = self._conn
+        self._send((bytes([_QUEUE_POP]) + _string(key)) * n)
+        left = 0
+        for _ in range(n):
+            (count,) = struct.unpack("<q", conn.read(sock, 8, self.address))
+            if count > 0:
+                (size,) = struct.unpack("<Q", conn.read(sock, 8, self.address))
+                items.append(conn.read(sock, size, self.address))
+            left = max(count - 1, 0)
+        return left
+
+    def _wait(self, sock: socket.socket, key: bytes, deadline: float | None) -> bool:
+        """Whether an item is in the queue before `deadline` (WAIT, CANCEL_WAIT when it passes)."""
+        conn = self._conn
+        self._send(bytes([_WAIT]) + struct.pack("<Q", 1) + _string(key))
+        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        if not conn.answered(sock, left):
+            self._send(bytes([_CANCEL_WAIT]))
+            # the server may have answered STOP_WAITING just before the cancel: skip it
+            while conn.read(sock, 1, self.address)[0] != _WAIT_CANCELED:
+                pass
+            return False
+        response = conn.read(sock, 1, self.address)[0]
+        if response != _STOP_WAITING:
+            raise TransportError(f"coordinator store {self.address}: bad wait reply {response}")
+        return True
 
     def clone(self) -> StoreClientTransport:
         """Another handle on this connection, for a thread that pushes (or the one that pops)."""
         self._sock()  # a closed connection has no clones
         twin = object.__new__(StoreClientTransport)
         twin.address, twin._connect_timeout_s = self.address, self._connect_timeout_s
-        twin._closed, twin._conn = False, self._conn
+        twin._closed, twin._conn, twin._backlog = False, self._conn, ("", 0)
         with self._conn.send_lock:
             self._conn.handles += 1
         return twin
@@ -203,7 +267,8 @@ def _ready(sock: socket.socket, event: int, timeout: float | None) -> bool:
         raise ConnectionResetError("the connection was closed")
     poller = select.poll()
     poller.register(sock, event | select.POLLERR | select.POLLHUP)
-    wait_ms = -1 if timeout is None else max(int(timeout * 1000), 1)
+    # rounded up: a poll of fewer milliseconds than asked would end a timed pop early
+    wait_ms = -1 if timeout is None else max(math.ceil(timeout * 1000), 1)
     return bool(poller.poll(wait_ms))
 
 

@@ -78,9 +78,18 @@ class CountingTransport:
         self._count("push")
         self.inner.push(queue, data)
 
+    def push_many(self, pushes: list[tuple[str, bytes]]) -> None:
+        for _ in pushes:
+            self._count("push")
+        self.inner.push_many(pushes)
+
     def pop(self, queue: str, timeout: float | None = None) -> bytes | None:
         self._count("pop")
         return self.inner.pop(queue, timeout)
+
+    def pop_many(self, queue: str, most: int, timeout: float | None = None) -> list[bytes]:
+        self._count("pop")
+        return self.inner.pop_many(queue, most, timeout)
 
     def clone(self) -> CountingTransport:
         return CountingTransport(self.inner.clone(), self.counts)

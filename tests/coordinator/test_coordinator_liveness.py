@@ -17,11 +17,11 @@ SILENT = "no vote and no sign of life for 2 s: dead, stopped or cut off"
 class SlowInbox(MemoryTransport):
     """The coordinator's reading connection takes 2 ms per message, as a busy rank 0 would."""
 
-    def pop(self, queue, timeout=None):
-        data = super().pop(queue, timeout)
-        if data is not None and queue == INBOX:
-            time.sleep(0.002)
-        return data
+    def pop_many(self, queue, most, timeout=None):
+        items = super().pop_many(queue, 1, timeout)  # one at a time, as a slow reader takes them
+        if queue == INBOX:
+            time.sleep(0.002 * len(items))
+        return items
 
     def clone(self):
         return SlowInbox(self.hub)
