@@ -2,8 +2,8 @@
 counts as gone (the lease), and how far ahead of the votes the commit step is booked.
 
 Pure numbers and functions (no threads, clocks or I/O: the caller passes the times in), shared by
-the coordinator (`decide.py`, `coordinator_state.py`) and the ranks (`participant_state.py`), so
-both sides compute the same hold step.
+the coordinator's side (`coordinator.py`, `coordinator_state.py`, `decide.py`) and the ranks'
+(`participant.py`, `participant_state.py`), so both sides compute the same hold step.
 """
 
 from __future__ import annotations
