@@ -43,15 +43,8 @@ from typing import Any
 from dist_quant.coordinator.coordinator import Coordinator
 from dist_quant.coordinator.decision_log import DecisionLog
 from dist_quant.coordinator.node_relay import summarized
-from dist_quant.coordinator.protocol import (
-    Ack,
-    Bundle,
-    StatusQuery,
-    SwitchRequest,
-    Vote,
-    hold_step,
-    lead_time,
-)
+from dist_quant.coordinator.protocol import Ack, Bundle, StatusQuery, SwitchRequest, Vote
+from dist_quant.coordinator.timing import hold_step, lead_time
 from dist_quant.coordinator.transport_memory import MemoryHub, MemoryTransport
 from dist_quant.coordinator.wire import INBOX, node_down_queue, reply_queue, seal, unseal
 

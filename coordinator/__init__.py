@@ -16,13 +16,13 @@ from typing import Any
 # `dist-quant switch`) then does not import torch through `attach` and the participant.
 _EXPORTS: dict[str, str] = {
     "CancelRefusedError": "dist_quant.coordinator.errors",
-    "CancelResult": "dist_quant.coordinator.protocol",
+    "CancelResult": "dist_quant.coordinator.results",
     "Participant": "dist_quant.coordinator.participant",
     "PrecisionGuard": "dist_quant.coordinator.guard",
     "SwitchBusyError": "dist_quant.coordinator.errors",
     "SwitchError": "dist_quant.coordinator.errors",
     "SwitchRequestError": "dist_quant.coordinator.errors",
-    "SwitchResult": "dist_quant.coordinator.protocol",
+    "SwitchResult": "dist_quant.coordinator.results",
     "attach": "dist_quant.coordinator.attach",
     "cancel_switch": "dist_quant.coordinator.switch_requests",
     "fail_at": "dist_quant.coordinator.faults",

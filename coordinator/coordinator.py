@@ -20,11 +20,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from dist_quant.coordinator import coordinator_state as cs
+from dist_quant.coordinator.decide import settle_decision
+from dist_quant.coordinator.decide_cancel import settle_cancel
 from dist_quant.coordinator.decision_log import DecisionLog, DecisionLogError, begin_attempt
 from dist_quant.coordinator.faults import CoordinatorKilled, Fault, inject
+from dist_quant.coordinator.phases import Phase
 from dist_quant.coordinator.protocol import (
-    BEAT_S,
-    LEASE_S,
     Ack,
     AckSummary,
     Alive,
@@ -38,7 +39,6 @@ from dist_quant.coordinator.protocol import (
     Hello,
     Mark,
     Message,
-    Phase,
     ProtocolError,
     Reply,
     StatusQuery,
@@ -46,13 +46,11 @@ from dist_quant.coordinator.protocol import (
     SwitchRequest,
     Vote,
     VoteSummary,
-    lead_time,
     run_messages,
-    settle_cancel,
-    settle_decision,
 )
 from dist_quant.coordinator.switch_log import SwitchLog
 from dist_quant.coordinator.tally import RankValues
+from dist_quant.coordinator.timing import BEAT_S, LEASE_S, lead_time
 from dist_quant.coordinator.transport import Transport, TransportError
 from dist_quant.coordinator.wire import (
     INBOX,

@@ -4,7 +4,7 @@ Free of threads, clocks and I/O like `participant_state.py`: every step function
 the event and the time `now` and returns a `Step`: the next state, the reply for the client, the
 message for every rank, and log lines. `coordinator.py` reads the inbox, calls these, and does
 what the `Step` says (logging durably first where a step says so); `Coordinator._set_state` is the
-only place the state changes and checks every change against `protocol.TRANSITIONS`.
+only place the state changes and checks every change against `phases.TRANSITIONS`.
 
     IDLE --request--> PREPARING --all voted, or deadline--> DECIDING --logged--> COMMITTED | ABORTED
     COMMITTED --every rank acked--> PUBLISHED ;  COMMITTED --cancel request--> CANCELLING
@@ -25,8 +25,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from dist_quant.coordinator.decide import decide
+from dist_quant.coordinator.decide_cancel import decide_cancel
+from dist_quant.coordinator.phases import TRANSITIONS, Phase
 from dist_quant.coordinator.protocol import (
-    TRANSITIONS,
     Ack,
     AckSummary,
     Alive,
@@ -37,18 +39,15 @@ from dist_quant.coordinator.protocol import (
     CancelVote,
     Decision,
     Message,
-    Phase,
     Prepare,
     Reply,
     SwitchRequest,
-    SwitchResult,
     Vote,
     VoteSummary,
-    decide,
-    decide_cancel,
-    silent_ranks,
 )
+from dist_quant.coordinator.results import SwitchResult
 from dist_quant.coordinator.tally import Tally
+from dist_quant.coordinator.timing import silent_ranks
 
 
 # ---- states with their payload --------------------------------------------------------------
@@ -460,7 +459,7 @@ def cancel_outcome(state: Cancelling, *, drained_to: float) -> CancelDecision | 
 
 
 def on_logged(state: Deciding, decision: Decision, *, log_s: float) -> Step:
-    """The decision, as settled by its logging (`protocol.settle_decision`), is durable: send it
+    """The decision, as settled by its logging (`decide.settle_decision`), is durable: send it
     to every rank and the result to the client."""
     settled = Settled(state.opened, state.votes, decision, state.decided_at, log_s)
     nxt = Committed(settled, Tally(state.votes.world_size)) if decision.commit else Aborted(settled)

@@ -51,8 +51,6 @@ from dist_quant.coordinator.participant_state import (
     reapplying,
 )
 from dist_quant.coordinator.protocol import (
-    BEAT_S,
-    LEASE_S,
     Ack,
     Alive,
     CancelDecision,
@@ -66,6 +64,7 @@ from dist_quant.coordinator.protocol import (
     Stop,
 )
 from dist_quant.coordinator.switch_log import SwitchLog
+from dist_quant.coordinator.timing import BEAT_S, LEASE_S
 from dist_quant.coordinator.transport import Transport, TransportError
 from dist_quant.coordinator.wire import CLOSED, INBOX, rank_queue, seal, unseal
 

@@ -1,6 +1,6 @@
 """The participant's state machine: states with their payload, the transition table, pure steps.
 
-Free of threads, clocks and I/O like `protocol.decide()`: every function takes the current state,
+Free of threads, clocks and I/O like `decide.decide()`: every function takes the current state,
 the rank's `Ledger` and the event (with the time `now` and the last step the training thread
 passed, where they matter) and returns a `Step`: the next state and ledger, the message to send,
 what the training thread must do at a boundary, and the log lines. `participant.py` holds the
@@ -34,8 +34,8 @@ from dist_quant.coordinator.protocol import (
     Message,
     Prepare,
     Vote,
-    hold_step,
 )
+from dist_quant.coordinator.timing import hold_step
 
 
 class RankPhase(Enum):

@@ -19,14 +19,13 @@ from dist_quant.coordinator.endpoint import read_endpoint, resolve_run_dir
 from dist_quant.coordinator.errors import CancelRefusedError, SwitchBusyError, SwitchRequestError
 from dist_quant.coordinator.protocol import (
     CancelRequest,
-    CancelResult,
     Message,
     ProtocolError,
     Reply,
     StatusQuery,
     SwitchRequest,
-    SwitchResult,
 )
+from dist_quant.coordinator.results import CancelResult, SwitchResult
 from dist_quant.coordinator.transport import Transport, TransportError
 from dist_quant.coordinator.transport_ray import RayTransport
 from dist_quant.coordinator.transport_store_client import StoreClientTransport

@@ -7,7 +7,7 @@ rank counted" and "which rank is counted" without touching each rank of a range:
 nodes all answer in summaries costs O(nodes). Listing the ranks still missing is O(ranks); it is
 done only for an abort, a liveness look (every `BEAT_S` at most) or `dist-quant status`.
 
-Free of the protocol's types (`protocol.py` builds on this), threads, clocks and I/O.
+Free of the protocol's types (`decide.py` builds on this), threads, clocks and I/O.
 """
 
 from __future__ import annotations

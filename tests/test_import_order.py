@@ -87,6 +87,21 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     ("convert", ("dist_quant.convert",)),
     ("exports", ("dist_quant",)),  # dist_quant/__init__.py: the public names, imported lazily
+    # the switch protocol's pure files (messages, phases, rules, results): under the coordinator
+    # that drives them, and free of its threads, transports and logs
+    (
+        "switch protocol",
+        (
+            "dist_quant.coordinator.schema",
+            "dist_quant.coordinator.tally",
+            "dist_quant.coordinator.timing",
+            "dist_quant.coordinator.phases",
+            "dist_quant.coordinator.protocol",
+            "dist_quant.coordinator.results",
+            "dist_quant.coordinator.decide",
+            "dist_quant.coordinator.decide_cancel",
+        ),
+    ),
     ("coordinator", ("dist_quant.coordinator", "dist_quant.coordinator.*")),
     ("integrations", ("dist_quant.integrations", "dist_quant.integrations.*")),
     ("launch", ("dist_quant.launch", "dist_quant.launch.*")),

@@ -8,6 +8,7 @@ import pytest
 from dist_quant.coordinator import CancelRefusedError, cancel_switch, request_switch
 from dist_quant.coordinator.decision_log import DecisionLog
 from dist_quant.coordinator.participant import Participant
+from dist_quant.coordinator.phases import Phase
 from dist_quant.coordinator.protocol import (
     Ack,
     CancelDecision,
@@ -16,7 +17,6 @@ from dist_quant.coordinator.protocol import (
     CancelVote,
     Decision,
     Hello,
-    Phase,
     Prepare,
 )
 from dist_quant.coordinator.transport_memory import MemoryHub, MemoryTransport

@@ -7,11 +7,11 @@ import pytest
 from dist_quant.coordinator import SwitchBusyError, SwitchRequestError, fail_at, request_switch
 from dist_quant.coordinator.coordinator import Coordinator
 from dist_quant.coordinator.decision_log import DecisionLog, DecisionLogError
+from dist_quant.coordinator.phases import Phase
 from dist_quant.coordinator.protocol import (
     Ack,
     Decision,
     Hello,
-    Phase,
     Prepare,
     StatusQuery,
     SwitchRequest,

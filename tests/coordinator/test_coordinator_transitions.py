@@ -1,11 +1,11 @@
 """The coordinator's state machine as tables: each step function from each state, its next state,
 reply, record and broadcast; taking messages in never changes the phase; every step from every
-state is allowed by `protocol.TRANSITIONS`."""
+state is allowed by `phases.TRANSITIONS`."""
 
 import pytest
 from dist_quant.coordinator import coordinator_state as cs
+from dist_quant.coordinator.phases import TRANSITIONS, Phase
 from dist_quant.coordinator.protocol import (
-    TRANSITIONS,
     Ack,
     Alive,
     CancelDecision,
@@ -13,7 +13,6 @@ from dist_quant.coordinator.protocol import (
     CancelRequest,
     CancelVote,
     Decision,
-    Phase,
     Prepare,
     SwitchRequest,
     Vote,

@@ -1,8 +1,10 @@
 """`decide()` as a table: vote sets -> outcome (commit step, or the ranks that block the switch)."""
 
 import pytest
-from dist_quant.coordinator.protocol import Prepare, Vote, decide, hold_step, lead_time
+from dist_quant.coordinator.decide import decide
+from dist_quant.coordinator.protocol import Prepare, Vote
 from dist_quant.coordinator.tally import Tally
+from dist_quant.coordinator.timing import hold_step, lead_time
 
 RANKS = (0, 1, 2, 3)
 TP = ((0, 1), (2, 3))

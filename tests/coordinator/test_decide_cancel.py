@@ -1,7 +1,8 @@
 """`decide_cancel()` as a table: cancel votes -> cancelled, kept (with the blocking ranks), or open."""
 
 import pytest
-from dist_quant.coordinator.protocol import CancelPrepare, CancelVote, decide_cancel
+from dist_quant.coordinator.decide_cancel import decide_cancel
+from dist_quant.coordinator.protocol import CancelPrepare, CancelVote
 
 RANKS = (0, 1, 2, 3)
 STEP = 50  # the step switch 7 committed for

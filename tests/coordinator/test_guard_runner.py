@@ -4,7 +4,7 @@ import torch
 from dist_quant.coordinator.decision_log import DecisionLog
 from dist_quant.coordinator.guard import Observation, PrecisionGuard
 from dist_quant.coordinator.guard_runner import GuardRunner
-from dist_quant.coordinator.protocol import SwitchResult
+from dist_quant.coordinator.results import SwitchResult
 
 import dist_quant as dq
 from dist_quant.recipes import recipe_from_dict

@@ -11,6 +11,7 @@ import time
 import pytest
 from dist_quant.coordinator import coordinator_state as cs
 from dist_quant.coordinator.coordinator import Coordinator
+from dist_quant.coordinator.decide import decide
 from dist_quant.coordinator.decision_log import DecisionLog
 from dist_quant.coordinator.node_relay import summarized
 from dist_quant.coordinator.protocol import (
@@ -25,10 +26,9 @@ from dist_quant.coordinator.protocol import (
     SwitchRequest,
     Vote,
     VoteSummary,
-    decide,
-    hold_step,
 )
 from dist_quant.coordinator.tally import RankValues, Tally
+from dist_quant.coordinator.timing import hold_step
 from dist_quant.coordinator.transport_memory import MemoryHub, MemoryTransport
 from dist_quant.coordinator.wire import INBOX, reply_queue, seal, unseal
 from switch_harness import wait_for

@@ -10,7 +10,8 @@ import torch.distributed as dist
 from dist_quant.coordinator import SwitchError, fail_at, request_switch
 from dist_quant.coordinator.decision_log import DecisionLog
 from dist_quant.coordinator.participant import PROBE_S, Participant
-from dist_quant.coordinator.protocol import BEAT_S, Ack, Alive, Decision, Hello, Prepare, Vote
+from dist_quant.coordinator.protocol import Ack, Alive, Decision, Hello, Prepare, Vote
+from dist_quant.coordinator.timing import BEAT_S
 from dist_quant.coordinator.transport_memory import MemoryHub, MemoryTransport
 from dist_quant.coordinator.wire import node_queue, rank_queue
 from switch_harness import (

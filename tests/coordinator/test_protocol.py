@@ -3,22 +3,21 @@
 import json
 
 import pytest
+from dist_quant.coordinator.phases import TRANSITIONS, Phase
 from dist_quant.coordinator.protocol import (
-    TRANSITIONS,
     Ack,
     Decision,
     Hello,
     Message,
-    Phase,
     Prepare,
     ProtocolError,
     Reply,
     StatusQuery,
     Stop,
     SwitchRequest,
-    SwitchResult,
     Vote,
 )
+from dist_quant.coordinator.results import SwitchResult
 from dist_quant.coordinator.wire import seal, unseal
 
 EXAMPLES = [

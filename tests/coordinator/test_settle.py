@@ -7,12 +7,9 @@ recipe while the others switch); the same two rules for a cancel, which then mus
 """
 
 import pytest
-from dist_quant.coordinator.protocol import (
-    CancelDecision,
-    Decision,
-    settle_cancel,
-    settle_decision,
-)
+from dist_quant.coordinator.decide import settle_decision
+from dist_quant.coordinator.decide_cancel import settle_cancel
+from dist_quant.coordinator.protocol import CancelDecision, Decision
 
 COMMIT = Decision(4, True, 12, {}, "commit at step 12")
 ABORT = Decision(4, False, None, {1: "factory raised"}, "rank 1: factory raised")

@@ -1,0 +1,60 @@
+"""The switch's timing rules: how often a planning rank says it is alive, when a silent rank
+counts as gone (the lease), and how far ahead of the votes the commit step is booked.
+
+Pure numbers and functions (no threads, clocks or I/O: the caller passes the times in), shared by
+the coordinator's side (`coordinator.py`, `coordinator_state.py`, `decide.py`) and the ranks'
+(`participant.py`, `participant_state.py`), so both sides compute the same hold step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+BEAT_S = 0.5  # a rank planning a switch says it is alive this often (`Alive`)
+LEASE_S = 2.0  # a rank silent this long while a vote is due is dead, stopped or cut off
+
+
+def silent_ranks(
+    owing: Sequence[int], heard: Mapping[int, float], *, since: float, drained_to: float,
+    lease_s: float,
+) -> list[int]:  # fmt: skip
+    """The ranks of `owing` (those that owe a vote) heard from (vote, `Alive`; else since the Prepare went out
+    at `since`) no later than `lease_s` before `drained_to`, the time up to which every message
+    pushed to the coordinator has been read: so a message waiting in the queue never makes a live
+    rank look silent."""
+    cutoff = drained_to - lease_s
+    if since > cutoff:
+        return []
+    return [r for r in owing if heard.get(r, since) <= cutoff]
+
+
+MIN_LEAD_S = 0.05  # the commit step is booked at least this far ahead of the votes
+LEAD_PER_RANK_S = 100e-6  # before a first measurement: the coordinator's cost per rank
+MAX_LEAD_S = 10.0
+MAX_LEAD_STEPS = 10_000  # however short a step: a rank is never held further ahead than this
+
+
+def lead_time(world_size: int, last_latency_s: float | None) -> float:
+    """How long ahead of the votes the commit step is booked (`Prepare.lead_s`): twice the
+    request -> decision-sent time of the job's last committed switch, or before one, an estimate
+    from the number of ranks; clamped to [MIN_LEAD_S, MAX_LEAD_S]."""
+    if last_latency_s is None:
+        lead = MIN_LEAD_S + world_size * LEAD_PER_RANK_S
+    else:
+        lead = 2.0 * last_latency_s
+    return min(max(lead, MIN_LEAD_S), MAX_LEAD_S)
+
+
+def hold_step(last_step: int, step_s: float, lead_s: float, at_step: int | None) -> int:
+    """The first boundary a rank that voted YES after passing `last_step` may not pass without
+    the decision: the requested `at_step`, else one past `last_step` plus as many whole steps (of
+    `step_s` seconds, the rank's own rate) as fit in `lead_s`. The commit step is the largest of
+    these over every rank, so no rank can have passed it undecided, and a rank waits only if it
+    reaches its hold step before the decision arrives: a decision within `lead_s` of the vote
+    keeps it waiting less than one step. Whole steps, not rounded up: a switch that is decided
+    within a step still commits at the next boundary, as it would without a lead."""
+    if at_step is not None:
+        return at_step
+    ahead = math.floor(lead_s / step_s) if step_s > 0 and lead_s > 0 else 0
+    return last_step + 1 + min(ahead, MAX_LEAD_STEPS)
