@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from dist_quant.coordinator import coordinator_intake as intake
 from dist_quant.coordinator import coordinator_state as cs
 from dist_quant.coordinator.decide import settle_decision
 from dist_quant.coordinator.decide_cancel import settle_cancel
@@ -458,23 +459,23 @@ class Coordinator:
 
     def _on_vote(self, msg: Vote) -> None:
         # a YES is one line per rank per switch: debug, or thousands of ranks flood the log
-        note = cs.take_vote(self._state, msg)
+        note = intake.take_vote(self._state, msg)
         level = logging.DEBUG if msg.yes else logging.INFO
         if self._say.isEnabledFor(level):
             self._say.log(level, note, **self._where())
 
     def _on_cancel_vote(self, msg: CancelVote) -> None:
-        self._say.info(cs.take_cancel_vote(self._state, msg), **self._where())
+        self._say.info(intake.take_cancel_vote(self._state, msg), **self._where())
 
     def _on_ack(self, msg: Ack) -> None:
-        note = cs.take_ack(self._state, msg)
+        note = intake.take_ack(self._state, msg)
         if 0 <= msg.rank < self._world:
             self._recipe_keys.set(msg.rank, msg.recipe_key)
         if note:
             self._say.warning(note, **self._where(), step=msg.step)
 
     def _on_alive(self, msg: Alive) -> None:
-        cs.take_alive(self._state, msg, now=time.monotonic())
+        intake.take_alive(self._state, msg, now=time.monotonic())
 
     def _on_hello(self, msg: Hello) -> None:
         self._recipe_keys.set(msg.rank, msg.recipe_key)
@@ -483,21 +484,21 @@ class Coordinator:
     # as one range: the coordinator's work per switch is then O(nodes), not O(ranks).
 
     def _on_vote_summary(self, msg: VoteSummary) -> None:
-        note = cs.take_vote_summary(self._state, msg, self._relays)
+        note = intake.take_vote_summary(self._state, msg, self._relays)
         level = logging.WARNING if note.startswith("refused") else logging.DEBUG
         if self._say.isEnabledFor(level):
             self._say.log(level, note, **self._where())
 
     def _on_alive_summary(self, msg: AliveSummary) -> None:
-        note = cs.take_alive_summary(self._state, msg, self._relays, now=time.monotonic())
+        note = intake.take_alive_summary(self._state, msg, self._relays, now=time.monotonic())
         if note:
             self._say.warning(note, **self._where())
 
     def _on_ack_summary(self, msg: AckSummary) -> None:
-        note = cs.take_ack_summary(self._state, msg, self._relays)
+        note = intake.take_ack_summary(self._state, msg, self._relays)
         if note:
             self._say.warning(note, **self._where(), step=msg.step)
-        if not cs.node_range_problem(msg, self._relays):  # as an ack, counted or late
+        if not intake.node_range_problem(msg, self._relays):  # as an ack, counted or late
             self._recipe_keys.set_range(msg.first, msg.last, msg.recipe_key)
 
     def _on_bundle(self, bundle: Bundle) -> None:

@@ -11,17 +11,16 @@ only place the state changes and checks every change against `phases.TRANSITIONS
     CANCELLING --logged--> CANCELLED | COMMITTED ;  PUBLISHED | ABORTED | CANCELLED --request-->
     PREPARING
 
-Votes and acks go into a `Tally` of the state that collects them. Taking a message in (`take_*`)
-adds to that tally and never changes the phase; the step functions only read tallies. A tally
-counts as it goes, so asking whether a round is complete is O(1); a node relay's summary of its
-ranks' votes (acks) goes in as one range, so a switch costs O(nodes) where nodes summarize, and
-O(ranks) at most.
+Votes and acks go into a `Tally` of the state that collects them. Taking a message in (the `take_*`
+of `coordinator_intake.py`) adds to that tally and never changes the phase; the step functions only
+read tallies. A tally counts as it goes, so asking whether a round is complete is O(1); a node
+relay's summary of its ranks' votes (acks) goes in as one range, so a switch costs O(nodes) where
+nodes summarize, and O(ranks) at most.
 """
 
 from __future__ import annotations
 
-import bisect
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -30,9 +29,6 @@ from dist_quant.coordinator.decide_cancel import decide_cancel
 from dist_quant.coordinator.phases import TRANSITIONS, Phase
 from dist_quant.coordinator.protocol import (
     Ack,
-    AckSummary,
-    Alive,
-    AliveSummary,
     CancelDecision,
     CancelPrepare,
     CancelRequest,
@@ -43,7 +39,6 @@ from dist_quant.coordinator.protocol import (
     Reply,
     SwitchRequest,
     Vote,
-    VoteSummary,
 )
 from dist_quant.coordinator.results import SwitchResult
 from dist_quant.coordinator.tally import Tally
@@ -259,113 +254,6 @@ def on_cancel_request(state: State, req: CancelRequest, *, now: float) -> Step:
     return Step(
         cancelling, reply=Reply(req.request_id, "accepted", open_id, "", {}), broadcast=prepare
     )
-
-
-# ---- messages taken in (never change the phase) ---------------------------------------------
-def take_vote(state: State, vote: Vote) -> str:
-    """Count a vote of the open round; the log line saying what became of it."""
-    if not isinstance(state, Preparing) or vote.switch_id != state.opened.prepare.switch_id:
-        return f"ignored vote of rank {vote.rank}: stale or too late"
-    refused = state.votes.add(vote.rank, vote)
-    if refused:
-        return f"ignored vote: {refused}"
-    return f"rank {vote.rank} votes {'yes' if vote.yes else 'no'}"
-
-
-def take_vote_summary(
-    state: State, summary: VoteSummary, nodes: Mapping[int, Sequence[int]]
-) -> str:
-    """Count a node's summarized YES votes of the open round as one range; the log line saying
-    what became of it. `nodes`: each relayed node's ranks (sorted) by its leader. A summary that
-    is not for ranks of its leader's node, or that overlaps a rank already counted, is refused
-    whole, naming why: nothing of it is counted."""
-    what = f"vote summary of node {summary.leader} (ranks {summary.first}-{summary.last})"
-    if not isinstance(state, Preparing) or summary.switch_id != state.opened.prepare.switch_id:
-        return f"ignored the {what}: stale or too late"
-    problem = node_range_problem(summary, nodes)
-    if problem:
-        return f"refused the {what}: {problem}"
-    refused = state.votes.add_range(summary.first, summary.last, summary)
-    if refused:
-        return f"refused the {what}: {refused}"
-    return f"ranks {summary.first}-{summary.last} vote yes"
-
-
-def take_ack_summary(state: State, summary: AckSummary, nodes: Mapping[int, Sequence[int]]) -> str:
-    """Count a node's summarized acks (every one ok) of the committed switch as one range; as
-    `take_ack`, acks of a switch that is over change nothing. Refused whole as a vote summary
-    is."""
-    committed = state.committed if isinstance(state, Cancelling) else state
-    if not isinstance(committed, Committed) or summary.switch_id != committed.settled.switch_id:
-        return ""
-    what = f"ack summary of node {summary.leader} (ranks {summary.first}-{summary.last})"
-    problem = node_range_problem(summary, nodes)
-    if problem:
-        return f"refused the {what}: {problem}"
-    refused = committed.acks.add_range(summary.first, summary.last, summary)
-    return f"refused the {what}: {refused}" if refused else ""
-
-
-def node_range_problem(
-    summary: VoteSummary | AckSummary | AliveSummary, nodes: Mapping[int, Sequence[int]]
-) -> str:
-    """Why `summary` cannot stand for its ranks ("" if it can): its leader runs no relay, or
-    `first`..`last` are not consecutive ranks of that leader's node. O(log node size)."""
-    ranks = nodes.get(summary.leader)
-    if ranks is None:
-        return f"rank {summary.leader} leads no relayed node"
-    first, last = summary.first, summary.last
-    if first > last:
-        return f"first rank {first} is after last rank {last}"
-    # sorted distinct ranks: first and last at positions last - first apart means every rank
-    # between them is there too
-    i = bisect.bisect_left(ranks, first)
-    j = i + last - first
-    if not (i < len(ranks) and ranks[i] == first and j < len(ranks) and ranks[j] == last):
-        return f"not ranks of its node ({describe_ranks(ranks, (ranks,))})"
-    return ""
-
-
-def take_alive(state: State, alive: Alive, *, now: float) -> None:
-    """Note that a rank still planning the open switch is alive."""
-    if isinstance(state, Preparing) and alive.switch_id == state.opened.prepare.switch_id:
-        if 0 <= alive.rank < state.votes.world_size:
-            state.lease.heard[alive.rank] = now
-
-
-def take_alive_summary(
-    state: State, summary: AliveSummary, nodes: Mapping[int, Sequence[int]], *, now: float
-) -> str:
-    """Note that a node's ranks `first`..`last`, still planning the open switch, are alive; ""
-    or why the summary was refused (as a vote summary is, for its ranks)."""
-    if not isinstance(state, Preparing) or summary.switch_id != state.opened.prepare.switch_id:
-        return ""
-    problem = node_range_problem(summary, nodes)
-    if problem:
-        what = f"alive summary of node {summary.leader} (ranks {summary.first}-{summary.last})"
-        return f"refused the {what}: {problem}"
-    state.lease.heard.update(dict.fromkeys(range(summary.first, summary.last + 1), now))
-    return ""
-
-
-def take_cancel_vote(state: State, vote: CancelVote) -> str:
-    if not isinstance(state, Cancelling) or vote.switch_id != state.prepare.switch_id:
-        return f"ignored cancel vote of rank {vote.rank}: stale or too late"
-    refused = state.votes.add(vote.rank, vote)
-    if refused:
-        return f"ignored cancel vote: {refused}"
-    return f"rank {vote.rank} votes {'yes' if vote.yes else 'no'} to cancel"
-
-
-def take_ack(state: State, ack: Ack) -> str:
-    """Count an ack of the committed switch (also while a cancel of it is being voted)."""
-    committed = state.committed if isinstance(state, Cancelling) else state
-    if not isinstance(committed, Committed) or ack.switch_id != committed.settled.switch_id:
-        return ""  # acks of a switch that is over (or a replay) change nothing
-    refused = committed.acks.add(ack.rank, ack)
-    if refused:
-        return f"ignored ack: {refused}"
-    return "" if ack.ok else f"rank {ack.rank} failed to publish: {ack.error}"
 
 
 # ---- the phase moves on ---------------------------------------------------------------------

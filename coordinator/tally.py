@@ -22,7 +22,7 @@ class Tally(Generic[M]):
     """The first message of each rank in one round (votes, cancel votes or acks), counted as they
     arrive: one message per rank (`by_rank`), or one summary per range of ranks (`ranges`, each
     `(first, last, summary)`). Append-only: the only mutable part of a state, written by
-    `take_*` alone. No rank is in two entries: what overlaps a counted rank is refused whole."""
+    `coordinator_intake.take_*` alone. No rank is in two entries: what overlaps a counted rank is refused whole."""
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size

@@ -3,6 +3,7 @@ reply, record and broadcast; taking messages in never changes the phase; every s
 state is allowed by `phases.TRANSITIONS`."""
 
 import pytest
+from dist_quant.coordinator import coordinator_intake as intake
 from dist_quant.coordinator import coordinator_state as cs
 from dist_quant.coordinator.phases import TRANSITIONS, Phase
 from dist_quant.coordinator.protocol import (
@@ -161,7 +162,9 @@ TAKE_CASES = [
 def test_taking_a_message_in_counts_it_or_says_why_not_and_never_moves_the_phase(
     state, msg, note, kept
 ):
-    take = {Vote: cs.take_vote, CancelVote: cs.take_cancel_vote, Ack: cs.take_ack}[type(msg)]
+    take = {Vote: intake.take_vote, CancelVote: intake.take_cancel_vote, Ack: intake.take_ack}[
+        type(msg)
+    ]
     tallies = [t for t in vars(state).values() if isinstance(t, cs.Tally)]
     if isinstance(state, cs.Cancelling):
         tallies.append(state.committed.acks)
@@ -386,11 +389,11 @@ def test_ranks_are_described_with_whole_nodes_named_once(ranks, nodes, text):
 
 def test_alive_is_noted_only_for_the_open_round_and_known_ranks():
     state = preparing()
-    cs.take_alive(state, Alive(3, 1), now=100.7)
-    cs.take_alive(state, Alive(2, 2), now=100.8)  # an older switch
-    cs.take_alive(state, Alive(3, 9), now=100.9)  # no such rank
+    intake.take_alive(state, Alive(3, 1), now=100.7)
+    intake.take_alive(state, Alive(2, 2), now=100.8)  # an older switch
+    intake.take_alive(state, Alive(3, 9), now=100.9)  # no such rank
     assert state.lease.heard == {1: 100.7}
-    cs.take_alive(committed(), Alive(3, 1), now=101.0)  # nothing to note once decided
+    intake.take_alive(committed(), Alive(3, 1), now=101.0)  # nothing to note once decided
 
 
 def test_status_names_the_ranks_a_round_waits_for():

@@ -9,6 +9,7 @@ import logging
 import time
 
 import pytest
+from dist_quant.coordinator import coordinator_intake as intake
 from dist_quant.coordinator import coordinator_state as cs
 from dist_quant.coordinator.coordinator import Coordinator
 from dist_quant.coordinator.decide import decide
@@ -233,8 +234,8 @@ def test_the_coordinator_takes_a_summary_of_its_leaders_node_or_refuses_it_whole
 ):
     state = _preparing(Tally(8))
     for v in earlier:
-        cs.take_vote(state, v)
-    got = cs.take_vote_summary(state, summary, NODES)
+        intake.take_vote(state, v)
+    got = intake.take_vote_summary(state, summary, NODES)
     assert note in got
     assert [r for r in range(8) if state.votes.has(r)] == after
     assert state.votes.count == len(after)
@@ -244,19 +245,19 @@ def test_the_coordinator_takes_a_summary_of_its_leaders_node_or_refuses_it_whole
 def test_an_ack_summary_counts_only_for_the_committed_switch():
     settled = cs.Settled(_preparing(Tally(8)).opened, Tally(8), None, 0.0, 0.0)
     state = cs.Committed(settled, Tally(8))
-    assert cs.take_ack_summary(state, AckSummary(2, 0, 0, 3, 20, "B"), NODES) == ""
+    assert intake.take_ack_summary(state, AckSummary(2, 0, 0, 3, 20, "B"), NODES) == ""
     assert state.acks.count == 0  # another switch's: nothing counted
-    refused = cs.take_ack_summary(state, AckSummary(1, 0, 2, 5, 20, "B"), NODES)
+    refused = intake.take_ack_summary(state, AckSummary(1, 0, 2, 5, 20, "B"), NODES)
     assert refused.startswith("refused the ack summary of node 0 (ranks 2-5): not ranks")
-    assert cs.take_ack_summary(state, AckSummary(1, 4, 4, 7, 20, "B"), NODES) == ""
+    assert intake.take_ack_summary(state, AckSummary(1, 4, 4, 7, 20, "B"), NODES) == ""
     assert cs.waiting_for(state) == [0, 1, 2, 3]
 
 
 def test_an_alive_summary_keeps_its_ranks_out_of_the_lease_for_the_open_switch_only():
     state = _preparing(Tally(8))
-    assert cs.take_alive_summary(state, AliveSummary(1, 4, 4, 7), NODES, now=5.0) == ""
-    assert cs.take_alive_summary(state, AliveSummary(2, 0, 0, 3), NODES, now=5.0) == ""  # stale
-    refused = cs.take_alive_summary(state, AliveSummary(1, 0, 2, 5), NODES, now=5.0)
+    assert intake.take_alive_summary(state, AliveSummary(1, 4, 4, 7), NODES, now=5.0) == ""
+    assert intake.take_alive_summary(state, AliveSummary(2, 0, 0, 3), NODES, now=5.0) == ""  # stale
+    refused = intake.take_alive_summary(state, AliveSummary(1, 0, 2, 5), NODES, now=5.0)
     assert refused.startswith("refused the alive summary of node 0 (ranks 2-5): not ranks")
     assert state.lease.heard == {4: 5.0, 5: 5.0, 6: 5.0, 7: 5.0}
     step = cs.on_drained(state, now=6.0, drained_to=6.0, lease_s=2.0, nodes=list(NODES.values()))
