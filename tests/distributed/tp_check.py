@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import dist_quant as dq
+from dist_quant import kernels as fp8_kernels
 from dist_quant.quantizers import Float8CurrentScalingQuantizer, Float8Quantizer
 from dist_quant.runtime import dist_quant_modules
 
@@ -49,29 +50,54 @@ class Recorder:
 
     def _wrap(self, cls: type) -> None:
         # `cast` is where every per-tensor cast goes: `quantize` wraps its result, and the
-        # per-tensor linear path calls it directly
+        # per-tensor linear path calls it directly. The fused SwiGLU casts do not pass through it:
+        # they are logged with the activation they stand for, swiglu(h) or swiglu_backward(dy, h)
         original = cls.cast
-        log = self.log
+        fused, fused_backward = cls.cast_swiglu, cls.cast_swiglu_backward
+        record = self._record
 
         def cast(q, x, *, transpose, _original=original):
-            out = _original(q, x, transpose=transpose)
-            label = getattr(q, "_rec_label", None)
-            if label is not None:
-                log[label].append(
-                    {
-                        "x": x.detach().clone(),
-                        "bytes": out.data.view(torch.uint8).clone(),
-                        "scale_inv": out.scale_inv.detach().clone().reshape(1),
-                        # delayed scaling casts with its scale buffer (not 1 / scale_inv)
-                        "scale": q.scale.detach().clone().reshape(1)
-                        if isinstance(q, Float8Quantizer)
-                        else None,
-                        "fp8_dtype": out.data.dtype,
-                    }
-                )
+            return record(q, x, _original(q, x, transpose=transpose))
+
+        def cast_swiglu(q, h, *, transpose, _original=fused):
+            before = self._logged()
+            out = _original(q, h, transpose=transpose)
+            if self._logged() == before:  # not fallen back to `cast`, which logged it
+                record(q, fp8_kernels.swiglu(h), out)
             return out
 
-        cls.cast = cast
+        def cast_swiglu_backward(q, dy, h, *, transpose, _original=fused_backward):
+            before = self._logged()
+            out = _original(q, dy, h, transpose=transpose)
+            if self._logged() == before:
+                record(q, fp8_kernels.swiglu_backward(dy, h), out)
+            return out
+
+        cls.cast, cls.cast_swiglu, cls.cast_swiglu_backward = (
+            cast,
+            cast_swiglu,
+            cast_swiglu_backward,
+        )
+
+    def _logged(self) -> int:
+        return sum(map(len, self.log.values()))
+
+    def _record(self, q: Any, x: torch.Tensor, out: Any) -> Any:
+        label = getattr(q, "_rec_label", None)
+        if label is not None:
+            self.log[label].append(
+                {
+                    "x": x.detach().clone(),
+                    "bytes": out.data.view(torch.uint8).clone(),
+                    "scale_inv": out.scale_inv.detach().clone().reshape(1),
+                    # delayed scaling casts with its scale buffer (not 1 / scale_inv)
+                    "scale": q.scale.detach().clone().reshape(1)
+                    if isinstance(q, Float8Quantizer)
+                    else None,
+                    "fp8_dtype": out.data.dtype,
+                }
+            )
+        return out
 
     def take(self) -> dict[tuple, list[dict]]:
         out = dict(self.log)
