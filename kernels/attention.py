@@ -9,7 +9,11 @@ recomputes P from it.
 
 Layouts. Hopper's FP8 MMA reads both operands K-major, so an operand contracted along its sequence
 dim is read from a transposed copy (``(b, heads, d, s)``, made by the launcher): V for P V, Q and dO
-for dK and dV, K for dQ. Every other operand is the row-major ``(b, heads, s, d)`` tensor.
+for dK and dV, K for dQ. Every other operand is the row-major ``(b, heads, s, d)`` tensor. The
+kernels read FP8 tiles through tensor descriptors (the TMA unit on Hopper): no per-element address
+registers, and rows or columns past the end of a sequence arrive as zeros, so only the softmax's
+masks remain in the kernels. A descriptor's strides are 16-byte multiples: the transposed copies pad
+their rows (a sequence of FP8 bytes) to 16.
 
 Grouped-query attention: K and V stay at KV-head shape; a forward or dQ program reads the KV head
 of its query head, and a dV or dK program loops over the query heads of its group, so the group's sum
@@ -39,10 +43,11 @@ from dist_quant.kernels import reference_attention as ref
 from dist_quant.kernels._fp8_round import cdiv, fp8_spec, hw_rounding, is_gpu
 from dist_quant.kernels._op import register_op
 from dist_quant.kernels.attention_bwd import _bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel
-from dist_quant.kernels.attention_fwd import _fwd_kernel
+from dist_quant.kernels.attention_fwd import _fwd_kernel, _transpose_kernel
 from dist_quant.kernels.reference import FP8_DTYPES
 from dist_quant.kernels.reference_attention import LOG2E
 from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 # GPU tiles (BM query rows x BN keys), warps and pipeline stages; the interpreter runs 16 x 16
 # tiles. d128: the fastest of sweeps on the H200 (seq 8192, 32/8 heads, causal; BENCHMARKS.md):
@@ -103,10 +108,25 @@ def _fmt(fp8_dtype: torch.dtype, what: str) -> dict[str, int]:
     return {"MAX_BITS": spec.max_bits, "MANT": spec.mant_bits, "MIN_EXP": spec.min_exp}
 
 
-def _transposed(x: torch.Tensor) -> torch.Tensor:
-    """(b, heads, s, d) -> (b, heads, d, s) contiguous: the K-major copy of an operand contracted
-    along its sequence dim."""
-    return x.transpose(-2, -1).contiguous()
+def _rows(x: torch.Tensor, rows: int) -> TensorDescriptor:
+    """Descriptor of (b, heads, s, d) ``x`` as (b * heads, s, d), tiles of ``rows`` x d."""
+    b, h, s, d = x.shape
+    return TensorDescriptor.from_tensor(x.view(b * h, s, d), [1, rows, d])
+
+
+def _k_major(x: torch.Tensor) -> torch.Tensor:
+    """The K-major copy of (b, heads, s, d) ``x``: a (b * heads, d, s) view whose rows are padded to
+    16 bytes (a descriptor's strides are 16-byte multiples)."""
+    b, h, s, d = x.shape
+    padded = x.new_empty(b * h, d, s + (-s % 16))
+    br = 64 if is_gpu(x) else 16
+    _transpose_kernel[(b * h, cdiv(s, br))](x, padded, s, padded.shape[-1], D=d, BR=br)
+    return padded[..., :s]
+
+
+def _columns(t: torch.Tensor, cols: int) -> TensorDescriptor:
+    """Descriptor of a `_k_major` copy, tiles of d x ``cols``."""
+    return TensorDescriptor.from_tensor(t, [1, t.shape[1], cols])
 
 
 def _tiles(table: dict, d: int, gpu: bool) -> tuple[int, int, int, int]:
@@ -142,7 +162,7 @@ def attention_fwd_triton(
     bm, bn, warps, stages = _tiles(GPU_FWD, c.d, is_gpu(q))
     s = _fmt(s_dtype, "s")
     _fwd_kernel[(c.b * c.h, cdiv(c.sq, bm))](
-        q, k, _transposed(v), out, lse,
+        _rows(q, bm), _rows(k, bn), _columns(_k_major(v), bn), out, lse,
         q_scale_inv, k_scale_inv, v_scale_inv, s_scale, s_amax.view(torch.int32),
         c.mask, *c.mask_strides,
         c.h, c.sq, c.sk, LOG2E / math.sqrt(c.d),
@@ -185,11 +205,12 @@ def attention_bwd_triton(
     s, dp = _fmt(s_dtype, "s"), _fmt(dp_dtype, "dp")
     mask_args = (c.mask, *c.mask_strides)
     sizes = (c.h, c.sq, c.sk, LOG2E / math.sqrt(c.d), 1.0 / math.sqrt(c.d))
-    qt, dot = _transposed(q), _transposed(do)
+    qt, dot = _k_major(q), _k_major(do)
     for table, is_dv in ((GPU_BWD_DV, True), (GPU_BWD_DK, False)):
         bm, bn, warps, stages = _tiles(table, c.d, gpu)
         _bwd_dkdv_kernel[(c.b * c.hkv, cdiv(c.sk, bn))](
-            q, qt, k, v, do, dot, lse, delta, dk, dv,
+            _rows(q, bm), _columns(qt, bm), k, v, _rows(do, bm), _columns(dot, bm), lse, delta,
+            dk, dv,
             q_scale_inv, k_scale_inv, v_scale_inv, do_scale_inv, s_scale, dp_scale,
             *mask_args, *sizes,
             GROUP=c.h // c.hkv, D=c.d, BM=bm, BN=bn, CAUSAL=causal, HAS_MASK=c.has_mask,
@@ -199,7 +220,7 @@ def attention_bwd_triton(
         )  # fmt: skip
     bm, bn, warps, stages = _tiles(GPU_BWD_DQ, c.d, gpu)
     _bwd_dq_kernel[(c.b * c.h, cdiv(c.sq, bm))](
-        q, k, _transposed(k), v, do, lse, delta, dq,
+        _rows(q, bm), _rows(k, bn), _columns(_k_major(k), bn), _rows(v, bn), do, lse, delta, dq,
         q_scale_inv, k_scale_inv, v_scale_inv, do_scale_inv, dp_scale, dp_amax.view(torch.int32),
         *mask_args, *sizes,
         GROUP=c.h // c.hkv, D=c.d, BM=bm, BN=bn, CAUSAL=causal, HAS_MASK=c.has_mask,

@@ -24,7 +24,7 @@ def _bwd_delta_kernel(
 
 @triton.jit
 def _dkdv_tile(
-    k, v, dk, dv, q_base, qt_base, do_base, dot_base, lse_base, delta_base, start_m, cols, dd, b,
+    k, v, dk, dv, q_desc, qt_desc, do_desc, dot_desc, bh, lse_base, delta_base, start_m, cols, b,
     SQ, SK, qk_scale, dp_deq, s_scale, dp_scale,
     mask_ptr, m_sb, m_sq, m_sk,
     D: tl.constexpr, BM: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
@@ -35,15 +35,12 @@ def _dkdv_tile(
 ):  # fmt: skip
     """One query tile of a dV (DV) or dK program (transposed: keys along dim 0). Keys out of range need
     no mask here (they only reach dK/dV rows that are never stored); MASKED: queries out of range,
-    before the key (causal) or padding."""
+    before the key (causal) or padding. Queries past the end load as zeros."""
     rows = start_m + tl.arange(0, BM)
-    row_off = rows[:, None] * D + dd[None, :]  # int32 offsets from the (b, h) base pointers
-    t_off = dd[:, None] * SQ + rows[None, :]
+    q = q_desc.load([bh, start_m, 0]).reshape(BM, D)
     if MASKED:
-        q = tl.load(q_base + row_off, mask=rows[:, None] < SQ, other=0.0)
         lse = tl.load(lse_base + rows, mask=rows < SQ, other=0.0)
     else:
-        q = tl.load(q_base + row_off)
         lse = tl.load(lse_base + rows)
     s_t = tl.dot(k, tl.trans(q)) * qk_scale  # (BN, BM): S^T
     p_t = tl.math.exp2(s_t - lse[None, :])
@@ -53,20 +50,15 @@ def _dkdv_tile(
         )
         p_t = tl.where(ok, p_t, 0.0)
     if DV:
-        if MASKED:
-            do_t = tl.load(dot_base + t_off, mask=rows[None, :] < SQ, other=0.0)
-        else:
-            do_t = tl.load(dot_base + t_off)
+        do_t = dot_desc.load([bh, 0, start_m]).reshape(D, BM)
         p8 = _to_fp8(p_t * s_scale, S_MAX_BITS, S_MANT, S_MIN_EXP, HW)
         dv += tl.dot(p8, tl.trans(do_t))
     else:
+        do = do_desc.load([bh, start_m, 0]).reshape(BM, D)
+        q_t = qt_desc.load([bh, 0, start_m]).reshape(D, BM)
         if MASKED:
-            do = tl.load(do_base + row_off, mask=rows[:, None] < SQ, other=0.0)
-            q_t = tl.load(qt_base + t_off, mask=rows[None, :] < SQ, other=0.0)
             delta = tl.load(delta_base + rows, mask=rows < SQ, other=0.0)
         else:
-            do = tl.load(do_base + row_off)
-            q_t = tl.load(qt_base + t_off)
             delta = tl.load(delta_base + rows)
         dp_t = tl.dot(v, tl.trans(do)) * dp_deq  # (BN, BM): dP^T
         ds = p_t * (dp_t - delta[None, :])
@@ -77,7 +69,7 @@ def _dkdv_tile(
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    q_ptr, qt_ptr, k_ptr, v_ptr, do_ptr, dot_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    q_desc, qt_desc, k_ptr, v_ptr, do_desc, dot_desc, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
     q_si_ptr, k_si_ptr, v_si_ptr, do_si_ptr, s_scale_ptr, dp_scale_ptr,
     mask_ptr, m_sb, m_sq, m_sk,
     H, SQ, SK, c_log2, sm_scale,
@@ -119,16 +111,15 @@ def _bwd_dkdv_kernel(
         a = SQ
     z = tl.maximum(z, a)
     for g in range(GROUP):
-        bh = (b * H + (bkv % hkv) * GROUP + g).to(tl.int64)
-        q_base, qt_base = q_ptr + bh * SQ * D, qt_ptr + bh * SQ * D
-        do_base, dot_base = do_ptr + bh * SQ * D, dot_ptr + bh * SQ * D
-        lse_base, delta_base = lse_ptr + bh * SQ, delta_ptr + bh * SQ
+        bh = b * H + (bkv % hkv) * GROUP + g
+        lse_base = lse_ptr + bh.to(tl.int64) * SQ
+        delta_base = delta_ptr + bh.to(tl.int64) * SQ
         # the three ranges unrolled, so each tile's MASKED is a compile-time constant
         for part in tl.static_range(3):
             for start_m in range((lo, a, z)[part], (a, z, SQ)[part], BM):
                 dk, dv = _dkdv_tile(
-                    k, v, dk, dv, q_base, qt_base, do_base, dot_base, lse_base, delta_base,
-                    start_m, cols, dd, b, SQ, SK, qk_scale, dp_deq, s_scale, dp_scale, mask_ptr,
+                    k, v, dk, dv, q_desc, qt_desc, do_desc, dot_desc, bh, lse_base, delta_base,
+                    start_m, cols, b, SQ, SK, qk_scale, dp_deq, s_scale, dp_scale, mask_ptr,
                     m_sb, m_sq, m_sk, D, BM, CAUSAL, HAS_MASK, part != 1, S_MAX_BITS, S_MANT,
                     S_MIN_EXP, DP_MAX_BITS, DP_MANT, DP_MIN_EXP, HW, DV,
                 )  # fmt: skip
@@ -142,25 +133,18 @@ def _bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_tile(
-    q, do, lse, delta, dq, ds_max, k_base, kt_base, v_base, start_n, rows, dd, b, SQ, SK,
+    q, do, lse, delta, dq, ds_max, k_desc, kt_desc, v_desc, bkv, start_n, rows, b, SQ, SK,
     qk_scale, dp_deq, dp_scale,
     mask_ptr, m_sb, m_sq, m_sk,
     D: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     MASKED: tl.constexpr,
     DP_MAX_BITS: tl.constexpr, DP_MANT: tl.constexpr, DP_MIN_EXP: tl.constexpr, HW: tl.constexpr,
 ):  # fmt: skip
-    """One key tile of a dQ program (MASKED as in `_fwd_tile`)."""
+    """One key tile of a dQ program (MASKED as in `_fwd_tile`; keys past the end load as zeros)."""
     cols = start_n + tl.arange(0, BN)
-    kv_off = cols[:, None] * D + dd[None, :]  # int32 offsets from the (b, kv head) bases
-    t_off = dd[:, None] * SK + cols[None, :]
-    if MASKED:
-        k = tl.load(k_base + kv_off, mask=cols[:, None] < SK, other=0.0)
-        v = tl.load(v_base + kv_off, mask=cols[:, None] < SK, other=0.0)
-        k_t = tl.load(kt_base + t_off, mask=cols[None, :] < SK, other=0.0)
-    else:
-        k = tl.load(k_base + kv_off)
-        v = tl.load(v_base + kv_off)
-        k_t = tl.load(kt_base + t_off)
+    k = k_desc.load([bkv, start_n, 0]).reshape(BN, D)
+    v = v_desc.load([bkv, start_n, 0]).reshape(BN, D)
+    k_t = kt_desc.load([bkv, 0, start_n]).reshape(D, BN)
     p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
     if MASKED:
         ok = _visible(
@@ -177,7 +161,7 @@ def _dq_tile(
 
 @triton.jit
 def _bwd_dq_kernel(
-    q_ptr, k_ptr, kt_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+    q_desc, k_desc, kt_desc, v_desc, do_ptr, lse_ptr, delta_ptr, dq_ptr,
     q_si_ptr, k_si_ptr, v_si_ptr, do_si_ptr, dp_scale_ptr, dp_amax_ptr,
     mask_ptr, m_sb, m_sq, m_sk,
     H, SQ, SK, c_log2, sm_scale,
@@ -191,15 +175,13 @@ def _bwd_dq_kernel(
     if CAUSAL:
         pid_m = tl.num_programs(1) - 1 - pid_m
     b = bh // H
-    bkv = (b * (H // GROUP) + (bh % H) // GROUP).to(tl.int64)
+    bkv = b * (H // GROUP) + (bh % H) // GROUP
     rows = pid_m * BM + tl.arange(0, BM)
     dd = tl.arange(0, D)
     q_base = bh.to(tl.int64) * SQ * D
     q_off = rows[:, None] * D + dd[None, :]
-    q = tl.load(q_ptr + q_base + q_off, mask=rows[:, None] < SQ, other=0.0)
+    q = q_desc.load([bh, pid_m * BM, 0]).reshape(BM, D)  # rows past the end load as zeros
     do = tl.load(do_ptr + q_base + q_off, mask=rows[:, None] < SQ, other=0.0)
-    kv_base = bkv * SK * D
-    k_base, kt_base, v_base = k_ptr + kv_base, kt_ptr + kv_base, v_ptr + kv_base
     # rows out of range read lse = delta = 0: their P is finite and their dS 0 (dO is 0)
     lse = tl.load(lse_ptr + bh.to(tl.int64) * SQ + rows, mask=rows < SQ, other=0.0)
     delta = tl.load(delta_ptr + bh.to(tl.int64) * SQ + rows, mask=rows < SQ, other=0.0)
@@ -213,7 +195,7 @@ def _bwd_dq_kernel(
     for part in tl.static_range(2):  # unrolled: each tile's MASKED is a compile-time constant
         for start_n in range((0, full)[part], (full, hi)[part], BN):
             dq, ds_max = _dq_tile(
-                q, do, lse, delta, dq, ds_max, k_base, kt_base, v_base, start_n, rows, dd, b,
+                q, do, lse, delta, dq, ds_max, k_desc, kt_desc, v_desc, bkv, start_n, rows, b,
                 SQ, SK, qk_scale, dp_deq, dp_scale, mask_ptr, m_sb, m_sq, m_sk, D, BN, CAUSAL,
                 HAS_MASK, part == 1, DP_MAX_BITS, DP_MANT, DP_MIN_EXP, HW,
             )  # fmt: skip

@@ -50,6 +50,18 @@ def _visible(
 
 
 @triton.jit
+def _transpose_kernel(x_ptr, out_ptr, S, S_PADDED, D: tl.constexpr, BR: tl.constexpr):
+    """(heads, S, D) -> (heads, D, S_PADDED): rows BR-block ``program_id(1)`` of head
+    ``program_id(0)``, the bytes moved as they are (the K-major copies of FP8 operands; torch's
+    strided copy of one byte per element runs at a fraction of the bandwidth)."""
+    h, rows = tl.program_id(0).to(tl.int64), tl.program_id(1) * BR + tl.arange(0, BR)
+    dd = tl.arange(0, D)
+    x = tl.load(x_ptr + h * S * D + rows[:, None] * D + dd[None, :], mask=rows[:, None] < S)
+    t_ptrs = out_ptr + h * D * S_PADDED + dd[:, None] * S_PADDED + rows[None, :]
+    tl.store(t_ptrs, tl.trans(x), mask=rows[None, :] < S)
+
+
+@triton.jit
 def key_tiles(pid_m, SK, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr,
               HAS_MASK: tl.constexpr):  # fmt: skip
     """(full, hi) for query block ``pid_m``: key tiles [0, full) need no mask (in range and, causal,
@@ -67,7 +79,7 @@ def key_tiles(pid_m, SK, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexp
 
 @triton.jit
 def _fwd_tile(
-    q, k_base, vt_base, start_n, rows, dd, b, SQ, SK, qk_scale, s_scale,
+    q, k_desc, vt_desc, bkv, start_n, rows, b, SQ, SK, qk_scale, s_scale,
     m_i, l_i, p_max, acc,
     mask_ptr, m_sb, m_sq, m_sk,
     D: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
@@ -75,16 +87,10 @@ def _fwd_tile(
     S_MAX_BITS: tl.constexpr, S_MANT: tl.constexpr, S_MIN_EXP: tl.constexpr, HW: tl.constexpr,
 ):  # fmt: skip
     """One key tile of the forward: the online softmax update and P V (MASKED: the tile may hold
-    keys out of range, after the query or padded)."""
+    keys out of range, after the query or padded; keys past the end load as zeros)."""
     cols = start_n + tl.arange(0, BN)
-    k_ptrs = k_base + cols[:, None] * D + dd[None, :]
-    vt_ptrs = vt_base + dd[:, None] * SK + cols[None, :]
-    if MASKED:
-        k = tl.load(k_ptrs, mask=cols[:, None] < SK, other=0.0)
-        vt = tl.load(vt_ptrs, mask=cols[None, :] < SK, other=0.0)
-    else:
-        k = tl.load(k_ptrs)
-        vt = tl.load(vt_ptrs)
+    k = k_desc.load([bkv, start_n, 0]).reshape(BN, D)
+    vt = vt_desc.load([bkv, 0, start_n]).reshape(D, BN)
     s = tl.dot(q, tl.trans(k)) * qk_scale  # (BM, BN) fp32, base-2 logits
     if MASKED:
         ok = _visible(
@@ -104,7 +110,7 @@ def _fwd_tile(
 
 @triton.jit
 def _fwd_kernel(
-    q_ptr, k_ptr, vt_ptr, out_ptr, lse_ptr,
+    q_desc, k_desc, vt_desc, out_ptr, lse_ptr,
     q_si_ptr, k_si_ptr, v_si_ptr, s_scale_ptr, s_amax_ptr,
     mask_ptr, m_sb, m_sq, m_sk,
     H, SQ, SK, c_log2,
@@ -121,10 +127,7 @@ def _fwd_kernel(
     bkv = b * (H // GROUP) + (bh % H) // GROUP
     rows = pid_m * BM + tl.arange(0, BM)
     dd = tl.arange(0, D)
-    q_base = q_ptr + bh.to(tl.int64) * SQ * D
-    q = tl.load(q_base + rows[:, None] * D + dd[None, :], mask=rows[:, None] < SQ, other=0.0)
-    k_base = k_ptr + bkv.to(tl.int64) * SK * D
-    vt_base = vt_ptr + bkv.to(tl.int64) * D * SK
+    q = q_desc.load([bh, pid_m * BM, 0]).reshape(BM, D)  # rows past the end load as zeros
     qk_scale = tl.load(q_si_ptr) * tl.load(k_si_ptr) * c_log2
     s_scale = tl.load(s_scale_ptr)
 
@@ -136,7 +139,7 @@ def _fwd_kernel(
     for part in tl.static_range(2):  # unrolled: each tile's MASKED is a compile-time constant
         for start_n in range((0, full)[part], (full, hi)[part], BN):
             m_i, l_i, p_max, acc = _fwd_tile(
-                q, k_base, vt_base, start_n, rows, dd, b, SQ, SK, qk_scale, s_scale,
+                q, k_desc, vt_desc, bkv, start_n, rows, b, SQ, SK, qk_scale, s_scale,
                 m_i, l_i, p_max, acc, mask_ptr, m_sb, m_sq, m_sk,
                 D, BN, CAUSAL, HAS_MASK, part == 1, S_MAX_BITS, S_MANT, S_MIN_EXP, HW,
             )  # fmt: skip
