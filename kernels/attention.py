@@ -50,13 +50,13 @@ from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 # GPU tiles (BM query rows x BN keys), warps and pipeline stages; the interpreter runs 16 x 16
-# tiles. d128: the fastest of sweeps on the H200 (seq 8192, 32/8 heads, causal; BENCHMARKS.md):
-# forward 0.87 ms (128 x 64 x 8 warps: 0.98); backward 3.79 ms with dV and dK each on 64 x 128 x 8
-# warps, 3 stages, and dQ on 64 x 64 x 4 warps (one dK/dV launch on 64 x 128 x 8 warps: 4.22).
-# d64: picked without a GPU, for the fewest register spills (`ptxas -v`, sm_90a).
+# tiles. d128: the fastest of sweeps on the H200 (seq 8192, 32/8 heads, causal; BENCHMARKS.md),
+# with the operands read through descriptors: forward 0.78 ms (128 x 128 x 8 warps: 0.93); dV and
+# dK each 64 x 64 x 4 warps, 3 stages (~0.25 ms less each than 64 x 128 x 8, the pointer kernels'
+# best), dQ 64 x 64 x 4 warps. d64: picked without a GPU, no register spills (`ptxas -v`, sm_90a).
 GPU_FWD = {64: (128, 128, 8, 3), 128: (64, 128, 4, 3)}  # d -> (BM, BN, warps, stages)
-GPU_BWD_DV = {64: (32, 128, 8, 2), 128: (64, 128, 8, 3)}
-GPU_BWD_DK = {64: (32, 128, 8, 2), 128: (64, 128, 8, 3)}
+GPU_BWD_DV = {64: (32, 128, 8, 2), 128: (64, 64, 4, 3)}
+GPU_BWD_DK = {64: (32, 128, 8, 2), 128: (64, 64, 4, 3)}
 GPU_BWD_DQ = {64: (128, 64, 8, 3), 128: (64, 64, 4, 3)}
 HEAD_DIMS = (16, 32, 64, 128)  # the interpreter's; the GPU runs GPU_HEAD_DIMS
 GPU_HEAD_DIMS = tuple(GPU_FWD)

@@ -1,5 +1,5 @@
-"""Compile the FP8 attention kernels for Hopper (sm90) without a GPU and print their MMA and FP8
-conversion instructions, one JSON line per (kernel, head dim, mask), at the tiles the launchers use: causal at both head dims, and a
+"""Compile the FP8 attention kernels for Hopper (sm90) without a GPU and print their MMA, FP8
+conversion and bulk tensor copy (TMA) instructions, one JSON line per (kernel, head dim, mask), at the tiles the launchers use: causal at both head dims, and a
 padding mask at head dim 128.
 
 Run as a script in a process without ``TRITON_INTERPRET`` (see compile_targets.py); nothing is
@@ -19,10 +19,20 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 POINTERS = {
-    "q_ptr": "*fp8e4nv", "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "vt_ptr": "*fp8e4nv",
-    "qt_ptr": "*fp8e4nv", "kt_ptr": "*fp8e4nv", "do_ptr": "*fp8e5", "dot_ptr": "*fp8e5",
+    "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "do_ptr": "*fp8e5",
     "out_ptr": "*bf16", "s_amax_ptr": "*i32", "dp_amax_ptr": "*i32", "mask_ptr": "*u8",
 }  # fmt: skip
+# tensor descriptors: name -> (element type, block shape from (BM, BN, D)), as the launchers build them
+DESCRIPTORS = {
+    "q_desc": ("fp8e4nv", lambda bm, bn, d: (1, bm, d)),
+    "qt_desc": ("fp8e4nv", lambda bm, bn, d: (1, d, bm)),
+    "k_desc": ("fp8e4nv", lambda bm, bn, d: (1, bn, d)),
+    "kt_desc": ("fp8e4nv", lambda bm, bn, d: (1, d, bn)),
+    "v_desc": ("fp8e4nv", lambda bm, bn, d: (1, bn, d)),
+    "vt_desc": ("fp8e4nv", lambda bm, bn, d: (1, d, bn)),
+    "do_desc": ("fp8e5", lambda bm, bn, d: (1, bm, d)),
+    "dot_desc": ("fp8e5", lambda bm, bn, d: (1, d, bm)),
+}
 KERNELS = {  # name -> (kernel, tiles, the launch's own constexprs)
     "fwd": (A._fwd_kernel, A.GPU_FWD, {}),
     "dv": (A._bwd_dkdv_kernel, A.GPU_BWD_DV, {"DV": True}),
@@ -35,6 +45,12 @@ def _format(prefix: str, fp8_dtype: torch.dtype) -> dict:
     spec = _known_specs()[fp8_dtype]
     return {f"{prefix}_MAX_BITS": spec.max_bits, f"{prefix}_MANT": spec.mant_bits,
             f"{prefix}_MIN_EXP": spec.min_exp}  # fmt: skip
+
+
+def _instruction(line: str) -> str:
+    """A PTX line's opcode, past its predicate guard (``@%p3 cp.async.bulk.tensor...``)."""
+    words = line.split()
+    return words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
 
 
 def instructions(name: str, d: int, padded: bool) -> dict:
@@ -51,6 +67,9 @@ def instructions(name: str, d: int, padded: bool) -> dict:
             signature[n] = "constexpr"
         elif n in POINTERS:
             signature[n] = POINTERS[n]
+        elif n in DESCRIPTORS:
+            dtype, block = DESCRIPTORS[n]
+            signature[n] = f"tensordesc<{dtype}[{','.join(map(str, block(bm, bn, d)))}]>"
         else:
             signature[n] = (
                 "*fp32" if n.endswith("_ptr") else "fp32" if "scale" in n or "log2" in n else "i32"
@@ -67,13 +86,14 @@ def instructions(name: str, d: int, padded: bool) -> dict:
         )
     except Exception as e:  # the compiler's own error is the finding
         return {**row, "error": f"{type(e).__name__}: {str(e).splitlines()[-1][:200]}"}
-    ops = {line.split()[0] for line in compiled.asm["ptx"].splitlines() if line.strip()}
+    ops = {_instruction(line) for line in compiled.asm["ptx"].splitlines() if line.strip()}
     return {
         **row,
         "mma": sorted(op for op in ops if op.startswith(("wgmma.mma_async", "mma."))),
         "fp8_cvt": sorted(
             op for op in ops if op.startswith("cvt") and ("e4m3" in op or "e5m2" in op)
         ),
+        "tma_loads": sorted(op for op in ops if op.startswith("cp.async.bulk.tensor")),
     }
 
 
