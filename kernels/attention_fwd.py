@@ -97,12 +97,14 @@ def _fwd_tile(
             rows[:, None], cols[None, :], b, SQ, SK, mask_ptr, m_sb, m_sq, m_sk, CAUSAL, HAS_MASK
         )
         s = tl.where(ok, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.math.ceil(tl.max(s, 1)))
+    s_max = tl.max(s, 1)
+    m_new = tl.maximum(m_i, tl.math.ceil(s_max))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = _pow2(m_i - m_use)  # exact: both integers
     p = tl.math.exp2(s - m_use[:, None])  # <= 1; masked -> 0
     l_i = l_i * alpha + tl.sum(p, 1)
-    p_max = tl.maximum(p_max * alpha, tl.max(p, 1))
+    # the tile's max P is exp2 of its max logit (exp2 is monotonic): no second pass over the tile
+    p_max = tl.maximum(p_max * alpha, tl.math.exp2(s_max - m_use))
     p8 = _to_fp8(p * s_scale, S_MAX_BITS, S_MANT, S_MIN_EXP, HW)
     acc = acc * alpha[:, None] + tl.dot(p8, tl.trans(vt))
     return m_new, l_i, p_max, acc
