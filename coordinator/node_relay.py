@@ -31,7 +31,6 @@ the ABORT.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Sequence
@@ -250,7 +249,8 @@ def _agreement(m: Message) -> tuple | None:
     """What a vote (ack) must share with the others of a run to be summarized with them; None
     for a message that is never summarized."""
     if isinstance(m, Vote) and m.yes and not m.reason and type(m.last_step) is int:
-        parts = json.dumps(m.part_digests, sort_keys=True)
+        # names -> digests, strings both (the wire schema's check): equal items, equal dicts
+        parts = tuple(sorted(m.part_digests.items()))
         return ("vote", m.switch_id, m.digest, parts, m.last_step)
     if isinstance(m, Ack) and m.ok and not m.error:
         return ("ack", m.switch_id, m.step, m.recipe_key)

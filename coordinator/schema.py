@@ -152,6 +152,8 @@ def run_of(messages: Sequence[Any]) -> dict[str, Any]:
     (where every message's value has the same JSON text, so the reader decodes what it would
     from each message) or as a list of every message's value. The values are shared, not
     copied; a field "same" for all is, after decoding, one object shared by the messages."""
+    if len(messages) == 1:  # a node's summary: every field is its own, with nothing to compare
+        return {"count": 1, "each": {}, "same": fields_of(messages[0])}
     each: dict[str, list] = {}
     same: dict[str, Any] = {}
     for name in _field_order(type(messages[0])):
