@@ -350,7 +350,7 @@ def bundle_runs(messages: Sequence[Message]) -> tuple[dict, ...]:
 def run_messages(run: Mapping[str, Any]) -> list[Message]:
     """The messages of one run of a `Bundle`, each checked as `Message.from_dict` checks one;
     raises `ProtocolError` naming the kind, the field and the position of what is malformed."""
-    if not isinstance(run, Mapping):
+    if type(run) is not dict and not isinstance(run, Mapping):  # decoded JSON: no ABC check
         raise ProtocolError(f"a bundle's run must be a JSON object, got {type(run).__name__}")
     kind = run.get("kind")
     cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
