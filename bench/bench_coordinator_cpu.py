@@ -42,11 +42,26 @@ from typing import Any
 
 from dist_quant.coordinator.coordinator import Coordinator
 from dist_quant.coordinator.decision_log import DecisionLog
-from dist_quant.coordinator.node_relay import summarized
-from dist_quant.coordinator.protocol import Ack, Bundle, StatusQuery, SwitchRequest, Vote
+from dist_quant.coordinator.node_relay import hand_down, summarized
+from dist_quant.coordinator.protocol import (
+    Ack,
+    Bundle,
+    Decision,
+    Prepare,
+    StatusQuery,
+    SwitchRequest,
+    Vote,
+)
 from dist_quant.coordinator.timing import hold_step, lead_time
 from dist_quant.coordinator.transport_memory import MemoryHub, MemoryTransport
-from dist_quant.coordinator.wire import INBOX, node_down_queue, reply_queue, seal, unseal
+from dist_quant.coordinator.wire import (
+    INBOX,
+    node_down_queue,
+    rank_queue,
+    reply_queue,
+    seal,
+    unseal,
+)
 
 TOKEN = "bench-token"
 LAST_STEP = 10
@@ -183,26 +198,41 @@ def _thread_cpu_s(threads: list[threading.Thread]) -> float:
 
 
 def _voter(
-    transport: Any, leaders: list[int], votes: dict, acks: dict, got: list, cpu: list
+    transport: Any,
+    leaders: list[int],
+    votes: dict,
+    acks: dict,
+    got: list,
+    cpu: list,
+    nodes: dict[int, range] | None = None,
 ) -> None:
     """The relays of `leaders`' nodes, scripted: each node's ready votes once its Prepare is
     there, then its ready acks once its decision is; `got` gets the time of the last decision,
-    `cpu` this thread's CPU (on a cluster, the relays' work runs on their own hosts)."""
+    `cpu` this thread's CPU (on a cluster, the relays' work runs on their own hosts). With
+    `nodes` (leader -> its ranks), each Prepare and decision is also checked against the token
+    and handed to every rank's queue of its node, as a relay's down thread does, before the
+    node counts as having it."""
     try:
         # each pops as a relay does (`pop_many`: a QUEUE_POP first, a WAIT only when empty)
-        for leader in leaders:
-            transport.pop_many(node_down_queue(leader), 1)  # the Prepare
-            transport.push(INBOX, votes[leader])
-        for leader in leaders:
-            transport.pop_many(node_down_queue(leader), 1)  # the decision
-            got.append(time.perf_counter())
-            transport.push(INBOX, acks[leader])
+        for expected, answers in ((Prepare, votes), (Decision, acks)):
+            for leader in leaders:
+                (data,) = transport.pop_many(node_down_queue(leader), 1)
+                if nodes is not None:
+                    msg = unseal(data, TOKEN)
+                    if not isinstance(msg, expected):
+                        raise RuntimeError(f"node {leader} got {msg.kind}, not {expected.kind}")
+                    hand_down(transport, nodes[leader], data)
+                if expected is Decision:
+                    got.append(time.perf_counter())
+                transport.push(INBOX, answers[leader])
     finally:
         cpu.append(time.thread_time())
         transport.close()
 
 
-def one_switch_store(ranks: int, tmp: Path, per_node: int, summaries: bool) -> dict[str, Any]:
+def one_switch_store(
+    ranks: int, tmp: Path, per_node: int, summaries: bool, handing_down: bool = False
+) -> dict[str, Any]:
     # imported here: they import torch, whose objects would make the memory mode's garbage
     # collections (and its CPU figures) heavier than in the runs it is compared with
     from dist_quant.coordinator.job_host import connect_endpoint
@@ -244,6 +274,7 @@ def one_switch_store(ranks: int, tmp: Path, per_node: int, summaries: bool) -> d
                 acks,
                 got,
                 voters_cpu,
+                dict(zip(leaders, nodes, strict=True)) if handing_down else None,
             ),
             daemon=True,
         )  # fmt: skip
@@ -275,6 +306,7 @@ def one_switch_store(ranks: int, tmp: Path, per_node: int, summaries: bool) -> d
         messages = counts["messages"]  # before the Stop that ends the coordinator
         for t in voters:
             t.join(60.0)
+        handed = _handed_down(connect_endpoint(endpoint), ranks) if handing_down else 0
     finally:
         gc.unfreeze()
         coord.stop()
@@ -292,7 +324,18 @@ def one_switch_store(ranks: int, tmp: Path, per_node: int, summaries: bool) -> d
         "coordinator_cpu_ms": cpu * 1e3,
         "rank0_messages": messages,
         "voters_cpu_ms": sum(voters_cpu) * 1e3,
+        "hand_down": handing_down,
+        "handed_down": handed,
     }
+
+
+def _handed_down(reader: Any, ranks: int) -> int:
+    """How many messages wait in the ranks' own queues (nobody reads them here); closes
+    `reader`."""
+    try:
+        return sum(len(reader.pop_many(rank_queue(r), 4, 0.0)) for r in range(ranks))
+    finally:
+        reader.close()
 
 
 def projection(row: dict[str, Any]) -> list[str]:
@@ -328,13 +371,21 @@ def main() -> None:
     ap.add_argument(
         "--no-summaries", action="store_true", help="relays send each rank's vote and ack"
     )
+    ap.add_argument(
+        "--hand-down",
+        action="store_true",
+        help="--store: the scripted relays also check each Prepare and decision against the token "
+        "and hand it to every rank's queue of the node, as a relay does",
+    )
     args = ap.parse_args()
     if args.store and args.per_node < 2:
         ap.error("--store scripts node relays: give --per-node 2 or more")
     with tempfile.TemporaryDirectory() as tmp:
         for n in (int(x) for x in args.ranks.split(",")):
             if args.store:
-                row = one_switch_store(n, Path(tmp), args.per_node, not args.no_summaries)
+                row = one_switch_store(
+                    n, Path(tmp), args.per_node, not args.no_summaries, args.hand_down
+                )
                 if args.json:
                     print(json.dumps(row), flush=True)
                     continue

@@ -195,7 +195,7 @@ class NodeRelay:
                         return
                     if isinstance(msg, Decision):
                         inject(self._faults, "relay", rank=self.leader, switch_id=msg.switch_id)
-                    self._down_out.push_many([(rank_queue(r), data) for r in self.ranks])
+                    hand_down(self._down_out, self.ranks, data)
         except TransportError as e:
             self._say.info(f"relay down ends: {e}")
 
@@ -204,6 +204,11 @@ class NodeRelay:
             transport.push(CLOSED, seal(Stop(f"relay of node {self.leader}"), self._token))
         except TransportError:
             pass  # the store is gone: nobody waits for this
+
+
+def hand_down(out: Transport, ranks: Sequence[int], data: bytes) -> None:
+    """Hand one of the coordinator's messages, as sealed, to every rank of a node: one write."""
+    out.push_many([(rank_queue(r), data) for r in ranks])
 
 
 def summarized(leader: int, node: Sequence[int], messages: Sequence[Message]) -> list[Message]:
