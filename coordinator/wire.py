@@ -55,7 +55,7 @@ _START = len(_HEAD) + _MAC_HEX + len(_BODY)  # where the message's text begins
 @functools.lru_cache(maxsize=8)
 def _keyed(token: str) -> hmac.HMAC:
     """The job token's HMAC state before any message: keying it (OpenSSL fetches the digest and
-    hashes the padded key) was a third of the MAC of a node's bundle; each MAC copies it."""
+    hashes the padded key) per message made a node's bundle's MAC 1.5 us, copying it 1.2 us."""
     return hmac.new(token.encode(), digestmod=hashlib.sha256)
 
 
