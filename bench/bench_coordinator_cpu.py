@@ -21,9 +21,11 @@ Prepare from `node/<leader>/down` and push its ready vote bundle at once, then i
 its ready ack bundle. Printed per N (the `--json` keys of bench_switch_scale where they apply):
 request -> decision at the client (`decision_ms`), request -> every node got the decision
 (`published_ms`: an instant rank publishes once its relay hands it the decision), request -> every
-ack counted (`acked_ms`), the coordinator threads' CPU (`coordinator_cpu_ms`) and the messages it
+ack counted (`acked_ms`), the coordinator threads' CPU (`coordinator_cpu_ms`; per thread,
+`coordinator_threads_cpu_ms`: the pump and the main thread) and the messages it
 moved (`rank0_messages`), the scripted relays' CPU (`voters_cpu_ms`: work a cluster does on the
-other hosts, here on the same cores), with a projection at the issue's network cost.
+other hosts, here on the same cores; with `--hand-down` they also check each Prepare and decision
+and hand it to every rank's queue, as a relay does), with a projection at the issue's network cost.
 The end-to-end scale benchmark with real participants is bench/bench_switch_scale.py.
 """
 
@@ -193,8 +195,12 @@ class _Counting:
         self.inner.close()
 
 
-def _thread_cpu_s(threads: list[threading.Thread]) -> float:
-    return sum(time.clock_gettime(time.pthread_getcpuclockid(t.ident)) for t in threads)
+def _thread_cpu_s(threads: list[threading.Thread]) -> dict[str, float]:
+    """Each thread's CPU so far, by the last part of its name ("pump", "main")."""
+    return {
+        t.name.rsplit(".", 1)[-1]: time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+        for t in threads
+    }
 
 
 def _voter(
@@ -302,7 +308,8 @@ def one_switch_store(
                 raise TimeoutError(f"not every ack counted: {coord.phase.value}")
             time.sleep(0.0005)
         t_acked = time.perf_counter()
-        cpu = _thread_cpu_s(coordinator_threads) - cpu0
+        cpu1 = _thread_cpu_s(coordinator_threads)
+        cpu_by_thread = {name: cpu1[name] - cpu0[name] for name in cpu1}
         messages = counts["messages"]  # before the Stop that ends the coordinator
         for t in voters:
             t.join(60.0)
@@ -321,7 +328,9 @@ def one_switch_store(
         "decision_ms": (t_decided - t0) * 1e3,
         "published_ms": (max(got) - t0) * 1e3,
         "acked_ms": (t_acked - t0) * 1e3,
-        "coordinator_cpu_ms": cpu * 1e3,
+        "coordinator_cpu_ms": sum(cpu_by_thread.values()) * 1e3,
+        # the pump reads and unseals the inbox; main counts, decides, logs and sends
+        "coordinator_threads_cpu_ms": {name: s * 1e3 for name, s in sorted(cpu_by_thread.items())},
         "rank0_messages": messages,
         "voters_cpu_ms": sum(voters_cpu) * 1e3,
         "hand_down": handing_down,
@@ -357,8 +366,9 @@ def projection(row: dict[str, Any]) -> list[str]:
 LEFT_OUT = (
     "left out: the ranks' own planning (instant here; bench/bench_switch.py measures plan_model) "
     "and publishing (at their commit step's boundary, booked lead_s ahead of the votes), the "
-    "relays' work on their hosts (gathering, checking each rank's seal, summarizing, handing the "
-    "decision to each rank), and the network (one host, loopback: projected above)"
+    "relays' work on their hosts (gathering, checking each rank's seal, summarizing; checking "
+    "and handing the Prepare and decision to each rank unless --hand-down), and the network "
+    "(one host, loopback: projected above)"
 )
 
 
@@ -393,7 +403,9 @@ def main() -> None:
                     f"{n:>6} ranks on {row['nodes']} nodes (store): request->decision "
                     f"{row['decision_ms']:7.1f} ms, -> every node has it "
                     f"{row['published_ms']:7.1f} ms, -> every ack counted {row['acked_ms']:7.1f}"
-                    f" ms; CPU: coordinator {row['coordinator_cpu_ms']:6.1f} ms, scripted "
+                    f" ms; CPU: coordinator {row['coordinator_cpu_ms']:6.1f} ms (pump "
+                    f"{row['coordinator_threads_cpu_ms']['pump']:.1f}, main "
+                    f"{row['coordinator_threads_cpu_ms']['main']:.1f}), scripted "
                     f"relays {row['voters_cpu_ms']:6.1f} ms; {row['rank0_messages']} messages "
                     "at rank 0",
                     flush=True,

@@ -28,6 +28,9 @@ def test_the_store_mode_moves_four_messages_per_node_at_rank_0(summaries):
     assert row["rank0_messages"] == 4 * 8 + 3  # request, "accepted", result
     assert 0 < row["decision_ms"] <= row["acked_ms"] and 0 < row["published_ms"] <= row["acked_ms"]
     assert row["coordinator_cpu_ms"] > 0 and row["voters_cpu_ms"] > 0
+    threads = row["coordinator_threads_cpu_ms"]
+    assert sorted(threads) == ["main", "pump"] and min(threads.values()) > 0
+    assert sum(threads.values()) == pytest.approx(row["coordinator_cpu_ms"])
     assert (row["hand_down"], row["handed_down"]) == (False, 0)
 
 
