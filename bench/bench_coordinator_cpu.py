@@ -21,9 +21,11 @@ Prepare from `node/<leader>/down` and push its ready vote bundle at once, then i
 its ready ack bundle. Printed per N (the `--json` keys of bench_switch_scale where they apply):
 request -> decision at the client (`decision_ms`), request -> every node got the decision
 (`published_ms`: an instant rank publishes once its relay hands it the decision), request -> every
-ack counted (`acked_ms`), the coordinator threads' CPU (`coordinator_cpu_ms`) and the messages it
+ack counted (`acked_ms`), the coordinator threads' CPU (`coordinator_cpu_ms`; per thread,
+`coordinator_threads_cpu_ms`: the pump and the main thread) and the messages it
 moved (`rank0_messages`), the scripted relays' CPU (`voters_cpu_ms`: work a cluster does on the
-other hosts, here on the same cores), with a projection at the issue's network cost.
+other hosts, here on the same cores; with `--hand-down` they also check each Prepare and decision
+and hand it to every rank's queue, as a relay does), with a projection at the issue's network cost.
 The end-to-end scale benchmark with real participants is bench/bench_switch_scale.py.
 """
 
@@ -42,11 +44,26 @@ from typing import Any
 
 from dist_quant.coordinator.coordinator import Coordinator
 from dist_quant.coordinator.decision_log import DecisionLog
-from dist_quant.coordinator.node_relay import summarized
-from dist_quant.coordinator.protocol import Ack, Bundle, StatusQuery, SwitchRequest, Vote
+from dist_quant.coordinator.node_relay import hand_down, summarized
+from dist_quant.coordinator.protocol import (
+    Ack,
+    Bundle,
+    Decision,
+    Prepare,
+    StatusQuery,
+    SwitchRequest,
+    Vote,
+)
 from dist_quant.coordinator.timing import hold_step, lead_time
 from dist_quant.coordinator.transport_memory import MemoryHub, MemoryTransport
-from dist_quant.coordinator.wire import INBOX, node_down_queue, reply_queue, seal, unseal
+from dist_quant.coordinator.wire import (
+    INBOX,
+    node_down_queue,
+    rank_queue,
+    reply_queue,
+    seal,
+    unseal,
+)
 
 TOKEN = "bench-token"
 LAST_STEP = 10
@@ -178,31 +195,50 @@ class _Counting:
         self.inner.close()
 
 
-def _thread_cpu_s(threads: list[threading.Thread]) -> float:
-    return sum(time.clock_gettime(time.pthread_getcpuclockid(t.ident)) for t in threads)
+def _thread_cpu_s(threads: list[threading.Thread]) -> dict[str, float]:
+    """Each thread's CPU so far, by the last part of its name ("pump", "main")."""
+    return {
+        t.name.rsplit(".", 1)[-1]: time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+        for t in threads
+    }
 
 
 def _voter(
-    transport: Any, leaders: list[int], votes: dict, acks: dict, got: list, cpu: list
+    transport: Any,
+    leaders: list[int],
+    votes: dict,
+    acks: dict,
+    got: list,
+    cpu: list,
+    nodes: dict[int, range] | None = None,
 ) -> None:
     """The relays of `leaders`' nodes, scripted: each node's ready votes once its Prepare is
     there, then its ready acks once its decision is; `got` gets the time of the last decision,
-    `cpu` this thread's CPU (on a cluster, the relays' work runs on their own hosts)."""
+    `cpu` this thread's CPU (on a cluster, the relays' work runs on their own hosts). With
+    `nodes` (leader -> its ranks), each Prepare and decision is also checked against the token
+    and handed to every rank's queue of its node, as a relay's down thread does, before the
+    node counts as having it."""
     try:
         # each pops as a relay does (`pop_many`: a QUEUE_POP first, a WAIT only when empty)
-        for leader in leaders:
-            transport.pop_many(node_down_queue(leader), 1)  # the Prepare
-            transport.push(INBOX, votes[leader])
-        for leader in leaders:
-            transport.pop_many(node_down_queue(leader), 1)  # the decision
-            got.append(time.perf_counter())
-            transport.push(INBOX, acks[leader])
+        for expected, answers in ((Prepare, votes), (Decision, acks)):
+            for leader in leaders:
+                (data,) = transport.pop_many(node_down_queue(leader), 1)
+                if nodes is not None:
+                    msg = unseal(data, TOKEN)
+                    if not isinstance(msg, expected):
+                        raise RuntimeError(f"node {leader} got {msg.kind}, not {expected.kind}")
+                    hand_down(transport, nodes[leader], data)
+                if expected is Decision:
+                    got.append(time.perf_counter())
+                transport.push(INBOX, answers[leader])
     finally:
         cpu.append(time.thread_time())
         transport.close()
 
 
-def one_switch_store(ranks: int, tmp: Path, per_node: int, summaries: bool) -> dict[str, Any]:
+def one_switch_store(
+    ranks: int, tmp: Path, per_node: int, summaries: bool, handing_down: bool = False
+) -> dict[str, Any]:
     # imported here: they import torch, whose objects would make the memory mode's garbage
     # collections (and its CPU figures) heavier than in the runs it is compared with
     from dist_quant.coordinator.job_host import connect_endpoint
@@ -244,6 +280,7 @@ def one_switch_store(ranks: int, tmp: Path, per_node: int, summaries: bool) -> d
                 acks,
                 got,
                 voters_cpu,
+                dict(zip(leaders, nodes, strict=True)) if handing_down else None,
             ),
             daemon=True,
         )  # fmt: skip
@@ -271,10 +308,12 @@ def one_switch_store(ranks: int, tmp: Path, per_node: int, summaries: bool) -> d
                 raise TimeoutError(f"not every ack counted: {coord.phase.value}")
             time.sleep(0.0005)
         t_acked = time.perf_counter()
-        cpu = _thread_cpu_s(coordinator_threads) - cpu0
+        cpu1 = _thread_cpu_s(coordinator_threads)
+        cpu_by_thread = {name: cpu1[name] - cpu0[name] for name in cpu1}
         messages = counts["messages"]  # before the Stop that ends the coordinator
         for t in voters:
             t.join(60.0)
+        handed = _handed_down(connect_endpoint(endpoint), ranks) if handing_down else 0
     finally:
         gc.unfreeze()
         coord.stop()
@@ -289,10 +328,23 @@ def one_switch_store(ranks: int, tmp: Path, per_node: int, summaries: bool) -> d
         "decision_ms": (t_decided - t0) * 1e3,
         "published_ms": (max(got) - t0) * 1e3,
         "acked_ms": (t_acked - t0) * 1e3,
-        "coordinator_cpu_ms": cpu * 1e3,
+        "coordinator_cpu_ms": sum(cpu_by_thread.values()) * 1e3,
+        # the pump reads and unseals the inbox; main counts, decides, logs and sends
+        "coordinator_threads_cpu_ms": {name: s * 1e3 for name, s in sorted(cpu_by_thread.items())},
         "rank0_messages": messages,
         "voters_cpu_ms": sum(voters_cpu) * 1e3,
+        "hand_down": handing_down,
+        "handed_down": handed,
     }
+
+
+def _handed_down(reader: Any, ranks: int) -> int:
+    """How many messages wait in the ranks' own queues (nobody reads them here); closes
+    `reader`."""
+    try:
+        return sum(len(reader.pop_many(rank_queue(r), 4, 0.0)) for r in range(ranks))
+    finally:
+        reader.close()
 
 
 def projection(row: dict[str, Any]) -> list[str]:
@@ -314,8 +366,9 @@ def projection(row: dict[str, Any]) -> list[str]:
 LEFT_OUT = (
     "left out: the ranks' own planning (instant here; bench/bench_switch.py measures plan_model) "
     "and publishing (at their commit step's boundary, booked lead_s ahead of the votes), the "
-    "relays' work on their hosts (gathering, checking each rank's seal, summarizing, handing the "
-    "decision to each rank), and the network (one host, loopback: projected above)"
+    "relays' work on their hosts (gathering, checking each rank's seal, summarizing; checking "
+    "and handing the Prepare and decision to each rank unless --hand-down), and the network "
+    "(one host, loopback: projected above)"
 )
 
 
@@ -328,13 +381,21 @@ def main() -> None:
     ap.add_argument(
         "--no-summaries", action="store_true", help="relays send each rank's vote and ack"
     )
+    ap.add_argument(
+        "--hand-down",
+        action="store_true",
+        help="--store: the scripted relays also check each Prepare and decision against the token "
+        "and hand it to every rank's queue of the node, as a relay does",
+    )
     args = ap.parse_args()
     if args.store and args.per_node < 2:
         ap.error("--store scripts node relays: give --per-node 2 or more")
     with tempfile.TemporaryDirectory() as tmp:
         for n in (int(x) for x in args.ranks.split(",")):
             if args.store:
-                row = one_switch_store(n, Path(tmp), args.per_node, not args.no_summaries)
+                row = one_switch_store(
+                    n, Path(tmp), args.per_node, not args.no_summaries, args.hand_down
+                )
                 if args.json:
                     print(json.dumps(row), flush=True)
                     continue
@@ -342,7 +403,9 @@ def main() -> None:
                     f"{n:>6} ranks on {row['nodes']} nodes (store): request->decision "
                     f"{row['decision_ms']:7.1f} ms, -> every node has it "
                     f"{row['published_ms']:7.1f} ms, -> every ack counted {row['acked_ms']:7.1f}"
-                    f" ms; CPU: coordinator {row['coordinator_cpu_ms']:6.1f} ms, scripted "
+                    f" ms; CPU: coordinator {row['coordinator_cpu_ms']:6.1f} ms (pump "
+                    f"{row['coordinator_threads_cpu_ms']['pump']:.1f}, main "
+                    f"{row['coordinator_threads_cpu_ms']['main']:.1f}), scripted "
                     f"relays {row['voters_cpu_ms']:6.1f} ms; {row['rank0_messages']} messages "
                     "at rank 0",
                     flush=True,

@@ -101,8 +101,10 @@ class Coordinator:
         self._log = log
         self._faults = tuple(faults)
         self._commit_window_s = commit_window_s
-        # the pump hands over one item per bundle or message: the C queue, a lock per item less
-        self._events: queue.SimpleQueue[Message | ProtocolError | TransportError] = (
+        # the pump hands over each batch it popped as one item (a bundle or message, or why one
+        # was refused, each): the main thread wakes once per batch, not once per message, which
+        # at 16k ranks was a thread switch per node's bundle
+        self._events: queue.SimpleQueue[list[Message | ProtocolError | TransportError]] = (
             queue.SimpleQueue()
         )
         self._state: cs.State = cs.Idle()
@@ -164,7 +166,7 @@ class Coordinator:
         try:
             self._out.push(INBOX, seal(Stop("coordinator"), self._token))
         except TransportError:
-            self._events.put(Stop("coordinator"))
+            self._events.put([Stop("coordinator")])
         for t in self._threads:
             t.join(timeout)
 
@@ -176,34 +178,39 @@ class Coordinator:
                 # whatever is queued at once: on a store, one round trip for the lot
                 batch = self._inbox.pop_many(INBOX, _PUMP_BATCH)
             except TransportError as e:
-                self._events.put(e)
+                self._events.put([e])
                 return
+            items: list[Message | ProtocolError | TransportError] = []
             for data in batch:
                 try:
                     msg: Message | ProtocolError = unseal(data, self._token)
                 except ProtocolError as e:
                     msg = e
-                self._events.put(msg)
+                items.append(msg)
                 if isinstance(msg, Stop):
-                    return
+                    break
+            self._events.put(items)
+            if isinstance(items[-1], Stop):
+                return
 
     def run(self) -> None:
         try:
             while True:
-                event = self._next_event()
+                batch = self._next_batch()
                 # Everything already queued is taken in before the phase moves on: one pass of
                 # `_advance` per batch instead of per message, and a vote that sits in the queue
                 # when the deadline passes is counted, not reported missing.
-                while event is not None:
-                    if isinstance(event, (Stop, TransportError)):
-                        if isinstance(event, TransportError):
-                            self._say.error(f"inbox lost, coordinator stops: {event}")
-                        return
-                    self._on_message(event)
+                while batch is not None:
+                    for event in batch:
+                        if isinstance(event, (Stop, TransportError)):
+                            if isinstance(event, TransportError):
+                                self._say.error(f"inbox lost, coordinator stops: {event}")
+                            return
+                        self._on_message(event)
                     try:
-                        event = self._events.get_nowait()
+                        batch = self._events.get_nowait()
                     except queue.Empty:
-                        event = None
+                        batch = None
                 if self._mark_due():
                     self._push_mark()
                 self._advance()
@@ -213,8 +220,8 @@ class Coordinator:
         except CoordinatorKilled as e:
             self._say.warning(str(e), phase=self.phase.value)
 
-    def _next_event(self) -> Message | ProtocolError | TransportError | None:
-        """The next message, or None once the inbox is due to be drained (`_mark_due`)."""
+    def _next_batch(self) -> list[Message | ProtocolError | TransportError] | None:
+        """The pump's next batch, or None once the inbox is due to be drained (`_mark_due`)."""
         wake = self._wake_at()
         timeout = None if wake is None else max(wake - time.monotonic(), 0.0)
         try:

@@ -31,7 +31,6 @@ the ABORT.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Sequence
@@ -196,7 +195,7 @@ class NodeRelay:
                         return
                     if isinstance(msg, Decision):
                         inject(self._faults, "relay", rank=self.leader, switch_id=msg.switch_id)
-                    self._down_out.push_many([(rank_queue(r), data) for r in self.ranks])
+                    hand_down(self._down_out, self.ranks, data)
         except TransportError as e:
             self._say.info(f"relay down ends: {e}")
 
@@ -205,6 +204,11 @@ class NodeRelay:
             transport.push(CLOSED, seal(Stop(f"relay of node {self.leader}"), self._token))
         except TransportError:
             pass  # the store is gone: nobody waits for this
+
+
+def hand_down(out: Transport, ranks: Sequence[int], data: bytes) -> None:
+    """Hand one of the coordinator's messages, as sealed, to every rank of a node: one write."""
+    out.push_many([(rank_queue(r), data) for r in ranks])
 
 
 def summarized(leader: int, node: Sequence[int], messages: Sequence[Message]) -> list[Message]:
@@ -250,7 +254,8 @@ def _agreement(m: Message) -> tuple | None:
     """What a vote (ack) must share with the others of a run to be summarized with them; None
     for a message that is never summarized."""
     if isinstance(m, Vote) and m.yes and not m.reason and type(m.last_step) is int:
-        parts = json.dumps(m.part_digests, sort_keys=True)
+        # names -> digests, strings both (the wire schema's check): equal items, equal dicts
+        parts = tuple(sorted(m.part_digests.items()))
         return ("vote", m.switch_id, m.digest, parts, m.last_step)
     if isinstance(m, Ack) and m.ok and not m.error:
         return ("ack", m.switch_id, m.step, m.recipe_key)

@@ -62,7 +62,7 @@ class Message:
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> Message:
-        if not isinstance(d, Mapping):
+        if type(d) is not dict and not isinstance(d, Mapping):  # decoded JSON: no ABC check
             raise ProtocolError(f"message must be a JSON object, got {type(d).__name__}")
         kind = d.get("kind")
         cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
@@ -73,7 +73,9 @@ class Message:
     @staticmethod
     def from_json(text: str | bytes) -> Message:
         try:
-            d = json.loads(text)
+            # the wire's JSON is ASCII (json.dumps escapes the rest): decoded here as UTF-8
+            # rather than by json's guess among UTF-8, -16 and -32
+            d = json.loads(text.decode() if type(text) is bytes else text)
         except (ValueError, UnicodeDecodeError) as e:
             raise ProtocolError(f"message is not valid JSON: {e}") from None
         return Message.from_dict(d)
@@ -348,7 +350,7 @@ def bundle_runs(messages: Sequence[Message]) -> tuple[dict, ...]:
 def run_messages(run: Mapping[str, Any]) -> list[Message]:
     """The messages of one run of a `Bundle`, each checked as `Message.from_dict` checks one;
     raises `ProtocolError` naming the kind, the field and the position of what is malformed."""
-    if not isinstance(run, Mapping):
+    if type(run) is not dict and not isinstance(run, Mapping):  # decoded JSON: no ABC check
         raise ProtocolError(f"a bundle's run must be a JSON object, got {type(run).__name__}")
     kind = run.get("kind")
     cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None

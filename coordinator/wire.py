@@ -16,6 +16,7 @@ Queue names are fixed here so that every transport moves bytes between the same 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 
@@ -51,8 +52,17 @@ _BODY = b'","m":'
 _START = len(_HEAD) + _MAC_HEX + len(_BODY)  # where the message's text begins
 
 
+@functools.lru_cache(maxsize=8)
+def _keyed(token: str) -> hmac.HMAC:
+    """The job token's HMAC state before any message: keying it (OpenSSL fetches the digest and
+    hashes the padded key) per message made a node's bundle's MAC 1.5 us, copying it 1.2 us."""
+    return hmac.new(token.encode(), digestmod=hashlib.sha256)
+
+
 def _mac(token: str, payload: bytes) -> str:
-    return hmac.new(token.encode(), payload, hashlib.sha256).hexdigest()
+    mac = _keyed(token).copy()
+    mac.update(payload)
+    return mac.hexdigest()
 
 
 def seal(message: Message, token: str) -> bytes:

@@ -1,6 +1,7 @@
 """bench/bench_coordinator_cpu.py at a few nodes, so the coordinator benchmark cannot rot: both
 modes commit a switch of relayed nodes, and the store mode's rank 0 moves one message per node
-per round (Prepare, votes, decision, acks) plus the client's three, summaries or not."""
+per round (Prepare, votes, decision, acks) plus the client's three, summaries or not, and with
+--hand-down leaves the Prepare and the decision in every rank's queue."""
 
 import json
 import subprocess
@@ -27,6 +28,19 @@ def test_the_store_mode_moves_four_messages_per_node_at_rank_0(summaries):
     assert row["rank0_messages"] == 4 * 8 + 3  # request, "accepted", result
     assert 0 < row["decision_ms"] <= row["acked_ms"] and 0 < row["published_ms"] <= row["acked_ms"]
     assert row["coordinator_cpu_ms"] > 0 and row["voters_cpu_ms"] > 0
+    threads = row["coordinator_threads_cpu_ms"]
+    assert sorted(threads) == ["main", "pump"] and min(threads.values()) > 0
+    assert sum(threads.values()) == pytest.approx(row["coordinator_cpu_ms"])
+    assert (row["hand_down"], row["handed_down"]) == (False, 0)
+
+
+def test_scripted_relays_that_hand_down_leave_the_prepare_and_decision_with_every_rank():
+    """With --hand-down the scripted relays do a relay's down work too: each rank's own queue
+    ends up holding the two messages of its switch (nobody reads them here), and rank 0 moves
+    what it moves without it."""
+    (row,) = run_bench("--store", "--hand-down")
+    assert (row["hand_down"], row["handed_down"]) == (True, 2 * 64)
+    assert row["rank0_messages"] == 4 * 8 + 3
 
 
 def test_the_memory_mode_reports_cpu_per_rank_and_per_node():

@@ -85,6 +85,16 @@ SUMMARIZE_CASES = [
         [yes(8), yes(9, parts={"rule": "y"})],
         [("vote", 8), ("vote", 9)],
     ),
+    (
+        "equal part digests agree whatever their order",
+        [yes(8, parts={"a": "1", "b": "2"}), yes(9, parts={"b": "2", "a": "1"})],
+        [("vote_summary", (8, 9))],
+    ),
+    (
+        "one part digest more does not agree",
+        [yes(8), yes(9, parts={"rule": "x", "other": "x"})],
+        [("vote", 8), ("vote", 9)],
+    ),
     ("ranks that are not consecutive", [yes(8), yes(10), yes(12)], [("vote", 8), ("vote", 10),
                                                                     ("vote", 12)]),
     (

@@ -1,5 +1,7 @@
 """Messages round-trip through JSON and the wire seal; malformed or unsealed ones are refused."""
 
+import hashlib
+import hmac
 import json
 
 import pytest
@@ -128,6 +130,25 @@ def test_a_malformed_or_unauthentic_envelope_is_refused_saying_why(data, fragmen
 def test_the_token_never_appears_in_sealed_bytes():
     token = "s3cr3t-token-value"
     assert token.encode() not in seal(SwitchRequest("r", "current", None, 1.0), token)
+
+
+def test_the_seal_is_the_hmac_sha256_of_the_message_text_under_its_own_token():
+    """Each token's keyed HMAC is kept and copied per message: seals under tokens used in turn
+    (one longer than SHA-256's 64-byte block, which HMAC hashes first) each match HMAC-SHA256
+    computed afresh, and none is accepted under another token."""
+    tokens = ["tok", "another", "k" * 100]
+    for i in range(6):
+        token = tokens[i % 3]
+        msg = Vote(4, i, True, "d" * 64, 17, "", 0.25)
+        data = seal(msg, token)
+        text = msg.to_json().encode()
+        assert data == b'{"mac":"%s","m":%s}' % (
+            hmac.new(token.encode(), text, hashlib.sha256).hexdigest().encode(),
+            text,
+        )
+        assert unseal(data, token) == msg
+        with pytest.raises(ProtocolError, match="wrong token"):
+            unseal(data, tokens[(i + 1) % 3])
 
 
 def test_switch_result_round_trip():

@@ -107,6 +107,61 @@ def test_a_server_that_stops_answering_fails_a_timed_pop_within_the_connection_t
         t.join(5)
 
 
+class _HungStore:
+    """A server that answers the connect's ping, then neither reads nor answers anything."""
+
+    def __init__(self) -> None:
+        self._listener = socket.socket()
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(1)
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._hang = threading.Event()
+        self._thread = threading.Thread(target=self._serve)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        conn, _ = self._listener.accept()
+        with conn:
+            conn.recv(5)  # validation
+            ping = conn.recv(5)
+            conn.sendall(ping[1:])
+            self._hang.wait(10)
+
+    def close(self) -> None:
+        self._hang.set()
+        self._thread.join(5)
+        self._listener.close()
+
+
+@pytest.mark.parametrize("timeout_s", [0.3, 1.2])
+def test_a_pop_whose_reply_never_comes_fails_within_the_connection_timeout(timeout_s):
+    """An eager `pop_many` sends QUEUE_POP and reads its reply at once (no wait of its own):
+    only the socket's receive limit ends it, at the connection's timeout (whole and fractional
+    seconds both reach the kernel's limit). Without a limit the pop would end only when the
+    server closes the connection, 10 s later, saying so instead."""
+    hung = _HungStore()
+    try:
+        client = StoreClientTransport(hung.address, connect_timeout_s=timeout_s)
+        with pytest.raises(TransportError, match="timed out"):
+            client.pop_many("inbox", 8)
+    finally:
+        hung.close()
+
+
+def test_a_push_the_server_never_reads_fails_within_the_connection_timeout():
+    """Pushes have no reply: a server that stops reading fills the socket's buffers, and the
+    send limit ends the push that finds them full (without it, the server's close 10 s later
+    would, with another error)."""
+    hung = _HungStore()
+    try:
+        client = StoreClientTransport(hung.address, connect_timeout_s=0.3)
+        with pytest.raises(TransportError, match="timed out"):
+            for _ in range(1000):  # 1000 MB: far more than any socket buffers hold
+                client.push("inbox", bytes(1 << 20))
+    finally:
+        hung.close()
+
+
 def test_a_clone_pushes_on_the_same_connection_while_the_reader_waits_on_it(server, monkeypatch):
     """One connection per rank: the training thread's acks go out on the socket the listener's
     pop is waiting on, and arrive in order."""
