@@ -16,8 +16,17 @@ interpreter cost each other beyond a real rank's (a worker's GIL switch interval
 `--gil-switch-ms`, so its waiting threads do not wake every 5 ms to ask for the GIL).
 
 Per N it reports request -> decision, request -> every rank published, the longest
-`step_boundary` call any rank saw while the switch ran (its stall; `max_step_ms`: the longest
-step beyond its sleep, i.e. every rank's boundary, then the wait for the other processes), CPU
+`step_boundary` call any rank saw while the switch ran (`max_stall_ms`: its wall time as the
+worker's trainer thread saw it, so it includes waiting for the GIL behind that process's other
+simulated ranks' threads; `max_step_ms`: the longest step beyond its sleep, i.e. every rank's
+boundary, then the wait for the other processes), the stall split (`max_stall_split_ms`: the
+longest call as the protocol's wait, `Participant.boundary_wait_s`, the trainer's own CPU,
+`time.thread_time`, and the rest, not running: the GIL; `max_protocol_wait_ms`,
+`max_boundary_cpu_ms`, `max_not_running_ms`: each part's longest over every call), the waits at a
+boundary before the commit step (`protocol_wait_ahead_ms`, `ranks_waited_ahead`: rank-boundaries
+that waited with the commit step still ahead; `protocol_waits_by_step`: step -> [longest wait ms,
+rank-boundaries]), the ranks' real step (`step_ms_real`) and the step `at_step` was counted
+from (`request_step`: the ranks' step read just before the request), CPU
 of the coordinator's threads per switch, CPU of all simulated ranks together (`ranks_cpu_ms`: on
 2 cores the ranks' own work, which a cluster runs in parallel, dominates the latencies above a
 few hundred ranks; `ranks_cpu_by_thread_ms` splits it by kind of thread, as
@@ -53,6 +62,7 @@ from switch_scale_ranks import (
     Counted,
     Ranks,
     server_connections,
+    stall_keys,
     thread_cpu_s,
     worker,
 )
@@ -169,13 +179,20 @@ class Bench:
             raise TimeoutError(f"a worker did not answer {cmd or 'hello'} within --timeout")
         return conn.recv()
 
-    def _reports(self) -> list[dict[str, Any]]:
+    def _reports(self, cmd: str = "report") -> list[dict[str, Any]]:
         if self.local is not None:
             r = self.local
             return [{"published": r.published(), "last_publish": r.last_publish(),
                      "max_stall_s": r.max_stall_s, "max_step_s": r.max_step_s,
-                     "step": r.step, "cpu_s": time.process_time() - self._cpu0}]  # fmt: skip
-        return [self._ask(conn, "report") for _, conn in self.workers]
+                     "stall": r.stall.report(), "step": r.step,
+                     "cpu_s": time.process_time() - self._cpu0}]  # fmt: skip
+        return [self._ask(conn, cmd) for _, conn in self.workers]
+
+    def _step(self) -> int:
+        """The furthest step any simulated rank has reached (they train in lockstep)."""
+        if self.local is not None:
+            return self.local.step
+        return max(self._ask(conn, "step") for _, conn in self.workers)
 
     def _messages(self) -> int:
         if self.server is None:
@@ -188,15 +205,19 @@ class Bench:
         if self.local is not None:
             self.local.measuring.set()
             self._cpu0 = time.process_time()
-            step = self.local.step
+            step0 = self.local.step
         else:
-            step = max(self._ask(conn, "measure") for _, conn in self.workers)
-        at_step = step + self.args.at_step_ahead if self.args.at_step_ahead else None
+            step0 = max(self._ask(conn, "measure") for _, conn in self.workers)
+        measured_from = time.monotonic()
         client = self._client_transport()
         connections = server_connections(self.server.port) if self.server else self.gauge["now"]
         leaders = max(map(server_connections, self.node_store_ports), default=0)
         moved0 = self._messages()
         cpu0 = thread_cpu_s(self.coordinator_threads)
+        # The ranks' step as the request goes out: counting connections above reads the kernel's
+        # socket tables (seconds at thousands of ranks), while the ranks train on.
+        step = self._step()
+        at_step = step + self.args.at_step_ahead if self.args.at_step_ahead else None
         t0 = time.monotonic()
         result = request_switch(
             RECIPE_B, at_step=at_step, timeout_s=self.args.vote_timeout,
@@ -206,7 +227,7 @@ class Bench:
         if not result.committed:
             raise RuntimeError(f"switch aborted: {result.summary}")
         while True:
-            reports = self._reports()
+            reports = self._reports("published")
             if sum(r["published"] for r in reports) == self.world:
                 break
             time.sleep(min(0.02, self._left()))
@@ -217,6 +238,7 @@ class Bench:
         if self.server:  # any the switch opened (a rank asking rank 0 itself) and left open
             connections = max(connections, server_connections(self.server.port))
         final = self._reports()
+        last_step = max(r["step"] for r in final)
         ranks_cpu = sum(r["cpu_s"] for r in final)  # acks sent too
         by_thread: dict[str, float] = {}
         for r in final:
@@ -227,8 +249,8 @@ class Bench:
         return {
             "decision_ms": 1e3 * (decided - t0),
             "published_ms": 1e3 * (published - t0),
-            "max_stall_ms": 1e3 * max(r["max_stall_s"] for r in reports),
-            "max_step_ms": 1e3 * max(r["max_step_s"] for r in reports),
+            "max_stall_ms": 1e3 * max(r["max_stall_s"] for r in final),
+            "max_step_ms": 1e3 * max(r["max_step_s"] for r in final),
             "coordinator_cpu_ms": 1e3 * cpu,
             "ranks_cpu_ms": 1e3 * ranks_cpu,
             "ranks_cpu_by_thread_ms": {k: round(v, 1) for k, v in sorted(by_thread.items())},
@@ -237,6 +259,10 @@ class Bench:
             "leader_connections": leaders,
             "commit_step": result.step,
             "at_step": at_step,
+            "request_step": step,
+            # the steps the ranks really took (their sleep, every boundary, the barrier)
+            "step_ms_real": 1e3 * (time.monotonic() - measured_from) / max(last_step - step0, 1),
+            **stall_keys([r["stall"] for r in final], result.step),
         }
 
     def close(self) -> None:
@@ -336,7 +362,8 @@ def main() -> None:
     parser.add_argument("--vote-timeout", type=float, default=300.0)
     parser.add_argument("--step-ms", type=float, default=20.0)
     parser.add_argument("--at-step-ahead", type=int, default=0,
-                        help="request at_step = the ranks' step + this (0: no at_step)")  # fmt: skip
+                        help="request at_step = the ranks' step as the request goes out + this "
+                        "(0: no at_step); the margin is this times step_ms_real")  # fmt: skip
     parser.add_argument(
         "--ranks-per-process",
         type=int,
