@@ -268,6 +268,7 @@ class BoundaryStalls:
         self.most = {"protocol": 0.0, "cpu": 0.0, "not_running": 0.0}  # each part's longest
         # step -> [its longest protocol wait, the calls that waited]
         self.waits: dict[int, list[float]] = {}
+        self.cpu_by_step: dict[int, float] = {}  # step -> its boundaries' longest own CPU
 
     def add(self, step: int, wall: float, protocol: float, cpu: float) -> None:
         if wall > self.longest[0]:
@@ -275,6 +276,7 @@ class BoundaryStalls:
         parts = {"protocol": protocol, "cpu": cpu, "not_running": max(wall - protocol - cpu, 0.0)}
         for k, v in parts.items():
             self.most[k] = max(self.most[k], v)
+        self.cpu_by_step[step] = max(self.cpu_by_step.get(step, 0.0), cpu)
         if protocol > 0:
             seen = self.waits.setdefault(step, [0.0, 0])
             seen[0], seen[1] = max(seen[0], protocol), seen[1] + 1
@@ -282,7 +284,8 @@ class BoundaryStalls:
     def report(self) -> dict[str, Any]:
         wall, protocol, cpu = self.longest
         split = {"protocol": protocol, "cpu": cpu, "not_running": max(wall - protocol - cpu, 0.0)}
-        return {"longest_split_s": split, "most_s": dict(self.most), "waits": dict(self.waits)}
+        return {"longest_split_s": split, "most_s": dict(self.most), "waits": dict(self.waits),
+                "cpu_by_step": dict(self.cpu_by_step)}  # fmt: skip
 
 
 def stall_keys(reports: list[dict[str, Any]], commit_step: int | None) -> dict[str, Any]:
@@ -298,6 +301,9 @@ def stall_keys(reports: list[dict[str, Any]], commit_step: int | None) -> dict[s
         "max_stall_split_ms": {k: round(1e3 * v, 3) for k, v in longest.items()},
         "max_protocol_wait_ms": 1e3 * max(r["most_s"]["protocol"] for r in reports),
         "max_boundary_cpu_ms": 1e3 * max(r["most_s"]["cpu"] for r in reports),
+        # the boundary that publishes (and sends the ack)
+        "max_commit_boundary_cpu_ms": 1e3
+        * max((r["cpu_by_step"].get(commit_step, 0.0) for r in reports), default=0.0),
         "max_not_running_ms": 1e3 * max(r["most_s"]["not_running"] for r in reports),
         "protocol_wait_ahead_ms": 1e3 * max((w[0] for w in ahead), default=0.0),
         "ranks_waited_ahead": sum(w[1] for w in ahead),
@@ -421,8 +427,13 @@ class Ranks:
                 if measuring:  # a step: every boundary, then the barrier
                     self.max_step_s = max(self.max_step_s, sweep + time.perf_counter() - t0)
 
-    def published(self) -> int:
-        return sum(m.recipe == RECIPE_B["name"] for m in self.models)
+    def measure(self) -> None:
+        """Start measuring a switch: its stalls and steps only, not the previous switch's."""
+        self.max_stall_s, self.max_step_s, self.stall = 0.0, 0.0, BoundaryStalls()
+        self.measuring.set()
+
+    def published(self, name: str = RECIPE_B["name"]) -> int:
+        return sum(m.recipe == name for m in self.models)
 
     def last_publish(self) -> float:
         return max((m.published_at or 0.0) for m in self.models) if self.models else 0.0
@@ -444,8 +455,8 @@ def worker(
     relayed: tuple[tuple[int, ...], ...] = (),
     gil_switch_s: float = GIL_SWITCH_S,
 ) -> None:
-    """A process of simulated ranks, driven by `conn` (a Pipe): "measure", "step", "published",
-    "report", "exit"."""
+    """A process of simulated ranks, driven by `conn` (a Pipe): "measure", "step",
+    ("published", recipe name), "report", "exit"."""
     threading.stack_size(THREAD_STACK)
     sys.setswitchinterval(gil_switch_s)
     clock = ThreadClock()
@@ -461,18 +472,18 @@ def worker(
     while True:
         cmd = conn.recv()
         if cmd == "measure":
-            ranks.measuring.set()
+            ranks.measure()
             cpu0 = time.process_time()  # every rank's threads in this process
             kinds0 = clock.read()
             conn.send(ranks.step)
         elif cmd == "step":
             conn.send(ranks.step)
-        elif cmd == "published":  # polled while the switch runs: no /proc walk under the GIL
-            conn.send({"published": ranks.published(), "last_publish": ranks.last_publish()})
+        elif isinstance(cmd, tuple):  # ("published", recipe name): polled while a switch runs,
+            # so no /proc walk under the GIL
+            conn.send({"published": ranks.published(cmd[1]), "last_publish": ranks.last_publish()})
         elif cmd == "report":
             conn.send(
                 {
-                    "published": ranks.published(),
                     "last_publish": ranks.last_publish(),
                     "max_stall_s": ranks.max_stall_s,
                     "max_step_s": ranks.max_step_s,
