@@ -2,6 +2,7 @@
 
     python bench/bench_switch_scale.py [--ranks 64 1024 4096 16384] [--ranks-per-node 8]
         [--transport store|ray] [--relays] [--json] [--timeout 600] [--at-step-ahead K]
+        [--step-ms 20] [--switches 1]
 
 Real: `Coordinator`, its decision log (fsynced), the transport (`store`: a `StoreServer` in this
 process, every rank connected to it exactly as `attach` connects; `ray`: the coordinator actor's
@@ -16,8 +17,18 @@ interpreter cost each other beyond a real rank's (a worker's GIL switch interval
 `--gil-switch-ms`, so its waiting threads do not wake every 5 ms to ask for the GIL).
 
 Per N it reports request -> decision, request -> every rank published, the longest
-`step_boundary` call any rank saw while the switch ran (its stall; `max_step_ms`: the longest
-step beyond its sleep, i.e. every rank's boundary, then the wait for the other processes), CPU
+`step_boundary` call any rank saw while the switch ran (`max_stall_ms`: its wall time as the
+worker's trainer thread saw it, so it includes waiting for the GIL behind that process's other
+simulated ranks' threads; `max_step_ms`: the longest step beyond its sleep, i.e. every rank's
+boundary, then the wait for the other processes), the stall split (`max_stall_split_ms`: the
+longest call as the protocol's wait, `Participant.boundary_wait_s`, the trainer's own CPU,
+`time.thread_time`, and the rest, not running: the GIL; `max_protocol_wait_ms`,
+`max_boundary_cpu_ms`, `max_not_running_ms`: each part's longest over every call;
+`max_commit_boundary_cpu_ms`: the longest own CPU at the commit step's boundary), the waits at a
+boundary before the commit step (`protocol_wait_ahead_ms`, `ranks_waited_ahead`: rank-boundaries
+that waited with the commit step still ahead; `protocol_waits_by_step`: step -> [longest wait ms,
+rank-boundaries]), the ranks' real step (`step_ms_real`) and the step `at_step` was counted
+from (`request_step`: the ranks' step read just before the request), CPU
 of the coordinator's threads per switch, CPU of all simulated ranks together (`ranks_cpu_ms`: on
 2 cores the ranks' own work, which a cluster runs in parallel, dominates the latencies above a
 few hundred ranks; `ranks_cpu_by_thread_ms` splits it by kind of thread, as
@@ -46,6 +57,7 @@ from typing import Any
 
 from switch_scale_ranks import (
     GIL_SWITCH_S,
+    RECIPE_A,
     RECIPE_B,
     THREAD_STACK,
     ActorCalls,
@@ -53,6 +65,7 @@ from switch_scale_ranks import (
     Counted,
     Ranks,
     server_connections,
+    stall_keys,
     thread_cpu_s,
     worker,
 )
@@ -169,44 +182,56 @@ class Bench:
             raise TimeoutError(f"a worker did not answer {cmd or 'hello'} within --timeout")
         return conn.recv()
 
-    def _reports(self) -> list[dict[str, Any]]:
+    def _reports(self, cmd: Any = "report") -> list[dict[str, Any]]:
         if self.local is not None:
             r = self.local
-            return [{"published": r.published(), "last_publish": r.last_publish(),
+            name = cmd[1] if isinstance(cmd, tuple) else RECIPE_B["name"]
+            return [{"published": r.published(name), "last_publish": r.last_publish(),
                      "max_stall_s": r.max_stall_s, "max_step_s": r.max_step_s,
-                     "step": r.step, "cpu_s": time.process_time() - self._cpu0}]  # fmt: skip
-        return [self._ask(conn, "report") for _, conn in self.workers]
+                     "stall": r.stall.report(), "step": r.step,
+                     "cpu_s": time.process_time() - self._cpu0}]  # fmt: skip
+        return [self._ask(conn, cmd) for _, conn in self.workers]
+
+    def _step(self) -> int:
+        """The furthest step any simulated rank has reached (they train in lockstep)."""
+        if self.local is not None:
+            return self.local.step
+        return max(self._ask(conn, "step") for _, conn in self.workers)
 
     def _messages(self) -> int:
         if self.server is None:
             return self.gauge["messages"]
         return self.counts["sent"] + self.counts["received"]
 
-    def switch(self) -> dict[str, Any]:
+    def switch(self, recipe: dict[str, str]) -> dict[str, Any]:
         from dist_quant.coordinator.switch_requests import request_switch, status
 
         if self.local is not None:
-            self.local.measuring.set()
+            self.local.measure()
             self._cpu0 = time.process_time()
-            step = self.local.step
+            step0 = self.local.step
         else:
-            step = max(self._ask(conn, "measure") for _, conn in self.workers)
-        at_step = step + self.args.at_step_ahead if self.args.at_step_ahead else None
+            step0 = max(self._ask(conn, "measure") for _, conn in self.workers)
+        measured_from = time.monotonic()
         client = self._client_transport()
         connections = server_connections(self.server.port) if self.server else self.gauge["now"]
         leaders = max(map(server_connections, self.node_store_ports), default=0)
         moved0 = self._messages()
         cpu0 = thread_cpu_s(self.coordinator_threads)
+        # The ranks' step as the request goes out: counting connections above reads the kernel's
+        # socket tables (seconds at thousands of ranks), while the ranks train on.
+        step = self._step()
+        at_step = step + self.args.at_step_ahead if self.args.at_step_ahead else None
         t0 = time.monotonic()
         result = request_switch(
-            RECIPE_B, at_step=at_step, timeout_s=self.args.vote_timeout,
+            recipe, at_step=at_step, timeout_s=self.args.vote_timeout,
             token=self.token, transport=client,
         )  # fmt: skip
         decided = time.monotonic()
         if not result.committed:
             raise RuntimeError(f"switch aborted: {result.summary}")
         while True:
-            reports = self._reports()
+            reports = self._reports(("published", recipe["name"]))
             if sum(r["published"] for r in reports) == self.world:
                 break
             time.sleep(min(0.02, self._left()))
@@ -217,6 +242,7 @@ class Bench:
         if self.server:  # any the switch opened (a rank asking rank 0 itself) and left open
             connections = max(connections, server_connections(self.server.port))
         final = self._reports()
+        last_step = max(r["step"] for r in final)
         ranks_cpu = sum(r["cpu_s"] for r in final)  # acks sent too
         by_thread: dict[str, float] = {}
         for r in final:
@@ -227,8 +253,8 @@ class Bench:
         return {
             "decision_ms": 1e3 * (decided - t0),
             "published_ms": 1e3 * (published - t0),
-            "max_stall_ms": 1e3 * max(r["max_stall_s"] for r in reports),
-            "max_step_ms": 1e3 * max(r["max_step_s"] for r in reports),
+            "max_stall_ms": 1e3 * max(r["max_stall_s"] for r in final),
+            "max_step_ms": 1e3 * max(r["max_step_s"] for r in final),
             "coordinator_cpu_ms": 1e3 * cpu,
             "ranks_cpu_ms": 1e3 * ranks_cpu,
             "ranks_cpu_by_thread_ms": {k: round(v, 1) for k, v in sorted(by_thread.items())},
@@ -237,6 +263,10 @@ class Bench:
             "leader_connections": leaders,
             "commit_step": result.step,
             "at_step": at_step,
+            "request_step": step,
+            # the steps the ranks really took (their sleep, every boundary, the barrier)
+            "step_ms_real": 1e3 * (time.monotonic() - measured_from) / max(last_step - step0, 1),
+            **stall_keys([r["stall"] for r in final], result.step),
         }
 
     def close(self) -> None:
@@ -261,23 +291,32 @@ class Bench:
             self.actor_loop.close()
 
 
-def measure(args: argparse.Namespace, world: int) -> dict[str, Any]:
+def measure(args: argparse.Namespace, world: int) -> list[dict[str, Any]]:
+    """One row per switch (`--switches`, alternating two recipes; from the second on, the
+    coordinator books the commit step from the last switch's measured latency instead of its
+    estimate by ranks); a row with an `error` ends the list."""
+    rows: list[dict[str, Any]] = []
     row: dict[str, Any] = {"ranks": world, "transport": args.transport}
     with tempfile.TemporaryDirectory() as tmp:
         bench = None
         try:
             bench = Bench(args, world, Path(tmp))
-            row.update(bench.start_ranks())
-            if row["attach_failures"]:
-                row["error"] = f"{row['attach_failures']} rank(s) failed to attach"
-            else:
-                row.update(bench.switch())
+            attached = {**row, **bench.start_ranks()}
+            row = attached
+            if attached["attach_failures"]:
+                row["error"] = f"{attached['attach_failures']} rank(s) failed to attach"
+                return [row]
+            for i in range(args.switches):
+                row = {**attached, "switch": i + 1}
+                row.update(bench.switch((RECIPE_B, RECIPE_A)[i % 2]))
+                rows.append(row)
         except (TimeoutError, RuntimeError, OSError) as e:
             row["error"] = f"{type(e).__name__}: {e}"
+            rows.append(row)
         finally:
             if bench is not None:
                 bench.close()
-    return row
+    return rows
 
 
 # -- output --------------------------------------------------------------------------------------
@@ -334,9 +373,14 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per N")
     parser.add_argument("--vote-timeout", type=float, default=300.0)
-    parser.add_argument("--step-ms", type=float, default=20.0)
+    parser.add_argument("--step-ms", type=float, default=20.0,
+                        help="the simulated ranks' sleep per step (a real large job's step is "
+                        "seconds: BENCHMARKS.md uses 1000)")  # fmt: skip
+    parser.add_argument("--switches", type=int, default=1,
+                        help="switches per N, one JSON row each")  # fmt: skip
     parser.add_argument("--at-step-ahead", type=int, default=0,
-                        help="request at_step = the ranks' step + this (0: no at_step)")  # fmt: skip
+                        help="request at_step = the ranks' step as the request goes out + this "
+                        "(0: no at_step); the margin is this times step_ms_real")  # fmt: skip
     parser.add_argument(
         "--ranks-per-process",
         type=int,
@@ -354,8 +398,8 @@ def main() -> None:
                         help="store: the GIL switch interval of the simulated ranks' processes "
                         "(CPython's default is 5; switch_scale_ranks.py says why it is longer)")  # fmt: skip
     args = parser.parse_args()
-    if args.ranks_per_node < 1 or args.ranks_per_process < 1 or min(args.ranks) < 1:
-        parser.error("--ranks, --ranks-per-node and --ranks-per-process must be >= 1")
+    if min(args.ranks_per_node, args.ranks_per_process, args.switches, *args.ranks) < 1:
+        parser.error("--ranks, --ranks-per-node, --ranks-per-process and --switches must be >= 1")
     if args.relays and (args.transport != "store" or args.ranks_per_process % args.ranks_per_node):
         parser.error("--relays needs --transport store and whole nodes per process "
                      "(--ranks-per-process a multiple of --ranks-per-node)")  # fmt: skip
@@ -372,8 +416,9 @@ def main() -> None:
               f" {'coord CPU ms':>12} | {'rank0 msgs':>10} | {'rank0 conns':>11} |"
               f" {'leader conns':>12}")  # fmt: skip
     largest = None
-    for world in args.ranks:
-        row = measure(args, world)
+    rows = (row for world in args.ranks for row in measure(args, world))
+    for row in rows:
+        world = row["ranks"]
         if "error" not in row:
             largest = row
         if args.json:

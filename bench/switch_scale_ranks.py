@@ -255,6 +255,64 @@ def server_connections(port: int) -> int:
 # -- simulated ranks -----------------------------------------------------------------------------
 
 
+class BoundaryStalls:
+    """What the `step_boundary` calls of one process's ranks were made of, while measuring. Each
+    call's wall time splits into the protocol's wait (`Participant.boundary_wait_s`: blocked at a
+    hold step, or at S with a cancel open), the trainer thread's own CPU (`time.thread_time`) and
+    the rest: not running, i.e. waiting for the GIL behind this process's other simulated ranks'
+    threads (or for the rank's lock, held by its listener while that waits for the GIL), which a
+    rank with a process of its own does not pay."""
+
+    def __init__(self) -> None:
+        self.longest = (0.0, 0.0, 0.0)  # (wall, protocol, cpu) of the longest call
+        self.most = {"protocol": 0.0, "cpu": 0.0, "not_running": 0.0}  # each part's longest
+        # step -> [its longest protocol wait, the calls that waited]
+        self.waits: dict[int, list[float]] = {}
+        self.cpu_by_step: dict[int, float] = {}  # step -> its boundaries' longest own CPU
+
+    def add(self, step: int, wall: float, protocol: float, cpu: float) -> None:
+        if wall > self.longest[0]:
+            self.longest = (wall, protocol, cpu)
+        parts = {"protocol": protocol, "cpu": cpu, "not_running": max(wall - protocol - cpu, 0.0)}
+        for k, v in parts.items():
+            self.most[k] = max(self.most[k], v)
+        self.cpu_by_step[step] = max(self.cpu_by_step.get(step, 0.0), cpu)
+        if protocol > 0:
+            seen = self.waits.setdefault(step, [0.0, 0])
+            seen[0], seen[1] = max(seen[0], protocol), seen[1] + 1
+
+    def report(self) -> dict[str, Any]:
+        wall, protocol, cpu = self.longest
+        split = {"protocol": protocol, "cpu": cpu, "not_running": max(wall - protocol - cpu, 0.0)}
+        return {"longest_split_s": split, "most_s": dict(self.most), "waits": dict(self.waits),
+                "cpu_by_step": dict(self.cpu_by_step)}  # fmt: skip
+
+
+def stall_keys(reports: list[dict[str, Any]], commit_step: int | None) -> dict[str, Any]:
+    """The bench's JSON keys for the stall, over every process's `BoundaryStalls.report()`."""
+    longest = max(reports, key=lambda r: sum(r["longest_split_s"].values()))["longest_split_s"]
+    waits: dict[int, list[float]] = {}
+    for r in reports:
+        for step, (most, calls) in r["waits"].items():
+            seen = waits.setdefault(int(step), [0.0, 0])
+            seen[0], seen[1] = max(seen[0], most), seen[1] + calls
+    ahead = [w for step, w in waits.items() if commit_step is not None and step < commit_step]
+    return {
+        "max_stall_split_ms": {k: round(1e3 * v, 3) for k, v in longest.items()},
+        "max_protocol_wait_ms": 1e3 * max(r["most_s"]["protocol"] for r in reports),
+        "max_boundary_cpu_ms": 1e3 * max(r["most_s"]["cpu"] for r in reports),
+        # the boundary that publishes (and sends the ack)
+        "max_commit_boundary_cpu_ms": 1e3
+        * max((r["cpu_by_step"].get(commit_step, 0.0) for r in reports), default=0.0),
+        "max_not_running_ms": 1e3 * max(r["most_s"]["not_running"] for r in reports),
+        "protocol_wait_ahead_ms": 1e3 * max((w[0] for w in ahead), default=0.0),
+        "ranks_waited_ahead": sum(w[1] for w in ahead),
+        "protocol_waits_by_step": {
+            s: [round(1e3 * w[0], 3), w[1]] for s, w in sorted(waits.items())
+        },
+    }
+
+
 class Ranks:
     """Participants for ranks [lo, hi) in this process, and the thread that trains them."""
 
@@ -290,6 +348,7 @@ class Ranks:
         self.step = 0
         self.max_stall_s = 0.0
         self.max_step_s = 0.0
+        self.stall = BoundaryStalls()
         self.node_stores: list[Any] = []
         t0 = time.monotonic()
         stores: dict[int, str] = {}
@@ -341,12 +400,18 @@ class Ranks:
     def _train(self) -> None:
         while not self._stop.is_set():
             began, worst = time.perf_counter(), 0.0
+            measuring = self.measuring.is_set()
             for part in self.parts:
+                waited0, cpu0 = part.boundary_wait_s, time.thread_time()
                 t0 = time.perf_counter()
                 part.step_boundary(self.step)
-                worst = max(worst, time.perf_counter() - t0)
+                wall = time.perf_counter() - t0
+                worst = max(worst, wall)
+                if measuring:
+                    cpu = time.thread_time() - cpu0
+                    self.stall.add(self.step, wall, part.boundary_wait_s - waited0, cpu)
             sweep = time.perf_counter() - began
-            if self.measuring.is_set():
+            if measuring:
                 self.max_stall_s = max(self.max_stall_s, worst)
                 self.max_step_s = max(self.max_step_s, sweep)
             self.started.set()
@@ -359,11 +424,16 @@ class Ranks:
                     self._barrier.wait()
                 except threading.BrokenBarrierError:
                     return
-                if self.measuring.is_set():  # a step: every boundary, then the barrier
+                if measuring:  # a step: every boundary, then the barrier
                     self.max_step_s = max(self.max_step_s, sweep + time.perf_counter() - t0)
 
-    def published(self) -> int:
-        return sum(m.recipe == RECIPE_B["name"] for m in self.models)
+    def measure(self) -> None:
+        """Start measuring a switch: its stalls and steps only, not the previous switch's."""
+        self.max_stall_s, self.max_step_s, self.stall = 0.0, 0.0, BoundaryStalls()
+        self.measuring.set()
+
+    def published(self, name: str = RECIPE_B["name"]) -> int:
+        return sum(m.recipe == name for m in self.models)
 
     def last_publish(self) -> float:
         return max((m.published_at or 0.0) for m in self.models) if self.models else 0.0
@@ -385,7 +455,8 @@ def worker(
     relayed: tuple[tuple[int, ...], ...] = (),
     gil_switch_s: float = GIL_SWITCH_S,
 ) -> None:
-    """A process of simulated ranks, driven by `conn` (a Pipe): "measure", "report", "exit"."""
+    """A process of simulated ranks, driven by `conn` (a Pipe): "measure", "step",
+    ("published", recipe name), "report", "exit"."""
     threading.stack_size(THREAD_STACK)
     sys.setswitchinterval(gil_switch_s)
     clock = ThreadClock()
@@ -401,17 +472,22 @@ def worker(
     while True:
         cmd = conn.recv()
         if cmd == "measure":
-            ranks.measuring.set()
+            ranks.measure()
             cpu0 = time.process_time()  # every rank's threads in this process
             kinds0 = clock.read()
             conn.send(ranks.step)
+        elif cmd == "step":
+            conn.send(ranks.step)
+        elif isinstance(cmd, tuple):  # ("published", recipe name): polled while a switch runs,
+            # so no /proc walk under the GIL
+            conn.send({"published": ranks.published(cmd[1]), "last_publish": ranks.last_publish()})
         elif cmd == "report":
             conn.send(
                 {
-                    "published": ranks.published(),
                     "last_publish": ranks.last_publish(),
                     "max_stall_s": ranks.max_stall_s,
                     "max_step_s": ranks.max_step_s,
+                    "stall": ranks.stall.report(),
                     "step": ranks.step,
                     "cpu_s": time.process_time() - cpu0,
                     "cpu_by_thread_s": dict(clock.read() - kinds0),

@@ -64,7 +64,7 @@ from dist_quant.coordinator.protocol import (
     Stop,
 )
 from dist_quant.coordinator.switch_log import SwitchLog
-from dist_quant.coordinator.timing import BEAT_S, LEASE_S
+from dist_quant.coordinator.timing import BEAT_S, LEASE_S, PACE_STEPS, pace
 from dist_quant.coordinator.transport import Transport, TransportError
 from dist_quant.coordinator.wire import CLOSED, INBOX, rank_queue, seal, unseal
 
@@ -83,14 +83,6 @@ PROBE_S = LEASE_S
 def _default_describe(model: Any) -> str:
     key = recipe_key_of(model)
     return "none" if key is None else repr(key)
-
-
-def _step_rate(previous: float, interval: float) -> float:
-    """Seconds per step: follows a faster step at once and a slower one by halves, so that one
-    long step (a checkpoint, an eval) does not shrink the steps a commit is booked ahead."""
-    if previous <= 0.0:
-        return interval
-    return min(interval, (previous + interval) / 2)
 
 
 class Participant:
@@ -153,7 +145,8 @@ class Participant:
         self._nothing_pending = True  # not self._state.phase.pending: the boundary's fast path
         self._last_step: int | None = None
         self._last_boundary_at: float | None = None
-        self._step_s = 0.0  # seconds per step, as the votes report it (0: not measured yet)
+        self._intervals: deque[float] = deque(maxlen=PACE_STEPS)  # the last steps' seconds
+        self._waited_s = 0.0  # `boundary_wait_s`
         self._reapply = deque(sorted(reapply, key=lambda e: e["step"]))
         self._listener = threading.Thread(
             target=self._listen, name=f"dist_quant.participant.r{rank}", daemon=True
@@ -204,6 +197,14 @@ class Participant:
     def state(self) -> str:
         return self._state.phase.value
 
+    @property
+    def boundary_wait_s(self) -> float:
+        """Seconds `step_boundary` has spent waiting on the protocol since attach: at a hold step
+        reached undecided, or at the commit step with a cancel still open (each wait until the
+        training thread holds the lock again). The stall the switch protocol itself cost this
+        rank; the rest of a boundary is the rank's own CPU."""
+        return self._waited_s
+
     # -- training thread -------------------------------------------------------------------------
 
     def step_boundary(self, step: int) -> None:
@@ -216,7 +217,7 @@ class Participant:
             if self._last_step is None:
                 self._cond.notify_all()  # a listener may wait for the first boundary
             elif step == self._last_step + 1:  # a repeated or skipped boundary says nothing
-                self._step_s = _step_rate(self._step_s, now - self._last_boundary_at)
+                self._intervals.append(now - self._last_boundary_at)
             self._last_step, self._last_boundary_at = step, now
             if self._nothing_pending:
                 return
@@ -244,8 +245,10 @@ class Participant:
                 return todo.state
             if todo.boundary is Boundary.PASS:
                 return None
-            timeout = max(todo.wait_until - time.monotonic(), 0)
+            began = time.monotonic()
+            timeout = max(todo.wait_until - began, 0)
             self._cond.wait_for(lambda waiting=todo.state: self._state is not waiting, timeout)
+            self._waited_s += time.monotonic() - began
 
     def _publish(self, step: int, held: Committing) -> None:
         try:
@@ -429,7 +432,7 @@ class Participant:
             plan, error = None, f"{type(e).__name__}: {e}"
         prepare_s = time.perf_counter() - t0
         with self._cond:
-            last, step_s = self._last_step, self._step_s
+            last, step_s = self._last_step, pace(self._intervals)
             voted = on_planned(
                 self._state,
                 self._ledger,

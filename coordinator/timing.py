@@ -9,7 +9,7 @@ the coordinator's side (`coordinator.py`, `coordinator_state.py`, `decide.py`) a
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 BEAT_S = 0.5  # a rank planning a switch says it is alive this often (`Alive`)
 LEASE_S = 2.0  # a rank silent this long while a vote is due is dead, stopped or cut off
@@ -44,6 +44,24 @@ def lead_time(world_size: int, last_latency_s: float | None) -> float:
     else:
         lead = 2.0 * last_latency_s
     return min(max(lead, MIN_LEAD_S), MAX_LEAD_S)
+
+
+PACE_STEPS = 8  # a rank's pace is judged over its last this many step intervals
+
+
+def pace(intervals: Iterable[float]) -> float:
+    """A rank's seconds per step, as its vote reports it (0: not measured yet): the median of
+    its last step intervals (`PACE_STEPS` of them). The ranks of a job keep one pace (their
+    collectives hold them together), so one interval far off it is a hiccup of this rank's (a
+    garbage collection, a checkpoint, a late data batch), or its catch-up after one; either, taken
+    as the pace, would move this rank's hold step away from its peers'. A pace taken too long
+    books fewer steps ahead than the lead, so the rank waits at a hold step before the commit step
+    that the other ranks' votes set."""
+    recent = sorted(list(intervals)[-PACE_STEPS:])
+    if not recent:
+        return 0.0
+    middle = len(recent) // 2
+    return recent[middle] if len(recent) % 2 else (recent[middle - 1] + recent[middle]) / 2
 
 
 def hold_step(last_step: int, step_s: float, lead_s: float, at_step: int | None) -> int:

@@ -33,6 +33,10 @@ def test_bench_switches_every_simulated_rank_and_counts_four_messages_per_rank(t
     # (the client may hear the result after the ranks published: no order between the two)
     assert row["decision_ms"] > 0 and row["published_ms"] > 0
     assert row["coordinator_cpu_ms"] > 0 and 0 <= row["max_stall_ms"] <= row["max_step_ms"]
+    assert_stall_split(row)
+    # at_step is every rank's hold step: none can wait on the protocol before it
+    assert (row["ranks_waited_ahead"], row["protocol_wait_ahead_ms"]) == (0, 0.0)
+    assert all(int(step) >= row["commit_step"] for step in row["protocol_waits_by_step"])
     # prepare, vote, decision and ack per rank; the request, "accepted" and the result; then
     # the bench's status polls, a query and its reply each
     extra = row["rank0_messages"] - 4 * ranks - 3
@@ -43,6 +47,33 @@ def test_bench_switches_every_simulated_rank_and_counts_four_messages_per_rank(t
         assert row["rank0_connections"] == ranks + 3
     else:  # every rank's listener holds one actor thread in a pop
         assert row["rank0_connections"] >= ranks
+
+
+def assert_stall_split(row):
+    """The longest boundary's wall time is its protocol wait, own CPU and time not running."""
+    split = row["max_stall_split_ms"]
+    assert set(split) == {"protocol", "cpu", "not_running"} and min(split.values()) >= 0
+    assert sum(split.values()) == pytest.approx(row["max_stall_ms"], abs=0.01)
+    for part, most in (("protocol", "max_protocol_wait_ms"), ("cpu", "max_boundary_cpu_ms"),
+                       ("not_running", "max_not_running_ms")):  # fmt: skip
+        assert split[part] <= row[most] + 1e-3
+    assert row["max_commit_boundary_cpu_ms"] <= row["max_boundary_cpu_ms"]
+
+
+def test_bench_runs_each_switch_as_a_row_of_its_own():
+    rows = run_bench("--ranks", "24", "--ranks-per-node", "4", "--relays", "--ranks-per-process",
+                     "12", "--step-ms", "50", "--switches", "2")  # fmt: skip
+    assert [r.get("error") for r in rows] == [None, None], rows
+    assert [r["switch"] for r in rows] == [1, 2]
+    first, second = rows
+    # the second starts after the first published: its ranks are further on
+    assert second["request_step"] > first["commit_step"] >= first["request_step"]
+    assert second["commit_step"] >= second["request_step"]
+    for row in rows:
+        assert KEYS <= row.keys() and row["published_ms"] > 0
+        assert_stall_split(row)
+        # prepare, vote, decision and ack per node (its relay's bundle or summary), at least
+        assert row["rank0_messages"] >= 4 * (24 // 4)
 
 
 def test_bench_with_relays_puts_one_connection_per_other_node_on_rank_0s_store():

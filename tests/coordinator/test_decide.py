@@ -4,7 +4,7 @@ import pytest
 from dist_quant.coordinator.decide import decide
 from dist_quant.coordinator.protocol import Prepare, Vote
 from dist_quant.coordinator.tally import Tally
-from dist_quant.coordinator.timing import hold_step, lead_time
+from dist_quant.coordinator.timing import PACE_STEPS, hold_step, lead_time, pace
 
 RANKS = (0, 1, 2, 3)
 TP = ((0, 1), (2, 3))
@@ -224,3 +224,22 @@ def test_the_commit_step_is_booked_lead_seconds_ahead_of_every_vote(vs, lead_s, 
 )
 def test_lead_time_is_twice_the_last_switch_latency_or_an_estimate_by_ranks(world, latency, lead):
     assert lead_time(world, latency) == pytest.approx(lead, rel=1e-12)
+
+
+# (name, a rank's step intervals, oldest first, the pace its vote reports): worked out by hand
+PACE_CASES = [
+    ("no interval yet: unknown", [], 0.0),
+    ("one interval", [0.25], 0.25),
+    ("a steady pace", [0.125] * 5, 0.125),
+    ("one slow step (a checkpoint) is not the pace", [0.125] * 4 + [2.0], 0.125),
+    ("nor its catch-up after it", [0.125] * 4 + [2.0, 0.01], 0.125),
+    ("an even count: the mean of the middle two", [0.125, 0.25, 0.5, 1.0], 0.375),
+    ("a job that slowed for good follows within half a window", [0.125] * 4 + [0.5] * 5, 0.5),
+    ("only the last PACE_STEPS count", [9.0] * 10 + [0.25] * PACE_STEPS, 0.25),
+]
+
+
+@pytest.mark.parametrize("intervals, step_s", [c[1:] for c in PACE_CASES],
+                         ids=[c[0] for c in PACE_CASES])  # fmt: skip
+def test_a_ranks_pace_is_the_median_of_its_last_steps(intervals, step_s):
+    assert pace(intervals) == step_s

@@ -8,6 +8,7 @@ import time
 import pytest
 import torch.distributed as dist
 from dist_quant.coordinator import SwitchError, fail_at, request_switch
+from dist_quant.coordinator import participant as participant_module
 from dist_quant.coordinator.decision_log import DecisionLog
 from dist_quant.coordinator.participant import PROBE_S, Participant
 from dist_quant.coordinator.protocol import Ack, Alive, Decision, Hello, Prepare, Vote
@@ -147,13 +148,14 @@ def test_without_a_requested_step_the_rank_trains_on_undecided_until_its_hold_st
     assert hold > 3, vote.step_s
     for step in range(3, hold):
         p.step_boundary(step)
-    assert (p.state, model.recipe) == ("voted", "A")
+    assert (p.state, model.recipe, p.boundary_wait_s) == ("voted", "A", 0.0)
     t, box = run_boundary(p, hold)
     t.join(0.2)
     assert t.is_alive() and model.recipe == "A"
     coord.send(Decision(1, True, hold, {}, ""), rank_queue(0))
     t.join(5)
     assert box == ["ok"] and model.publishes == ["B"]
+    assert p.boundary_wait_s > 0.0  # the wait at the hold step, the only one, is accounted
 
 
 def test_a_rank_planning_slowly_says_it_is_alive_until_it_votes(solo):
@@ -365,6 +367,45 @@ def test_four_ranks_in_lockstep_publish_at_the_same_step(tmp_path):
         first_b = logs[r].index("B")
         assert first_b == result.step, (r, first_b, result.step)
         assert set(logs[r][:first_b]) == {"A"} and set(logs[r][first_b:]) == {"B"}
+
+
+class FakeClock:
+    """The participant's `time`, read by the test: boundaries at chosen instants."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def monotonic(self):
+        return self.now
+
+    def perf_counter(self):
+        return time.perf_counter()
+
+
+def test_one_slow_step_before_the_vote_does_not_pull_the_hold_step_in(solo, monkeypatch):
+    """A rank's pace was its last interval smoothed upward by halves: one 2 s step among 0.125 s
+    ones made it 1.06 s, so the rank booked no step ahead of a 0.5 s lead and waited at v + 1,
+    while its peers (same job, same pace, no hiccup) booked v + 5: it blocked the job with the
+    commit step still 4 steps ahead."""
+    coord, model, p = solo
+    clock = FakeClock()
+    monkeypatch.setattr(participant_module, "time", clock)
+    for step, dt in enumerate([0.0, 0.125, 0.125, 0.125, 0.125, 2.0]):
+        clock.now += dt
+        p.step_boundary(step)
+    coord.send(Prepare(1, {"name": "B"}, None, 5.0, 0.5), rank_queue(0))
+    vote = coord.recv()
+    assert vote.yes and (vote.last_step, vote.step_s) == (5, 0.125)
+    for step in range(6, 10):  # 5 + 1 + floor(0.5 / 0.125) = 10, as the coordinator books it
+        clock.now += 0.125
+        p.step_boundary(step)
+    assert (p.state, p.boundary_wait_s) == ("voted", 0.0)
+    t, box = run_boundary(p, 10)
+    t.join(0.2)
+    assert t.is_alive()  # undecided at its hold step: waits there, and only there
+    coord.send(Decision(1, True, 12, {}, ""), rank_queue(0))
+    t.join(5)
+    assert box == ["ok"] and p.state == "committing"
 
 
 def test_the_pace_a_vote_reports_counts_only_consecutive_boundaries(solo):
