@@ -9,11 +9,14 @@ recomputes P from it.
 
 Layouts. Hopper's FP8 MMA reads both operands K-major, so an operand contracted along its sequence
 dim is read from a transposed copy (``(b, heads, d, s)``, made by the launcher): V for P V, Q and dO
-for dK and dV, K for dQ. Every other operand is the row-major ``(b, heads, s, d)`` tensor. The
-kernels read FP8 tiles through tensor descriptors (the TMA unit on Hopper): no per-element address
-registers, and rows or columns past the end of a sequence arrive as zeros, so only the softmax's
-masks remain in the kernels. A descriptor's strides are 16-byte multiples: the transposed copies pad
-their rows (a sequence of FP8 bytes) to 16.
+for dK and dV, K for dQ. Every other operand is read as the caller's ``(b, heads, s, d)`` view in
+its own strides (head dim contiguous): a view of ``(s, b, heads, d)`` storage, as `sbhd` activations
+and a fused QKV projection's heads are, needs no copy, and the output and the gradients are written
+in their operand's storage order (the out and dQ in q's, dK and dV in k's). The kernels read FP8
+tiles through tensor descriptors (the TMA unit on Hopper): no per-element address registers, and
+rows or columns past the end of a sequence arrive as zeros, so only the softmax's masks remain in
+the kernels. A descriptor's strides are 16-byte multiples: the transposed copies pad their rows (a
+sequence of FP8 bytes) to 16, and an operand whose strides are not is copied contiguous first.
 
 Grouped-query attention: K and V stay at KV-head shape; a forward or dQ program reads the KV head
 of its query head, and a dV or dK program loops over the query heads of its group, so the group's sum
@@ -86,11 +89,8 @@ def _common(
     if d not in HEAD_DIMS:
         raise ValueError(f"FP8 attention kernel: head dim {d} is not one of {HEAD_DIMS}")
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dtype not in FP8_DTYPES or not t.is_contiguous():
-            raise ValueError(
-                f"FP8 attention kernel: {name} must be a contiguous float8 tensor, got {t.dtype} "
-                f"with strides {t.stride()}"
-            )
+        if t.dtype not in FP8_DTYPES:
+            raise ValueError(f"FP8 attention kernel: {name} must be a float8 tensor, got {t.dtype}")
     if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d or h % hkv:
         raise ValueError(
             f"FP8 attention kernel: q {tuple(q.shape)} and k, v {tuple(k.shape)}, "
@@ -108,19 +108,31 @@ def _fmt(fp8_dtype: torch.dtype, what: str) -> dict[str, int]:
     return {"MAX_BITS": spec.max_bits, "MANT": spec.mant_bits, "MIN_EXP": spec.min_exp}
 
 
+def _readable(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself where a tensor descriptor can read it in place (head dim contiguous, every
+    other stride and the base 16-byte aligned: any layout the casts write, e.g. (s, b, h, d)
+    storage seen as (b, h, s, d)), else a contiguous copy."""
+    aligned = all(st * x.element_size() % 16 == 0 for st in x.stride()[:-1])
+    if x.stride(-1) == 1 and aligned and x.data_ptr() % 16 == 0:
+        return x
+    return x.contiguous()
+
+
 def _rows(x: torch.Tensor, rows: int) -> TensorDescriptor:
-    """Descriptor of (b, heads, s, d) ``x`` as (b * heads, s, d), tiles of ``rows`` x d."""
-    b, h, s, d = x.shape
-    return TensorDescriptor.from_tensor(x.view(b * h, s, d), [1, rows, d])
+    """Descriptor of (b, heads, s, d) ``x`` in its own strides, tiles of ``rows`` x d."""
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, rows, x.shape[-1]])
 
 
 def _k_major(x: torch.Tensor) -> torch.Tensor:
-    """The K-major copy of (b, heads, s, d) ``x``: a (b * heads, d, s) view whose rows are padded to
-    16 bytes (a descriptor's strides are 16-byte multiples)."""
+    """The K-major copy of (b, heads, s, d) ``x`` (any strides, head dim contiguous): a
+    (b * heads, d, s) view whose rows are padded to 16 bytes (a descriptor's strides are 16-byte
+    multiples)."""
     b, h, s, d = x.shape
     padded = x.new_empty(b * h, d, s + (-s % 16))
     br = 64 if is_gpu(x) else 16
-    _transpose_kernel[(b * h, cdiv(s, br))](x, padded, s, padded.shape[-1], D=d, BR=br)
+    _transpose_kernel[(b * h, cdiv(s, br))](
+        x, padded, h, s, padded.shape[-1], *x.stride()[:3], D=d, BR=br
+    )
     return padded[..., :s]
 
 
@@ -154,15 +166,17 @@ def attention_fwd_triton(
     causal: bool,
     out_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out (b, h, sq, d) in ``out_dtype``, lse (b, h, sq) fp32, base 2); ``s_amax`` (1-element
-    fp32, >= 0) becomes ``max(s_amax, max p)`` in place. Inputs contiguous FP8."""
+    """(out (b, h, sq, d) in ``out_dtype`` and q's layout, lse (b, h, sq) fp32, base 2);
+    ``s_amax`` (1-element fp32, >= 0) becomes ``max(s_amax, max p)`` in place. Inputs FP8 in any
+    strides with the head dim contiguous (read in place where a descriptor can)."""
     c = _common(q, k, v, pad_mask)
-    out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
+    out = torch.empty_like(q, dtype=out_dtype)  # q's layout: a (s, b, h, d) storage stays so
+    q, k, v = _readable(q), _readable(k), _readable(v)
     lse = torch.empty(c.b, c.h, c.sq, dtype=torch.float32, device=q.device)
     bm, bn, warps, stages = _tiles(GPU_FWD, c.d, is_gpu(q))
     s = _fmt(s_dtype, "s")
     _fwd_kernel[(c.b * c.h, cdiv(c.sq, bm))](
-        _rows(q, bm), _rows(k, bn), _columns(_k_major(v), bn), out, lse,
+        _rows(q, bm), _rows(k, bn), _columns(_k_major(v), bn), out, *out.stride()[:3], lse,
         q_scale_inv, k_scale_inv, v_scale_inv, s_scale, s_amax.view(torch.int32),
         c.mask, *c.mask_strides,
         c.h, c.sq, c.sk, LOG2E / math.sqrt(c.d),
@@ -192,16 +206,20 @@ def attention_bwd_triton(
     pad_mask: torch.Tensor | None,
     causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) fp32 in the shapes of q, k, v; ``dp_amax`` becomes ``max(dp_amax, max|dS|)``
-    in place."""
+    """(dq, dk, dv) fp32 in the shapes of q, k, v (dq in q's layout, dk and dv in k's);
+    ``dp_amax`` becomes ``max(dp_amax, max|dS|)`` in place."""
     c = _common(q, k, v, pad_mask)
+    # each gradient in its operand's layout (dk and dv both in k's), so no copy follows
+    dq = torch.empty_like(q, dtype=torch.float32)
+    dk = torch.empty_like(k, dtype=torch.float32)
+    dv = torch.empty_like(k, dtype=torch.float32)
+    q, k, v, do = _readable(q), _readable(k), _readable(v), _readable(do)
     gpu, hw = is_gpu(q), hw_rounding(q)
     delta = torch.empty(c.b, c.h, c.sq, dtype=torch.float32, device=q.device)
-    rows, br = c.b * c.h * c.sq, (64 if gpu else 16)
-    _bwd_delta_kernel[(cdiv(rows, br),)](do, out, delta, do_scale_inv, rows, D=c.d, BR=br)
-    dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    dk = torch.empty(k.shape, dtype=torch.float32, device=q.device)
-    dv = torch.empty(v.shape, dtype=torch.float32, device=q.device)
+    br = 64 if gpu else 16
+    _bwd_delta_kernel[(c.b * c.h, cdiv(c.sq, br))](
+        do, out, delta, do_scale_inv, c.h, c.sq, *do.stride()[:3], *out.stride()[:3], D=c.d, BR=br
+    )
     s, dp = _fmt(s_dtype, "s"), _fmt(dp_dtype, "dp")
     mask_args = (c.mask, *c.mask_strides)
     sizes = (c.h, c.sq, c.sk, LOG2E / math.sqrt(c.d), 1.0 / math.sqrt(c.d))
@@ -209,8 +227,8 @@ def attention_bwd_triton(
     for table, is_dv in ((GPU_BWD_DV, True), (GPU_BWD_DK, False)):
         bm, bn, warps, stages = _tiles(table, c.d, gpu)
         _bwd_dkdv_kernel[(c.b * c.hkv, cdiv(c.sk, bn))](
-            _rows(q, bm), _columns(qt, bm), k, v, _rows(do, bm), _columns(dot, bm), lse, delta,
-            dk, dv,
+            _rows(q, bm), _columns(qt, bm), _rows(k, bn), _rows(v, bn), _rows(do, bm),
+            _columns(dot, bm), lse, delta, dk, dv, *dk.stride()[:3],
             q_scale_inv, k_scale_inv, v_scale_inv, do_scale_inv, s_scale, dp_scale,
             *mask_args, *sizes,
             GROUP=c.h // c.hkv, D=c.d, BM=bm, BN=bn, CAUSAL=causal, HAS_MASK=c.has_mask,
@@ -220,7 +238,8 @@ def attention_bwd_triton(
         )  # fmt: skip
     bm, bn, warps, stages = _tiles(GPU_BWD_DQ, c.d, gpu)
     _bwd_dq_kernel[(c.b * c.h, cdiv(c.sq, bm))](
-        _rows(q, bm), _rows(k, bn), _columns(_k_major(k), bn), _rows(v, bn), do, lse, delta, dq,
+        _rows(q, bm), _rows(k, bn), _columns(_k_major(k), bn), _rows(v, bn), _rows(do, bm), lse,
+        delta, dq, *dq.stride()[:3],
         q_scale_inv, k_scale_inv, v_scale_inv, do_scale_inv, dp_scale, dp_amax.view(torch.int32),
         *mask_args, *sizes,
         GROUP=c.h // c.hkv, D=c.d, BM=bm, BN=bn, CAUSAL=causal, HAS_MASK=c.has_mask,
@@ -235,6 +254,12 @@ def _kernels_run(q: Tensor) -> bool:
     """The Triton kernels take CUDA tensors of a head dim they are built for, on a GPU with FP8
     tensor cores (sm89+; older GPUs only emulate FP8, with DIST_QUANT_EMULATE_FP8=1)."""
     return q.shape[-1] in GPU_HEAD_DIMS and hw_rounding(q)
+
+
+def _like(layout: Tensor, x: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x`` in ``dtype`` and ``layout``'s strides, as the kernels write their outputs (the fakes
+    promise those strides to torch.compile)."""
+    return torch.empty_like(layout, dtype=dtype).copy_(x)
 
 
 def _fold_amax(amax: Tensor, value: Tensor) -> None:
@@ -256,7 +281,7 @@ def _fp8_attention_fwd_impl(
         return out, lse, s_scale.clone()
     r = ref.attention_fwd(*operands, s_dtype, pad_mask, causal)
     _fold_amax(s_amax, r.s_amax)
-    return r.out.to(out_dtype), r.lse.float(), s_scale.clone()
+    return _like(q, r.out, out_dtype), r.lse.float(), s_scale.clone()
 
 
 def _fp8_attention_fwd_fake(
@@ -265,7 +290,7 @@ def _fp8_attention_fwd_fake(
     pad_mask: Tensor | None, causal: bool, out_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
-    return q.new_empty(q.shape, dtype=out_dtype), lse, s_scale.new_empty(s_scale.shape)
+    return torch.empty_like(q, dtype=out_dtype), lse, s_scale.new_empty(s_scale.shape)
 
 
 def _fp8_attention_bwd_impl(
@@ -281,12 +306,17 @@ def _fp8_attention_bwd_impl(
         )
     r = ref.attention_bwd(*operands, s_scale, s_dtype, dp_scale, dp_dtype, pad_mask, causal)
     _fold_amax(dp_amax, r.dp_amax)
-    return r.dq.float(), r.dk.float(), r.dv.float()
+    return (
+        _like(q, r.dq, torch.float32),
+        _like(k, r.dk, torch.float32),
+        _like(k, r.dv, torch.float32),
+    )
 
 
 def _fp8_attention_bwd_fake(q: Tensor, k: Tensor, v: Tensor, *_: object) -> tuple[Tensor, ...]:
-    """The gradients' shapes are the operands' (the op's schema comes from the implementation)."""
-    return tuple(t.new_empty(t.shape, dtype=torch.float32) for t in (q, k, v))
+    """The gradients' shapes are the operands', dq in q's layout, dk and dv in k's (the op's
+    schema comes from the implementation)."""
+    return tuple(torch.empty_like(t, dtype=torch.float32) for t in (q, k, k))
 
 
 # The public functions are the ops themselves (no argument needs normalising), with the launchers'

@@ -6,25 +6,29 @@ from __future__ import annotations
 
 from dist_quant.kernels._fp8_round import reciprocal
 from dist_quant.kernels._triton import tl, triton
-from dist_quant.kernels.attention_fwd import _to_fp8, _visible, key_tiles
+from dist_quant.kernels.attention_fwd import _to_fp8, _visible, key_tiles, store_rows
 
 
 @triton.jit
 def _bwd_delta_kernel(
-    do_ptr, out_ptr, delta_ptr, do_si_ptr, ROWS, D: tl.constexpr, BR: tl.constexpr
-):
-    """delta_i = dO_i . out_i over the flattened (b * h * sq, d) rows: the softmax backward's
-    row term, read once by both backward kernels."""
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    offs = rows.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :]
-    do = tl.load(do_ptr + offs, mask=rows[:, None] < ROWS, other=0.0).to(tl.float32)
-    out = tl.load(out_ptr + offs, mask=rows[:, None] < ROWS, other=0.0).to(tl.float32)
-    tl.store(delta_ptr + rows, tl.sum(do * out, 1) * tl.load(do_si_ptr), mask=rows < ROWS)
+    do_ptr, out_ptr, delta_ptr, do_si_ptr, H, SQ, do_sb, do_sh, do_ss, o_sb, o_sh, o_ss,
+    D: tl.constexpr, BR: tl.constexpr,
+):  # fmt: skip
+    """delta_i = dO_i . out_i for rows BR-block ``program_id(1)`` of (batch, head)
+    ``program_id(0)``, into (b, h, sq) ``delta``: the softmax backward's row term, read once by
+    both backward kernels (dO and out in their own (b, h, s, d) strides)."""
+    bh, rows = tl.program_id(0), tl.program_id(1) * BR + tl.arange(0, BR)
+    b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
+    r, dd, ok = rows[:, None].to(tl.int64), tl.arange(0, D)[None, :], rows[:, None] < SQ
+    do = tl.load(do_ptr + b * do_sb + h * do_sh + r * do_ss + dd, mask=ok, other=0.0)
+    out = tl.load(out_ptr + b * o_sb + h * o_sh + r * o_ss + dd, mask=ok, other=0.0)
+    row_sum = tl.sum(do.to(tl.float32) * out.to(tl.float32), 1)
+    tl.store(delta_ptr + bh.to(tl.int64) * SQ + rows, row_sum * tl.load(do_si_ptr), mask=rows < SQ)
 
 
 @triton.jit
 def _dkdv_tile(
-    k, v, dk, dv, q_desc, qt_desc, do_desc, dot_desc, bh, lse_base, delta_base, start_m, cols, b,
+    k, v, dk, dv, q_desc, qt_desc, do_desc, dot_desc, b, h, bh, lse_base, delta_base, start_m, cols,
     SQ, SK, qk_scale, dp_deq, s_scale, dp_scale,
     mask_ptr, m_sb, m_sq, m_sk,
     D: tl.constexpr, BM: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
@@ -37,7 +41,7 @@ def _dkdv_tile(
     no mask here (they only reach dK/dV rows that are never stored); MASKED: queries out of range,
     before the key (causal) or padding. Queries past the end load as zeros."""
     rows = start_m + tl.arange(0, BM)
-    q = q_desc.load([bh, start_m, 0]).reshape(BM, D)
+    q = q_desc.load([b, h, start_m, 0]).reshape(BM, D)
     if MASKED:
         lse = tl.load(lse_base + rows, mask=rows < SQ, other=0.0)
     else:
@@ -54,7 +58,7 @@ def _dkdv_tile(
         p8 = _to_fp8(p_t * s_scale, S_MAX_BITS, S_MANT, S_MIN_EXP, HW)
         dv += tl.dot(p8, tl.trans(do_t))
     else:
-        do = do_desc.load([bh, start_m, 0]).reshape(BM, D)
+        do = do_desc.load([b, h, start_m, 0]).reshape(BM, D)
         q_t = qt_desc.load([bh, 0, start_m]).reshape(D, BM)
         if MASKED:
             delta = tl.load(delta_base + rows, mask=rows < SQ, other=0.0)
@@ -69,7 +73,8 @@ def _dkdv_tile(
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    q_desc, qt_desc, k_ptr, v_ptr, do_desc, dot_desc, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    q_desc, qt_desc, k_desc, v_desc, do_desc, dot_desc, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    g_sb, g_sh, g_ss,
     q_si_ptr, k_si_ptr, v_si_ptr, do_si_ptr, s_scale_ptr, dp_scale_ptr,
     mask_ptr, m_sb, m_sq, m_sk,
     H, SQ, SK, c_log2, sm_scale,
@@ -86,13 +91,10 @@ def _bwd_dkdv_kernel(
     # queries, and run first
     bkv, pid_n = tl.program_id(0), tl.program_id(1)
     hkv = H // GROUP
-    b = bkv // hkv
+    b, hk = bkv // hkv, bkv % hkv
     cols = pid_n * BN + tl.arange(0, BN)  # this program's keys
-    dd = tl.arange(0, D)
-    kv_base = bkv.to(tl.int64) * SK * D  # 64-bit bases, 32-bit tile offsets (fewer registers)
-    kv_off = cols[:, None] * D + dd[None, :]
-    k = tl.load(k_ptr + kv_base + kv_off, mask=cols[:, None] < SK, other=0.0)
-    v = tl.load(v_ptr + kv_base + kv_off, mask=cols[:, None] < SK, other=0.0)
+    k = k_desc.load([b, hk, pid_n * BN, 0]).reshape(BN, D)  # keys past the end load as zeros
+    v = v_desc.load([b, hk, pid_n * BN, 0]).reshape(BN, D)
     q_si = tl.load(q_si_ptr)
     qk_scale = q_si * tl.load(k_si_ptr) * c_log2
     dp_deq = tl.load(v_si_ptr) * tl.load(do_si_ptr)
@@ -111,29 +113,30 @@ def _bwd_dkdv_kernel(
         a = SQ
     z = tl.maximum(z, a)
     for g in range(GROUP):
-        bh = b * H + (bkv % hkv) * GROUP + g
+        h = hk * GROUP + g
+        bh = b * H + h
         lse_base = lse_ptr + bh.to(tl.int64) * SQ
         delta_base = delta_ptr + bh.to(tl.int64) * SQ
         # the three ranges unrolled, so each tile's MASKED is a compile-time constant
         for part in tl.static_range(3):
             for start_m in range((lo, a, z)[part], (a, z, SQ)[part], BM):
                 dk, dv = _dkdv_tile(
-                    k, v, dk, dv, q_desc, qt_desc, do_desc, dot_desc, bh, lse_base, delta_base,
-                    start_m, cols, b, SQ, SK, qk_scale, dp_deq, s_scale, dp_scale, mask_ptr,
+                    k, v, dk, dv, q_desc, qt_desc, do_desc, dot_desc, b, h, bh, lse_base,
+                    delta_base, start_m, cols, SQ, SK, qk_scale, dp_deq, s_scale, dp_scale, mask_ptr,
                     m_sb, m_sq, m_sk, D, BM, CAUSAL, HAS_MASK, part != 1, S_MAX_BITS, S_MANT,
                     S_MIN_EXP, DP_MAX_BITS, DP_MANT, DP_MIN_EXP, HW, DV,
                 )  # fmt: skip
     if DV:
         dv = dv * (reciprocal(s_scale) * tl.load(do_si_ptr))
-        tl.store(dv_ptr + kv_base + kv_off, dv, mask=cols[:, None] < SK)
+        store_rows(dv_ptr, dv, b, hk, cols, SK, g_sb, g_sh, g_ss, D)
     else:
         dk = dk * (reciprocal(dp_scale) * q_si * sm_scale)
-        tl.store(dk_ptr + kv_base + kv_off, dk, mask=cols[:, None] < SK)
+        store_rows(dk_ptr, dk, b, hk, cols, SK, g_sb, g_sh, g_ss, D)
 
 
 @triton.jit
 def _dq_tile(
-    q, do, lse, delta, dq, ds_max, k_desc, kt_desc, v_desc, bkv, start_n, rows, b, SQ, SK,
+    q, do, lse, delta, dq, ds_max, k_desc, kt_desc, v_desc, b, hk, bkv, start_n, rows, SQ, SK,
     qk_scale, dp_deq, dp_scale,
     mask_ptr, m_sb, m_sq, m_sk,
     D: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
@@ -142,8 +145,8 @@ def _dq_tile(
 ):  # fmt: skip
     """One key tile of a dQ program (MASKED as in `_fwd_tile`; keys past the end load as zeros)."""
     cols = start_n + tl.arange(0, BN)
-    k = k_desc.load([bkv, start_n, 0]).reshape(BN, D)
-    v = v_desc.load([bkv, start_n, 0]).reshape(BN, D)
+    k = k_desc.load([b, hk, start_n, 0]).reshape(BN, D)
+    v = v_desc.load([b, hk, start_n, 0]).reshape(BN, D)
     k_t = kt_desc.load([bkv, 0, start_n]).reshape(D, BN)
     p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
     if MASKED:
@@ -161,7 +164,7 @@ def _dq_tile(
 
 @triton.jit
 def _bwd_dq_kernel(
-    q_desc, k_desc, kt_desc, v_desc, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+    q_desc, k_desc, kt_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, g_sb, g_sh, g_ss,
     q_si_ptr, k_si_ptr, v_si_ptr, do_si_ptr, dp_scale_ptr, dp_amax_ptr,
     mask_ptr, m_sb, m_sq, m_sk,
     H, SQ, SK, c_log2, sm_scale,
@@ -175,13 +178,12 @@ def _bwd_dq_kernel(
     if CAUSAL:
         pid_m = tl.num_programs(1) - 1 - pid_m
     b = bh // H
-    bkv = b * (H // GROUP) + (bh % H) // GROUP
+    h = bh % H
+    hk = h // GROUP
+    bkv = b * (H // GROUP) + hk
     rows = pid_m * BM + tl.arange(0, BM)
-    dd = tl.arange(0, D)
-    q_base = bh.to(tl.int64) * SQ * D
-    q_off = rows[:, None] * D + dd[None, :]
-    q = q_desc.load([bh, pid_m * BM, 0]).reshape(BM, D)  # rows past the end load as zeros
-    do = tl.load(do_ptr + q_base + q_off, mask=rows[:, None] < SQ, other=0.0)
+    q = q_desc.load([b, h, pid_m * BM, 0]).reshape(BM, D)  # rows past the end load as zeros
+    do = do_desc.load([b, h, pid_m * BM, 0]).reshape(BM, D)
     # rows out of range read lse = delta = 0: their P is finite and their dS 0 (dO is 0)
     lse = tl.load(lse_ptr + bh.to(tl.int64) * SQ + rows, mask=rows < SQ, other=0.0)
     delta = tl.load(delta_ptr + bh.to(tl.int64) * SQ + rows, mask=rows < SQ, other=0.0)
@@ -195,10 +197,10 @@ def _bwd_dq_kernel(
     for part in tl.static_range(2):  # unrolled: each tile's MASKED is a compile-time constant
         for start_n in range((0, full)[part], (full, hi)[part], BN):
             dq, ds_max = _dq_tile(
-                q, do, lse, delta, dq, ds_max, k_desc, kt_desc, v_desc, bkv, start_n, rows, b,
+                q, do, lse, delta, dq, ds_max, k_desc, kt_desc, v_desc, b, hk, bkv, start_n, rows,
                 SQ, SK, qk_scale, dp_deq, dp_scale, mask_ptr, m_sb, m_sq, m_sk, D, BN, CAUSAL,
                 HAS_MASK, part == 1, DP_MAX_BITS, DP_MANT, DP_MIN_EXP, HW,
             )  # fmt: skip
     dq = dq * (reciprocal(dp_scale) * k_si * sm_scale)
-    tl.store(dq_ptr + q_base + q_off, dq, mask=rows[:, None] < SQ)
+    store_rows(dq_ptr, dq, b, h, rows, SQ, g_sb, g_sh, g_ss, D)
     tl.atomic_max(dp_amax_ptr, tl.max(ds_max, 0), sem="relaxed")

@@ -50,15 +50,31 @@ def _visible(
 
 
 @triton.jit
-def _transpose_kernel(x_ptr, out_ptr, S, S_PADDED, D: tl.constexpr, BR: tl.constexpr):
-    """(heads, S, D) -> (heads, D, S_PADDED): rows BR-block ``program_id(1)`` of head
-    ``program_id(0)``, the bytes moved as they are (the K-major copies of FP8 operands; torch's
-    strided copy of one byte per element runs at a fraction of the bandwidth)."""
-    h, rows = tl.program_id(0).to(tl.int64), tl.program_id(1) * BR + tl.arange(0, BR)
+def _transpose_kernel(
+    x_ptr, out_ptr, H, S, S_PADDED, x_sb, x_sh, x_ss, D: tl.constexpr, BR: tl.constexpr
+):  # fmt: skip
+    """(b, H, S, D) ``x`` of strides (x_sb, x_sh, x_ss, 1) -> (b * H, D, S_PADDED) contiguous: rows
+    BR-block ``program_id(1)`` of head ``program_id(0)``, the bytes moved as they are (the K-major
+    copies of FP8 operands; torch's strided copy of one byte per element runs at a fraction of the
+    bandwidth)."""
+    bh, rows = tl.program_id(0), tl.program_id(1) * BR + tl.arange(0, BR)
+    b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
     dd = tl.arange(0, D)
-    x = tl.load(x_ptr + h * S * D + rows[:, None] * D + dd[None, :], mask=rows[:, None] < S)
-    t_ptrs = out_ptr + h * D * S_PADDED + dd[:, None] * S_PADDED + rows[None, :]
+    x_ptrs = x_ptr + b * x_sb + h * x_sh + rows[:, None].to(tl.int64) * x_ss + dd[None, :]
+    x = tl.load(x_ptrs, mask=rows[:, None] < S)
+    t_ptrs = out_ptr + bh.to(tl.int64) * D * S_PADDED + dd[:, None] * S_PADDED + rows[None, :]
     tl.store(t_ptrs, tl.trans(x), mask=rows[None, :] < S)
+
+
+@triton.jit
+def store_rows(
+    ptr, x, b, h, rows, SQ, s_b, s_h, s_s, D: tl.constexpr
+):  # fmt: skip
+    """Rows ``rows`` (< SQ) of head ``h`` of batch ``b`` of a (b, h, s, D) tensor of strides
+    (s_b, s_h, s_s, 1) in ``ptr``'s element type."""
+    base = ptr + b.to(tl.int64) * s_b + h.to(tl.int64) * s_h
+    ptrs = base + rows[:, None].to(tl.int64) * s_s + tl.arange(0, D)[None, :]
+    tl.store(ptrs, x.to(ptr.dtype.element_ty), mask=rows[:, None] < SQ)
 
 
 @triton.jit
@@ -79,7 +95,7 @@ def key_tiles(pid_m, SK, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexp
 
 @triton.jit
 def _fwd_tile(
-    q, k_desc, vt_desc, bkv, start_n, rows, b, SQ, SK, qk_scale, s_scale,
+    q, k_desc, vt_desc, b, hk, bkv, start_n, rows, SQ, SK, qk_scale, s_scale,
     m_i, l_i, p_max, acc,
     mask_ptr, m_sb, m_sq, m_sk,
     D: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
@@ -89,7 +105,7 @@ def _fwd_tile(
     """One key tile of the forward: the online softmax update and P V (MASKED: the tile may hold
     keys out of range, after the query or padded; keys past the end load as zeros)."""
     cols = start_n + tl.arange(0, BN)
-    k = k_desc.load([bkv, start_n, 0]).reshape(BN, D)
+    k = k_desc.load([b, hk, start_n, 0]).reshape(BN, D)
     vt = vt_desc.load([bkv, 0, start_n]).reshape(D, BN)
     s = tl.dot(q, tl.trans(k)) * qk_scale  # (BM, BN) fp32, base-2 logits
     if MASKED:
@@ -112,7 +128,7 @@ def _fwd_tile(
 
 @triton.jit
 def _fwd_kernel(
-    q_desc, k_desc, vt_desc, out_ptr, lse_ptr,
+    q_desc, k_desc, vt_desc, out_ptr, o_sb, o_sh, o_ss, lse_ptr,
     q_si_ptr, k_si_ptr, v_si_ptr, s_scale_ptr, s_amax_ptr,
     mask_ptr, m_sb, m_sq, m_sk,
     H, SQ, SK, c_log2,
@@ -125,11 +141,11 @@ def _fwd_kernel(
     bh, pid_m = tl.program_id(0), tl.program_id(1)
     if CAUSAL:
         pid_m = tl.num_programs(1) - 1 - pid_m
-    b = bh // H
-    bkv = b * (H // GROUP) + (bh % H) // GROUP
+    b, h = bh // H, bh % H
+    hk = h // GROUP
+    bkv = b * (H // GROUP) + hk
     rows = pid_m * BM + tl.arange(0, BM)
-    dd = tl.arange(0, D)
-    q = q_desc.load([bh, pid_m * BM, 0]).reshape(BM, D)  # rows past the end load as zeros
+    q = q_desc.load([b, h, pid_m * BM, 0]).reshape(BM, D)  # rows past the end load as zeros
     qk_scale = tl.load(q_si_ptr) * tl.load(k_si_ptr) * c_log2
     s_scale = tl.load(s_scale_ptr)
 
@@ -141,7 +157,7 @@ def _fwd_kernel(
     for part in tl.static_range(2):  # unrolled: each tile's MASKED is a compile-time constant
         for start_n in range((0, full)[part], (full, hi)[part], BN):
             m_i, l_i, p_max, acc = _fwd_tile(
-                q, k_desc, vt_desc, bkv, start_n, rows, b, SQ, SK, qk_scale, s_scale,
+                q, k_desc, vt_desc, b, hk, bkv, start_n, rows, SQ, SK, qk_scale, s_scale,
                 m_i, l_i, p_max, acc, mask_ptr, m_sb, m_sq, m_sk,
                 D, BN, CAUSAL, HAS_MASK, part == 1, S_MAX_BITS, S_MANT, S_MIN_EXP, HW,
             )  # fmt: skip
@@ -150,9 +166,7 @@ def _fwd_kernel(
     s_inv = reciprocal(s_scale)
     has = l_i > 0.0
     out = acc * (s_inv * tl.load(v_si_ptr)) / tl.where(has, l_i, 1.0)[:, None]
-    out_base = out_ptr + bh.to(tl.int64) * SQ * D
-    o_ptrs = out_base + rows[:, None] * D + dd[None, :]
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=rows[:, None] < SQ)
+    store_rows(out_ptr, out, b, h, rows, SQ, o_sb, o_sh, o_ss, D)
     lse = tl.where(has, m_use + tl.math.log2(tl.where(has, l_i, 1.0)), float("inf"))
     tl.store(lse_ptr + bh.to(tl.int64) * SQ + rows, lse, mask=rows < SQ)
     p_max = tl.where(rows < SQ, p_max, 0.0)

@@ -158,8 +158,9 @@ class _FlashFP8Attention(torch.autograd.Function):
         causal: bool,
         slots: AttentionSlots,
     ) -> torch.Tensor:
-        # (b, heads, s, d) contiguous: the layout permutes leave strided views
-        casts = [slots.qkv.cast(t.contiguous(), transpose=False) for t in (q, k, v)]
+        # each cast keeps its input's storage order (the kernels read any of them in place): a
+        # (b, heads, s, d) view of (s, b, heads, d) activations is cast without a transposing copy
+        casts = [slots.qkv.cast(t, transpose=False) for t in (q, k, v)]
         s_scale, s_amax = _inner_scale(slots.s, None, q.device)
         out, lse, s_scale_fwd = fp8_attention_fwd(
             *(c.data for c in casts),
@@ -183,7 +184,7 @@ class _FlashFP8Attention(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         q8, k8, v8, q_si, k_si, v_si, out, lse, s_scale, pad_mask = ctx.saved_tensors
         slots = ctx.slots
-        do = slots.do.cast(grad.contiguous(), transpose=False)
+        do = slots.do.cast(grad, transpose=False)
         if slots.bwd_groups:
             # the plan's copies: the backward reduces over the group its forward's plan was built for
             enrol_backward_from(grad, slots.enrol_key, slots.bwd_groups, slots.reduction_group)

@@ -151,6 +151,36 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((a - e).norm() / e.norm()).item()
 
 
+def in_sbhd_storage(ops: dict, *, fused: bool = False) -> dict:
+    """``ops`` with q, k, v and dO as (b, h, s, d) views of (s, b, h, d) storage, the layout of
+    activations in `sbhd` format; ``fused``: q, k and v are column blocks of one
+    (s, b, (h + 2 hkv) d) buffer, as a fused QKV projection's output split into heads."""
+    out = dict(ops)
+    q, k, v = ops["q"], ops["k"], ops["v"]
+    if fused:
+        b, h, s, d = q.shape
+        hkv = k.shape[1]
+        mixed = torch.cat([t.permute(2, 0, 1, 3).reshape(s, b, -1) for t in (q, k, v)], dim=-1)
+        parts = mixed.split([h * d, hkv * d, hkv * d], dim=-1)
+        views = [t.view(s, b, -1, d).permute(1, 2, 0, 3) for t in parts]
+        out["q"], out["k"], out["v"] = views
+    else:
+        for name in ("q", "k", "v"):
+            out[name] = ops[name].permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
+    out["do"] = ops["do"].permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
+    return out
+
+
+def check_layouts(ops: dict, out_dtype: torch.dtype) -> None:
+    """The kernels' outputs keep their operands' storage order: out and dq q's strides (dense),
+    dk and dv k's, so a caller in `sbhd` gets its layout back without a copy."""
+    (out, _, _, grads, _), _, _ = _run(ops, out_dtype)
+    dense_q = torch.empty_like(ops["q"]).stride()
+    dense_k = torch.empty_like(ops["k"]).stride()
+    assert out.stride() == dense_q and grads[0].stride() == dense_q, (out.stride(), dense_q)
+    assert grads[1].stride() == dense_k and grads[2].stride() == dense_k, grads[1].stride()
+
+
 def _run(ops: dict, out_dtype: torch.dtype):
     """The launchers and the float64 reference on ``ops``: (out, lse, s_amax, grads, dp_amax) of
     the kernels, then the reference's forward and backward (``out`` and ``lse`` the kernel's)."""

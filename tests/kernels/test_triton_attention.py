@@ -5,7 +5,7 @@ truncates). The GPU twin is ``test_triton_gpu_attention.py``."""
 
 import pytest
 import torch
-from attention_cases import check_forward_and_backward, operands
+from attention_cases import check_forward_and_backward, check_layouts, in_sbhd_storage, operands
 
 CASES = {
     # b, h, hkv, sq, sk, d
@@ -43,3 +43,12 @@ def test_e4m3_gradients_match_the_reference():
     ops["do_scale_inv"] = (1.0 / scale).reshape(1)
     ops["dp_dtype"], ops["dp_scale"] = torch.float8_e4m3fn, torch.tensor([2.0**12])
     check_forward_and_backward(ops, torch.float32)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["sbhd", "fused_qkv"])
+def test_operands_in_sbhd_storage_are_read_in_place_and_match_the_reference(fused):
+    """q, k, v and dO as (b, h, s, d) views of (s, b, h, d) storage (and q, k, v split from one
+    fused buffer): the same tolerance against the reference, outputs in the operands' order."""
+    ops = in_sbhd_storage(operands(*CASES["gqa"], device="cpu", seed=3, causal=True), fused=fused)
+    check_forward_and_backward(ops, torch.float32)
+    check_layouts(ops, torch.float32)

@@ -6,7 +6,13 @@ the coarser tolerance that Hopper's FP8 accumulation leaves (attention_cases.py 
 
 import pytest
 import torch
-from attention_cases import check_forward_and_backward, check_within_hardware_tolerance, operands
+from attention_cases import (
+    check_forward_and_backward,
+    check_layouts,
+    check_within_hardware_tolerance,
+    in_sbhd_storage,
+    operands,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -37,3 +43,14 @@ def test_padding_mask_matches_the_reference_on_gpu():
         2, 4, 2, 513, 513, 128, device="cuda", seed=3, pad=True, causal=False, exact=True
     )
     check_forward_and_backward(ops, torch.bfloat16)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["sbhd", "fused_qkv"])
+@pytest.mark.parametrize("case", ["gqa_d128", "gqa_d64_odd"])
+def test_operands_in_sbhd_storage_are_read_in_place_on_gpu(case, fused):
+    """The descriptors read (s, b, h, d) storage (and a fused QKV buffer's column blocks) in
+    place: the reference's bounds, the outputs in the operands' storage order."""
+    ops = operands(*CASES[case], device="cuda", seed=5, causal=True, exact=True)
+    ops = in_sbhd_storage(ops, fused=fused)
+    check_forward_and_backward(ops, torch.bfloat16)
+    check_layouts(ops, torch.bfloat16)
