@@ -19,18 +19,17 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 POINTERS = {
-    "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "do_ptr": "*fp8e5",
     "out_ptr": "*bf16", "s_amax_ptr": "*i32", "dp_amax_ptr": "*i32", "mask_ptr": "*u8",
 }  # fmt: skip
 # tensor descriptors: name -> (element type, block shape from (BM, BN, D)), as the launchers build them
 DESCRIPTORS = {
-    "q_desc": ("fp8e4nv", lambda bm, bn, d: (1, bm, d)),
+    "q_desc": ("fp8e4nv", lambda bm, bn, d: (1, 1, bm, d)),
     "qt_desc": ("fp8e4nv", lambda bm, bn, d: (1, d, bm)),
-    "k_desc": ("fp8e4nv", lambda bm, bn, d: (1, bn, d)),
+    "k_desc": ("fp8e4nv", lambda bm, bn, d: (1, 1, bn, d)),
     "kt_desc": ("fp8e4nv", lambda bm, bn, d: (1, d, bn)),
-    "v_desc": ("fp8e4nv", lambda bm, bn, d: (1, bn, d)),
+    "v_desc": ("fp8e4nv", lambda bm, bn, d: (1, 1, bn, d)),
     "vt_desc": ("fp8e4nv", lambda bm, bn, d: (1, d, bn)),
-    "do_desc": ("fp8e5", lambda bm, bn, d: (1, bm, d)),
+    "do_desc": ("fp8e5", lambda bm, bn, d: (1, 1, bm, d)),
     "dot_desc": ("fp8e5", lambda bm, bn, d: (1, d, bm)),
 }
 KERNELS = {  # name -> (kernel, tiles, the launch's own constexprs)
