@@ -6,7 +6,8 @@ pyproject). Every kernel module imports `triton` and `tl` from here. Without Tri
 import: `@triton.jit` wraps the function in a kernel that refuses to launch, with the reason, and
 `tl.constexpr` (the only other name used at import time: annotations and one module constant)
 holds its value; `knobs` and `driver` (the fast launch path) and `libdevice` (CUDA's own math
-functions, read when a kernel compiles) refuse when read. Nothing else of
+functions, read when a kernel compiles) refuse when read, and `TensorDescriptor` (the attention
+launchers' tile descriptors) refuses to be built. Nothing else of
 Triton is reached without a CUDA tensor or `TRITON_INTERPRET=1`, both of which need the real
 package.
 """
@@ -27,6 +28,7 @@ try:
     from triton import knobs
     from triton.language.extra import libdevice
     from triton.runtime.driver import driver
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
     HAVE_TRITON = True
 except ImportError:
@@ -81,6 +83,12 @@ except ImportError:
         def __getattr__(self, attr: str) -> Any:
             raise RuntimeError(f"triton {self._name}.{attr}: {MISSING}")
 
+    class TensorDescriptor:  # type: ignore[no-redef]
+        """Built only by a launch, which needs Triton."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            raise RuntimeError(f"triton TensorDescriptor: {MISSING}")
+
     triton = _Triton()  # type: ignore[assignment]
     tl = triton.language  # type: ignore[assignment]
     knobs = _Absent("knobs")  # type: ignore[assignment]
@@ -88,4 +96,6 @@ except ImportError:
     driver = _Absent("driver")  # type: ignore[assignment]
 
 
-__all__ = ["HAVE_TRITON", "MISSING", "driver", "knobs", "libdevice", "tl", "triton"]
+__all__ = [
+    "HAVE_TRITON", "MISSING", "TensorDescriptor", "driver", "knobs", "libdevice", "tl", "triton",
+]  # fmt: skip

@@ -45,12 +45,12 @@ import torch
 from dist_quant.kernels import reference_attention as ref
 from dist_quant.kernels._fp8_round import cdiv, fp8_spec, hw_rounding, is_gpu
 from dist_quant.kernels._op import register_op
+from dist_quant.kernels._triton import TensorDescriptor
 from dist_quant.kernels.attention_bwd import _bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel
 from dist_quant.kernels.attention_fwd import _fwd_kernel, _transpose_kernel
 from dist_quant.kernels.reference import FP8_DTYPES
 from dist_quant.kernels.reference_attention import LOG2E
 from torch import Tensor
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 # GPU tiles (BM query rows x BN keys), warps and pipeline stages; the interpreter runs 16 x 16
 # tiles. d128: the fastest of sweeps on the H200 (seq 8192, 32/8 heads, causal; BENCHMARKS.md),

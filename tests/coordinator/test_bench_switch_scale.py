@@ -50,10 +50,15 @@ def test_bench_switches_every_simulated_rank_and_counts_four_messages_per_rank(t
 
 
 def assert_stall_split(row):
-    """The longest boundary's wall time is its protocol wait, own CPU and time not running."""
+    """The longest boundary's wall time is its protocol wait, own CPU and time not running (the
+    rest, clamped at 0: a thread's CPU clock can read a little past the wall clock over one call,
+    and then the parts add up to more than the wall time)."""
     split = row["max_stall_split_ms"]
     assert set(split) == {"protocol", "cpu", "not_running"} and min(split.values()) >= 0
-    assert sum(split.values()) == pytest.approx(row["max_stall_ms"], abs=0.01)
+    if split["not_running"] > 0:
+        assert sum(split.values()) == pytest.approx(row["max_stall_ms"], abs=0.01)
+    else:
+        assert split["protocol"] + split["cpu"] >= row["max_stall_ms"] - 0.01
     for part, most in (("protocol", "max_protocol_wait_ms"), ("cpu", "max_boundary_cpu_ms"),
                        ("not_running", "max_not_running_ms")):  # fmt: skip
         assert split[part] <= row[most] + 1e-3
