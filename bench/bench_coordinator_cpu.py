@@ -64,6 +64,7 @@ from dist_quant.coordinator.wire import (
     seal,
     unseal,
 )
+from switch_scale_ranks import Counted
 
 TOKEN = "bench-token"
 LAST_STEP = 10
@@ -103,19 +104,24 @@ def _vote(rank: int) -> Vote:
     return Vote(1, rank, True, DIGEST, LAST_STEP, "", prepare_s, step_s)
 
 
-def one_switch(ranks: int, tmp: Path, per_node: int = 1, summaries: bool = True) -> dict[str, Any]:
-    hub = MemoryHub()
-    nodes = [range(i, i + per_node) for i in range(0, ranks, per_node)] if per_node > 1 else []
-    coord = Coordinator(
-        MemoryTransport(hub),
+def _coordinator(transport: Any, ranks: int, tmp: Path, nodes: list[range]) -> Coordinator:
+    """The coordinator of a job of `ranks` ranks in TP pairs (`nodes`: its relayed nodes), with a
+    decision log of its own: in one left by an earlier run of the same N the switch would not be
+    switch 1, and the votes sealed beforehand for switch 1 would be stale."""
+    return Coordinator(
+        transport,
         token=TOKEN,
         world_size=ranks,
         tp_groups=[(r, r + 1) for r in range(0, ranks, 2)],
-        # a log of its own: in one left by an earlier run of the same N the switch would not be
-        # switch 1, and the votes sealed beforehand for switch 1 would be stale
         log=DecisionLog(Path(tempfile.mkdtemp(dir=tmp)) / "decisions.jsonl"),
         relayed_nodes=nodes,
     )
+
+
+def one_switch(ranks: int, tmp: Path, per_node: int = 1, summaries: bool = True) -> dict[str, Any]:
+    hub = MemoryHub()
+    nodes = [range(i, i + per_node) for i in range(0, ranks, per_node)] if per_node > 1 else []
+    coord = _coordinator(MemoryTransport(hub), ranks, tmp, nodes)
     coord.start()
     votes = _batched([_vote(r) for r in range(ranks)], per_node, summaries)
     try:
@@ -162,37 +168,6 @@ def one_switch(ranks: int, tmp: Path, per_node: int = 1, summaries: bool = True)
 
 VOTER_THREADS = 8  # each stands in for the relays of nodes / 8 nodes, on a connection of its own
 COSTS_MS = {"in a node": 0.05, "across nodes": 0.5}  # the issue's stated per-message network cost
-
-
-class _Counting:
-    """The coordinator's transport, counting the messages it moves (clones share the count)."""
-
-    def __init__(self, inner: Any, counts: dict[str, int]) -> None:
-        self.inner, self.counts = inner, counts
-
-    def push(self, queue: str, data: bytes) -> None:
-        self.inner.push(queue, data)
-        self.counts["messages"] += 1
-
-    def push_many(self, pushes: list[tuple[str, bytes]]) -> None:
-        self.inner.push_many(pushes)
-        self.counts["messages"] += len(pushes)
-
-    def pop(self, queue: str, timeout: float | None = None) -> bytes | None:
-        data = self.inner.pop(queue, timeout)
-        self.counts["messages"] += data is not None
-        return data
-
-    def pop_many(self, queue: str, most: int, timeout: float | None = None) -> list[bytes]:
-        items = self.inner.pop_many(queue, most, timeout)
-        self.counts["messages"] += len(items)
-        return items
-
-    def clone(self) -> _Counting:
-        return _Counting(self.inner.clone(), self.counts)
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 def _thread_cpu_s(threads: list[threading.Thread]) -> dict[str, float]:
@@ -255,16 +230,9 @@ def one_switch_store(
     votes, acks = dict(zip(leaders, voted, strict=True)), dict(zip(leaders, acked, strict=True))
     server = StoreServer()
     endpoint = {"transport": "store", "address": server.address, "token": TOKEN}
-    counts = {"messages": 0}
+    counted = Counted(connect_endpoint(endpoint))
     before = set(threading.enumerate())
-    coord = Coordinator(
-        _Counting(connect_endpoint(endpoint), counts),
-        token=TOKEN,
-        world_size=ranks,
-        tp_groups=[(r, r + 1) for r in range(0, ranks, 2)],
-        log=DecisionLog(Path(tempfile.mkdtemp(dir=tmp)) / "decisions.jsonl"),
-        relayed_nodes=nodes,
-    )
+    coord = _coordinator(counted, ranks, tmp, nodes)
     coord.start()
     coordinator_threads = [t for t in threading.enumerate() if t not in before]
     client = connect_endpoint(endpoint)
@@ -310,7 +278,8 @@ def one_switch_store(
         t_acked = time.perf_counter()
         cpu1 = _thread_cpu_s(coordinator_threads)
         cpu_by_thread = {name: cpu1[name] - cpu0[name] for name in cpu1}
-        messages = counts["messages"]  # before the Stop that ends the coordinator
+        # before the Stop that ends the coordinator
+        messages = counted.counts["sent"] + counted.counts["received"]
         for t in voters:
             t.join(60.0)
         handed = _handed_down(connect_endpoint(endpoint), ranks) if handing_down else 0
