@@ -96,12 +96,14 @@ def _batched(msgs: list, per_node: int, summaries: bool = True) -> list[bytes]:
     return bundles
 
 
-def _vote(rank: int) -> Vote:
-    """A YES as a rank sends it: the plan's 64-hex digest (the same across the job here), and
-    the rank's own plan time and seconds per step, measurements that differ from rank to rank."""
+def _vote(rank: int, lead_s: float) -> Vote:
+    """A YES as a rank sends it: the plan's 64-hex digest (the same across the job here), the
+    rank's own plan time, and the hold step its own seconds per step give for the lead: numbers
+    that differ from rank to rank."""
     prepare_s = 0.05 + rank * 1e-7
-    step_s = 0.2 + (rank % 1000) * 1e-6
-    return Vote(1, rank, True, DIGEST, LAST_STEP, "", prepare_s, step_s)
+    step_s = 0.002 + (rank % 1000) * 1e-6
+    hold = hold_step(LAST_STEP, LAST_STEP, step_s, lead_s, None)
+    return Vote(1, rank, True, DIGEST, LAST_STEP, "", prepare_s, hold)
 
 
 def _coordinator(transport: Any, ranks: int, tmp: Path, nodes: list[range]) -> Coordinator:
@@ -123,7 +125,7 @@ def one_switch(ranks: int, tmp: Path, per_node: int = 1, summaries: bool = True)
     nodes = [range(i, i + per_node) for i in range(0, ranks, per_node)] if per_node > 1 else []
     coord = _coordinator(MemoryTransport(hub), ranks, tmp, nodes)
     coord.start()
-    votes = _batched([_vote(r) for r in range(ranks)], per_node, summaries)
+    votes = _batched([_vote(r, lead_time(ranks, None)) for r in range(ranks)], per_node, summaries)
     try:
         cpu0, t0 = time.process_time(), time.perf_counter()
         hub.push(INBOX, seal(SwitchRequest("req", {"name": "B"}, None, 600.0), TOKEN))
@@ -224,8 +226,9 @@ def one_switch_store(
     # the commit step the coordinator will book (no switch before: the lead is its estimate),
     # so that the acks can be sealed before the switch like the votes
     lead_s = lead_time(ranks, None)
-    step = max(hold_step(LAST_STEP, _vote(r).step_s, lead_s, None) for r in range(ranks))
-    voted = _batched([_vote(r) for r in range(ranks)], per_node, summaries)
+    sent = [_vote(r, lead_s) for r in range(ranks)]
+    step = max(v.hold_step or 0 for v in sent)
+    voted = _batched(sent, per_node, summaries)
     acked = _batched([Ack(1, r, step, True, "", "B") for r in range(ranks)], per_node, summaries)
     votes, acks = dict(zip(leaders, voted, strict=True)), dict(zip(leaders, acked, strict=True))
     server = StoreServer()

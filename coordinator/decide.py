@@ -14,7 +14,6 @@ from collections.abc import Mapping, Sequence
 
 from dist_quant.coordinator.protocol import Decision, Prepare, Vote, VoteSummary
 from dist_quant.coordinator.tally import Tally
-from dist_quant.coordinator.timing import hold_step
 
 
 def decide(
@@ -29,10 +28,10 @@ def decide(
     The switch stays open until every expected rank voted or the deadline passed. It commits only
     if every expected rank voted YES, digests agree within each tensor-parallel group, and (with a
     requested `at_step`) no rank has already passed that step. The commit step is the requested
-    one, else the largest `hold_step` of the votes (each rank's last step, plus the steps that fit
-    in `prepare.lead_s` at its rate): no rank passes its hold step undecided, so every rank can
-    still reach the commit step. A node's `VoteSummary` stands for its ranks' YES votes: its
-    last step and shortest step time give the largest hold step of those ranks exactly. A commit
+    one, else the largest hold step the votes carry (each rank's own, `timing.hold_step`): no
+    rank passes its hold step undecided, so every rank can still reach the commit step. A YES
+    vote whose hold step is not past its last step would break that and is refused. A node's
+    `VoteSummary` stands for its ranks' YES votes, with the largest of their hold steps. A commit
     costs O(votes taken in one by one + summaries); ranks are listed one by one only to abort.
     """
     missing = votes.missing()
@@ -41,10 +40,19 @@ def decide(
     reasons: dict[int, str] = {
         r: f"no vote before the deadline ({prepare.timeout_s:g} s)" for r in missing
     }
+    held = prepare.at_step is None  # else every hold is the requested step, checked below
     for r, vote in votes.by_rank.items():
         if not vote.yes:
             reasons[r] = vote.reason or "voted no"
-    summaries: list[VoteSummary] = [s for _, _, s in votes.ranges]
+        elif held and not _holds_ahead(vote.last_step, vote.hold_step):
+            reasons[r] = f"hold step {vote.hold_step} not past last step {vote.last_step}"
+    summaries: list[VoteSummary] = []
+    for first, last, s in votes.ranges:
+        if held and not _holds_ahead(s.last_step, s.hold_step):
+            why = f"hold step {s.hold_step} not past last step {s.last_step} (node summary)"
+            reasons.update(dict.fromkeys(range(first, last + 1), why))
+        else:
+            summaries.append(s)
     yes = {r: v for r, v in votes.by_rank.items() if r not in reasons}
     if len({v.digest for v in yes.values()} | {s.digest for s in summaries}) > 1:
         # digests differ somewhere: each TP group is looked at, rank by rank
@@ -69,11 +77,13 @@ def decide(
     if prepare.at_step is not None:
         step = prepare.at_step
     else:
-        step = max(
-            hold_step(v.last_step, v.step_s, prepare.lead_s, None)
-            for v in itertools.chain(yes.values(), summaries)
-        )
+        step = max(v.hold_step or 0 for v in itertools.chain(yes.values(), summaries))
     return Decision(prepare.switch_id, True, step, {}, f"commit at step {step}")
+
+
+def _holds_ahead(last_step: int | None, hold: int | None) -> bool:
+    """A YES vote's hold step is a boundary the rank has not passed yet."""
+    return hold is not None and (last_step is None or hold > last_step)
 
 
 def _digest_mismatches(

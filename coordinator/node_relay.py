@@ -253,7 +253,14 @@ def summarized(leader: int, node: Sequence[int], messages: Sequence[Message]) ->
 def _agreement(m: Message) -> tuple | None:
     """What a vote (ack) must share with the others of a run to be summarized with them; None
     for a message that is never summarized."""
-    if isinstance(m, Vote) and m.yes and not m.reason and type(m.last_step) is int:
+    if (
+        isinstance(m, Vote)
+        and m.yes
+        and not m.reason
+        and type(m.last_step) is int
+        and type(m.hold_step) is int
+        and m.hold_step > m.last_step  # else `decide` refuses it, naming this rank alone
+    ):
         # names -> digests, strings both (the wire schema's check): equal items, equal dicts
         parts = tuple(sorted(m.part_digests.items()))
         return ("vote", m.switch_id, m.digest, parts, m.last_step)
@@ -282,11 +289,9 @@ def _summary(leader: int, run: list[Message], first: int, last: int) -> Message:
         return AckSummary(m.switch_id, leader, first, last, m.step, m.recipe_key)
     if isinstance(m, Alive):
         return AliveSummary(m.switch_id, leader, first, last)
-    # the latest hold step of equal last steps comes from the shortest step time measured
-    measured = [v.step_s for v in run if v.step_s > 0]
     return VoteSummary(
         m.switch_id, leader, first, last, m.digest, dict(m.part_digests), m.last_step,
-        min(measured, default=0.0), max(v.prepare_s for v in run),
+        max(v.hold_step for v in run), max(v.prepare_s for v in run),
     )  # fmt: skip
 
 

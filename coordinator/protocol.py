@@ -118,13 +118,14 @@ class Prepare(Message):
     recipe: RecipePayload
     at_step: int | None
     timeout_s: float
-    lead_s: float = 0.0  # how long ahead of its vote a rank holds the commit step (`hold_step`)
+    lead_s: float = 0.0  # how long after the Prepare a rank holds the commit step (`hold_step`)
 
 
 @dataclass(frozen=True)
 class Vote(Message):
     """Rank -> coordinator. YES carries the plan digest (and its parts' digests), the last step
-    the rank passed and its measured seconds per step (0: not known yet)."""
+    the rank passed, and its hold step (`timing.hold_step`): the first boundary it will not pass
+    undecided; the commit step is the largest over the ranks."""
 
     kind: ClassVar[str] = "vote"
     switch_id: int
@@ -134,7 +135,7 @@ class Vote(Message):
     last_step: int | None
     reason: str
     prepare_s: float
-    step_s: float = 0.0
+    hold_step: int | None = None
     part_digests: dict[str, str] = field(default_factory=dict)
     """Digest of each named part of the plan (a policy's rules: `ModelPlan.part_digests`), so a
     TP group whose digests differ is told which rules answer its ranks differently."""
@@ -221,8 +222,8 @@ class VoteSummary(Message):
     each voted YES on `switch_id` with the same digest (and part digests) after the same last
     step, each vote checked against the token by the leader. It carries what the coordinator
     uses of those votes, reduced the way each use needs: the commit step is the largest hold
-    step, which for one last step comes from the shortest step time measured (`step_s`: the
-    smallest positive one, 0 if none was); the client is told the slowest plan (`prepare_s`).
+    step (`hold_step`, the largest of the run's); the client is told the slowest plan
+    (`prepare_s`).
     The coordinator takes it in as one item (`Tally.add_range`)."""
 
     kind: ClassVar[str] = "vote_summary"
@@ -233,7 +234,7 @@ class VoteSummary(Message):
     digest: str
     part_digests: dict[str, str]
     last_step: int
-    step_s: float
+    hold_step: int
     prepare_s: float
 
 

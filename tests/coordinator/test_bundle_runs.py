@@ -28,7 +28,7 @@ DIGEST = "ab" * 32
 
 def vote(rank, **kw):
     fields = dict(switch_id=4, rank=rank, yes=True, digest=DIGEST, last_step=10, reason="")
-    fields.update(prepare_s=0.05 + rank / 1000, step_s=0.2, part_digests={"rule": "x"})
+    fields.update(prepare_s=0.05 + rank / 1000, hold_step=14, part_digests={"rule": "x"})
     fields.update(kw)
     return Vote(**fields)
 
@@ -50,23 +50,23 @@ def test_a_bundle_gives_back_every_message_in_order_through_the_seal():
 
 
 def test_a_field_goes_once_only_where_every_message_has_the_same_json_text():
-    runs = Bundle.of(0, [vote(0, step_s=0.0), vote(1, step_s=-0.0), vote(2, step_s=0.0)]).runs
-    (run,) = json.loads(json.dumps(runs))
+    votes = [vote(0, prepare_s=0.0), vote(1, prepare_s=-0.0), vote(2, prepare_s=0.0)]
+    (run,) = json.loads(json.dumps(Bundle.of(0, votes).runs))
     # 0.0 == -0.0, but they are written differently: each vote keeps its own
-    assert sorted(run["each"]) == ["prepare_s", "rank", "step_s"]
+    assert sorted(run["each"]) == ["prepare_s", "rank"]
     assert run["same"] == {
         "switch_id": 4, "yes": True, "digest": DIGEST, "last_step": 10, "reason": "",
-        "part_digests": {"rule": "x"},
+        "hold_step": 14, "part_digests": {"rule": "x"},
     }  # fmt: skip
     decoded = run_messages(run)
-    assert [math.copysign(1.0, m.step_s) for m in decoded] == [1.0, -1.0, 1.0]
-    assert decoded == [vote(0, step_s=0.0), vote(1, step_s=-0.0), vote(2, step_s=0.0)]
+    assert [math.copysign(1.0, m.prepare_s) for m in decoded] == [1.0, -1.0, 1.0]
+    assert decoded == votes
 
 
 def test_each_run_decodes_as_its_messages_decode_one_by_one():
     """Values that a message's own check converts (an int where a float is due) come out the
     same from a run, whichever of the two forms carries them."""
-    each = {"rank": [0, 1], "prepare_s": [1, 0.5], "step_s": [0.25, 2]}
+    each = {"rank": [0, 1], "prepare_s": [1, 0.5], "hold_step": [12, 14]}
     same = {"switch_id": 4, "yes": True, "digest": "d", "last_step": None, "reason": ""}
     same["part_digests"] = {}
     run = {"kind": "vote", "count": 2, "each": each, "same": same}
@@ -77,7 +77,6 @@ def test_each_run_decodes_as_its_messages_decode_one_by_one():
     decoded = run_messages(run)
     assert decoded == one_by_one
     assert [type(m.prepare_s) for m in decoded] == [float, float]
-    assert [type(m.step_s) for m in decoded] == [float, float]
 
 
 def ack_run(**change):

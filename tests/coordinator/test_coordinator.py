@@ -70,7 +70,7 @@ class Job:
 
     def vote_all_yes(self, switch_id, step=10):
         for r in range(self.world):
-            self.s.send(Vote(switch_id, r, True, "d", step, "", 0.01))
+            self.s.send(Vote(switch_id, r, True, "d", step, "", 0.01, step + 1))
 
     def result(self, rid):
         return self.s.recv(reply_queue(rid))
@@ -125,11 +125,11 @@ def test_replayed_vote_and_vote_for_an_old_switch_are_ignored(job):
     assert job.result("r1").body["committed"] is False
     job.request("r2")
     job.prepares()
-    job.s.send(Vote(1, 0, True, "d", 3, "", 0.0))  # old switch id
-    job.s.send(Vote(1, 1, True, "d", 3, "", 0.0))
+    job.s.send(Vote(1, 0, True, "d", 3, "", 0.0, 4))  # old switch id
+    job.s.send(Vote(1, 1, True, "d", 3, "", 0.0, 4))
     job.s.send(Vote(2, 0, False, "", 3, "first vote of rank 0", 0.0))
-    job.s.send(Vote(2, 0, True, "d", 3, "", 0.0))  # replay with other content
-    job.s.send(Vote(2, 1, True, "d", 3, "", 0.0))
+    job.s.send(Vote(2, 0, True, "d", 3, "", 0.0, 4))  # replay with other content
+    job.s.send(Vote(2, 1, True, "d", 3, "", 0.0, 4))
     body = job.result("r2").body
     assert body["committed"] is False
     assert body["reasons"] == {"0": "first vote of rank 0"}
@@ -138,11 +138,11 @@ def test_replayed_vote_and_vote_for_an_old_switch_are_ignored(job):
 def test_late_vote_past_the_deadline_aborts_and_is_then_ignored(job):
     job.request("r1", timeout_s=0.2)
     job.prepares()
-    job.s.send(Vote(1, 0, True, "d", 3, "", 0.0))
+    job.s.send(Vote(1, 0, True, "d", 3, "", 0.0, 4))
     body = job.result("r1").body
     assert body["committed"] is False
     assert "no vote before the deadline" in body["reasons"]["1"]
-    job.s.send(Vote(1, 1, True, "d", 3, "", 0.0))  # too late
+    job.s.send(Vote(1, 1, True, "d", 3, "", 0.0, 4))  # too late
     job.s.send(StatusQuery("q"))
     status = job.s.recv(reply_queue("q")).body
     assert status["phase"] == "aborted" and status["decisions"][-1]["commit"] is False
@@ -345,9 +345,10 @@ def test_the_commit_step_is_booked_ahead_by_the_lead_the_prepare_announced(job):
     lead = prepares[0].lead_s
     assert lead == 0.05 + 2 * 100e-6  # no switch measured yet: the estimate for two ranks
     assert all(p.lead_s == lead for p in prepares)
-    job.s.send(Vote(1, 0, True, "d", 10, "", 0.01, 0.01))
-    job.s.send(Vote(1, 1, True, "d", 9, "", 0.01, 0.02))
-    # rank 0: 10 + 1 + floor(0.0502 / 0.01) = 16; rank 1: 9 + 1 + floor(0.0502 / 0.02) = 12
+    # the holds of ranks that voted where the Prepare found them, rank 0 at 10 ms per step:
+    # 10 + 1 + floor(0.0502 / 0.01) = 16; rank 1 at 20 ms: 9 + 1 + floor(0.0502 / 0.02) = 12
+    job.s.send(Vote(1, 0, True, "d", 10, "", 0.01, 16))
+    job.s.send(Vote(1, 1, True, "d", 9, "", 0.01, 12))
     assert job.result("r1").body["step"] == 16
     assert [d.step for d in job.prepares()] == [16, 16]  # the Decision each rank reads
     for r in range(2):

@@ -51,7 +51,7 @@ def job(tmp_path):
 def test_a_rank_silent_for_the_lease_aborts_the_switch_long_before_its_deadline(job):
     job.request("r1", timeout_s=60.0)
     job.prepares()
-    job.s.send(Vote(1, 0, True, "d", 3, "", 0.0, 0.01))
+    job.s.send(Vote(1, 0, True, "d", 3, "", 0.0, 4))
     job.s.send(StatusQuery("q"))
     assert job.s.recv(reply_queue("q")).body["waiting_for"] == [1]
     body = job.result("r1").body
@@ -62,7 +62,7 @@ def test_a_rank_silent_for_the_lease_aborts_the_switch_long_before_its_deadline(
 def test_a_rank_that_keeps_saying_it_is_alive_is_waited_for(job):
     job.request("r1", timeout_s=60.0)
     job.prepares()
-    job.s.send(Vote(1, 0, True, "d", 3, "", 0.0, 0.01))
+    job.s.send(Vote(1, 0, True, "d", 3, "", 0.0, 4))
     stop = threading.Event()
 
     def beat():  # rank 1 plans for 3 s, longer than the lease, saying it is alive
@@ -74,7 +74,7 @@ def test_a_rank_that_keeps_saying_it_is_alive_is_waited_for(job):
     try:
         time.sleep(3.0)
         assert job.s.silent(reply_queue("r1"), wait=0.0)  # still open
-        job.s.send(Vote(1, 1, True, "d", 3, "", 0.0, 0.01))
+        job.s.send(Vote(1, 1, True, "d", 3, "", 0.0, 4))
         body = job.result("r1").body
     finally:
         stop.set()

@@ -26,7 +26,7 @@ OPENED = cs.Opened(PREPARE, "req-3", 100.0, 102.0)
 
 
 def yes(rank, step=10, switch_id=3):
-    return Vote(switch_id, rank, True, "d", step, "", 0.01)
+    return Vote(switch_id, rank, True, "d", step, "", 0.01, step + 1)
 
 
 def tally(*msgs):

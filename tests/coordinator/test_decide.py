@@ -10,8 +10,9 @@ RANKS = (0, 1, 2, 3)
 TP = ((0, 1), (2, 3))
 
 
-def yes(rank, step, digest="d"):
-    return Vote(7, rank, True, digest, step, "", 0.01)
+def yes(rank, step, digest="d", hold=None):
+    """A YES vote after `step`, holding at `hold` (default: the next boundary, as with no lead)."""
+    return Vote(7, rank, True, digest, step, "", 0.01, step + 1 if hold is None else hold)
 
 
 def no(rank, reason="boom"):
@@ -139,7 +140,7 @@ def test_majority_digest_names_only_the_odd_rank():
 
 def test_a_digest_mismatch_names_the_policy_rules_that_answer_the_ranks_differently():
     def ruled(rank, digest, parts):
-        return Vote(7, rank, True, digest, 4, "", 0.01, 0.0, parts)
+        return Vote(7, rank, True, digest, 4, "", 0.01, 5, parts)
 
     same = {"default": "d0", "edges": "e0"}
     vs = votes(
@@ -164,51 +165,58 @@ def test_rank_that_voted_no_does_not_count_toward_its_group_majority():
     assert d.reasons == {1: "boom"}
 
 
-def paced(rank, step, step_s):
-    """A YES vote of a rank that reports `step_s` seconds per step."""
-    return Vote(7, rank, True, "d", step, "", 0.01, step_s)
-
-
-# (name, votes, lead_s, at_step, commit step): the step is booked `lead_s` ahead of each vote at
-# that rank's own pace, the furthest of them; worked out by hand: last + 1 + floor(lead / step_s)
-LEAD_CASES = [
-    ("no lead: one past the largest step", [paced(r, 10, 0.1) for r in RANKS], 0.0, None, 11),
-    ("0.5 s ahead at 0.1 s per step", [paced(r, 10, 0.1) for r in RANKS], 0.5, None, 16),
-    ("a partial step does not count", [paced(r, 10, 0.1) for r in RANKS], 0.55, None, 16),
-    (
-        "a lead shorter than a step: the next boundary",
-        [paced(r, 10, 0.1) for r in RANKS],
-        0.05,
-        None,
-        11,
-    ),
-    (
-        "the fastest rank books furthest",
-        [paced(0, 10, 0.1), paced(1, 10, 0.05), paced(2, 11, 0.1), paced(3, 10, 0.1)],
-        0.5,
-        None,
-        21,
-    ),
-    (
-        "a rank whose pace is unknown adds no steps",
-        [paced(0, 10, 0.0), paced(1, 8, 0.25), paced(2, 10, 0.0), paced(3, 10, 0.0)],
-        1.0,
-        None,
-        13,
-    ),
-    ("a requested step is kept as it is", [paced(r, 10, 0.1) for r in RANKS], 0.5, 12, 12),
-    ("a tiny step is capped", [paced(r, 10, 1e-9) for r in RANKS], 1.0, None, 10_011),
+# (name, prepare step, vote step, seconds per step, lead_s, at_step, hold step), worked out by
+# hand: ahead = floor(lead / step) (0 without a pace), then the first of prepare + 1 + ahead +
+# max(ahead, 1) * (2**j - 1), j = 0, 1, ..., at or after vote + 1 + ahead
+HOLD_CASES = [
+    ("no lead: the next boundary", 10, 10, 0.1, 0.0, None, 11),
+    ("0.5 s ahead at 0.1 s per step", 10, 10, 0.1, 0.5, None, 16),
+    ("a partial step does not count", 10, 10, 0.1, 0.55, None, 16),
+    ("a lead shorter than a step: the next boundary", 10, 10, 0.1, 0.05, None, 11),
+    ("a pace not measured yet adds no steps", 10, 10, 0.0, 1.0, None, 11),
+    ("voted a step after the Prepare: the next grid step", 10, 11, 0.1, 0.5, None, 21),
+    ("voted 5 steps after: still the second", 10, 15, 0.1, 0.5, None, 21),
+    ("voted 6 steps after: the third", 10, 16, 0.1, 0.5, None, 31),
+    ("voted 20 steps after: the fourth", 10, 30, 0.1, 0.5, None, 51),
+    ("no lead, voted 3 after: the grid in single steps", 10, 13, 0.1, 0.0, None, 14),
+    ("no Prepare step known: counted from the vote", None, 12, 0.1, 0.5, None, 18),
+    ("a requested step is kept as it is", 10, 15, 0.1, 0.5, 12, 12),
+    ("a tiny step is capped", 10, 10, 1e-9, 1.0, None, 10_011),
 ]
 
 
 @pytest.mark.parametrize(
-    "vs, lead_s, at_step, step", [c[1:] for c in LEAD_CASES], ids=[c[0] for c in LEAD_CASES]
+    "prepare, vote, step_s, lead_s, at_step, hold",
+    [c[1:] for c in HOLD_CASES],
+    ids=[c[0] for c in HOLD_CASES],
 )
-def test_the_commit_step_is_booked_lead_seconds_ahead_of_every_vote(vs, lead_s, at_step, step):
-    d = decide(Prepare(7, "b", at_step, 2.5, lead_s), tally(votes(*vs), RANKS), TP, False)
-    assert (d.commit, d.step) == (True, step)
-    for v in vs:  # no rank is held beyond the commit step: it can always still reach it
-        assert hold_step(v.last_step, v.step_s, lead_s, at_step) <= step
+def test_a_rank_holds_a_common_grid_step_leaving_the_lead_after_its_vote(
+    prepare, vote, step_s, lead_s, at_step, hold
+):
+    assert hold_step(prepare, vote, step_s, lead_s, at_step) == hold
+
+
+def test_ranks_that_vote_steps_apart_mostly_hold_one_step():
+    """20 ms steps, a 0.15 s lead (7 steps), votes spread over the 45 steps after the Prepare:
+    counted from each vote, 45 ranks held 45 different steps; on the grid the last 24 voters
+    hold the step the last voter does (57), and no hold comes before the vote's own lead."""
+    holds = [hold_step(0, v, 0.02, 0.15, None) for v in range(46)]
+    assert [h >= v + 8 for v, h in enumerate(holds)] == [True] * 46
+    assert sorted(set(holds)) == [8, 15, 29, 57]
+    assert holds.count(57) == 24 and holds[-1] == 57
+
+
+def test_the_commit_step_is_the_latest_hold_step_of_the_votes():
+    vs = votes(yes(0, 10, hold=15), yes(1, 10, hold=21), yes(2, 12, hold=13), yes(3, 9, hold=21))
+    d = decide(Prepare(7, "b", None, 2.5, 0.5), tally(vs, RANKS), TP, False)
+    assert (d.commit, d.step) == (True, 21)
+
+
+@pytest.mark.parametrize("hold", [None, 9, 10])
+def test_a_yes_vote_whose_hold_step_is_not_ahead_aborts_naming_the_rank(hold):
+    vs = votes(yes(0, 10), yes(1, 10), Vote(7, 2, True, "d", 10, "", 0.01, hold), yes(3, 10))
+    d = decide(Prepare(7, "b", None, 2.5, 0.5), tally(vs, RANKS), TP, False)
+    assert (d.commit, d.reasons) == (False, {2: f"hold step {hold} not past last step 10"})
 
 
 @pytest.mark.parametrize(

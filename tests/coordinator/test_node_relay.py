@@ -201,7 +201,7 @@ def relay_bundles(pushes_before_start, pushes_after_start=(), quiet_s=0.2):
 
 
 def vote(rank, switch_id=7):
-    return Vote(switch_id, rank, True, "digest", 10, "", 0.001)
+    return Vote(switch_id, rank, True, "digest", 10, "", 0.001, 11)
 
 
 @pytest.fixture

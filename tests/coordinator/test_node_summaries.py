@@ -29,7 +29,6 @@ from dist_quant.coordinator.protocol import (
     VoteSummary,
 )
 from dist_quant.coordinator.tally import RankValues, Tally
-from dist_quant.coordinator.timing import hold_step
 from dist_quant.coordinator.transport_memory import MemoryHub, MemoryTransport
 from dist_quant.coordinator.wire import INBOX, reply_queue, seal, unseal
 from switch_harness import wait_for
@@ -38,12 +37,13 @@ NODE = tuple(range(8, 16))
 D = "d" * 64
 
 
-def yes(rank, last=10, step_s=0.2, prepare_s=0.05, digest=D, parts=None, switch=1):
-    return Vote(switch, rank, True, digest, last, "", prepare_s, step_s, parts or {"rule": "x"})
+def yes(rank, last=10, hold=None, prepare_s=0.05, digest=D, parts=None, switch=1):
+    hold = last + 4 if hold is None else hold
+    return Vote(switch, rank, True, digest, last, "", prepare_s, hold, parts or {"rule": "x"})
 
 
 def no(rank, switch=1):
-    return Vote(switch, rank, False, "", 10, "factory failed", 0.05, 0.2)
+    return Vote(switch, rank, False, "", 10, "factory failed", 0.05, None)
 
 
 def ack(rank, ok=True, step=20, key="B", switch=1):
@@ -133,11 +133,10 @@ def test_a_relay_summarizes_each_uniform_run_of_consecutive_ranks(messages, expe
     assert shape(summarized(8, NODE, messages)) == expected
 
 
-def test_a_summary_carries_the_slowest_plan_and_the_shortest_measured_step():
-    votes = [yes(r, prepare_s=0.05 + r / 100, step_s=0.2 - r / 1000) for r in NODE]
-    votes[3] = yes(11, step_s=0.0)  # pace not measured yet: books no steps, never the shortest
+def test_a_summary_carries_the_slowest_plan_and_the_latest_hold_step():
+    votes = [yes(r, prepare_s=0.05 + r / 100, hold=30 - r % 5) for r in NODE]
     (s,) = summarized(8, NODE, votes)
-    assert s == VoteSummary(1, 8, 8, 15, D, {"rule": "x"}, 10, 0.2 - 15 / 1000, 0.05 + 15 / 100)
+    assert s == VoteSummary(1, 8, 8, 15, D, {"rule": "x"}, 10, 30, 0.05 + 15 / 100)
     (a,) = summarized(8, NODE, [ack(r) for r in NODE])
     assert a == AckSummary(1, 8, 8, 15, 20, "B")
 
@@ -161,38 +160,33 @@ def _preparing(tally, lead_s=0.0, at_step=None):
     return cs.Preparing(cs.Opened(prepare, "req", 0.0, 30.0), tally, cs.Lease(0.0))
 
 
-# (name, votes of ranks 0-7, lead_s, at_step): decided over the votes one by one and over the
-# relay's summaries of node 0-3 and node 4-7, the outcome must be the same
+# (name, votes of ranks 0-7, at_step): decided over the votes one by one and over the relay's
+# summaries of node 0-3 and node 4-7, the outcome must be the same
 DECIDE_CASES = [
-    ("all yes, one pace", [yes(r) for r in range(8)], 1.0, None),
-    (
-        "paces differ: the fastest books furthest",
-        [yes(r, step_s=0.1 + r / 100) for r in range(8)],
-        1.0,
-        None,
-    ),
-    ("paces unknown in part", [yes(r, step_s=0.0 if r % 2 else 0.3) for r in range(8)], 1.0, None),
-    ("paces all unknown", [yes(r, step_s=0.0) for r in range(8)], 1.0, None),
-    ("last steps differ", [yes(r, last=10 + r // 3) for r in range(8)], 0.5, None),
-    ("a requested step ahead", [yes(r) for r in range(8)], 1.0, 30),
-    ("a requested step one node passed", [yes(r, last=30 if r < 4 else 10) for r in range(8)],
-     1.0, 30),
-    ("a NO in a node", [no(r) if r == 5 else yes(r) for r in range(8)], 1.0, None),
+    ("all yes, one hold step", [yes(r) for r in range(8)], None),
+    ("hold steps differ: the latest commits", [yes(r, hold=12 + (r * 5) % 8) for r in range(8)],
+     None),
+    ("last steps differ", [yes(r, last=10 + r // 3) for r in range(8)], None),
+    ("a hold step not past its last step", [yes(r, hold=10 if r == 6 else 14) for r in range(8)],
+     None),
+    ("a requested step ahead", [yes(r, hold=30) for r in range(8)], 30),
+    ("a requested step one node passed",
+     [yes(r, last=30 if r < 4 else 10, hold=30) for r in range(8)], 30),
+    ("a NO in a node", [no(r) if r == 5 else yes(r) for r in range(8)], None),
     (
         "a node whose digest differs from its TP group's",
         [yes(r, digest="e" * 64 if r >= 4 else D) for r in range(8)],
-        1.0,
         None,
     ),
-    ("one rank missing at the deadline", [yes(r) for r in range(7)], 1.0, None),
+    ("one rank missing at the deadline", [yes(r) for r in range(7)], None),
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    "votes, lead_s, at_step", [c[1:] for c in DECIDE_CASES], ids=[c[0] for c in DECIDE_CASES]
+    "votes, at_step", [c[1:] for c in DECIDE_CASES], ids=[c[0] for c in DECIDE_CASES]
 )
-def test_summaries_decide_exactly_as_the_votes_they_stand_for(votes, lead_s, at_step):
-    prepare = Prepare(1, {"name": "B"}, at_step, 30.0, lead_s)
+def test_summaries_decide_exactly_as_the_votes_they_stand_for(votes, at_step):
+    prepare = Prepare(1, {"name": "B"}, at_step, 30.0, 1.0)
     tp = [(0, 1, 2, 3, 4, 5, 6, 7)]  # one TP group over both nodes: their digests must agree
     one_by_one = decide(prepare, counted(votes, 8), tp, True)
     summaries = Tally(8)
@@ -204,17 +198,15 @@ def test_summaries_decide_exactly_as_the_votes_they_stand_for(votes, lead_s, at_
                 summaries.add(m.rank, m)
     assert summaries.ranges  # the case exercises summaries
     assert decide(prepare, summaries, tp, True) == one_by_one
-    if one_by_one.commit and at_step is None:  # the largest hold step, re-derived by hand
-        assert one_by_one.step == max(
-            hold_step(v.last_step, v.step_s, lead_s, None) for v in votes
-        )  # fmt: skip
+    if one_by_one.commit and at_step is None:  # the latest hold step, re-derived by hand
+        assert one_by_one.step == max(v.hold_step for v in votes)
 
 
 NODES = {0: (0, 1, 2, 3), 4: (4, 5, 6, 7)}
 
 
 def s(first, last, leader=0, switch=1):
-    return VoteSummary(switch, leader, first, last, D, {}, 10, 0.2, 0.05)
+    return VoteSummary(switch, leader, first, last, D, {}, 10, 14, 0.05)
 
 
 # (name, earlier votes, summary, note the coordinator logs (substring), ranks counted after)

@@ -1,7 +1,6 @@
 """The participant: votes from its listener, waits at v+1, publishes exactly at S, and refuses to
 continue half-switched. Ranks are threads; the coordinator is real or played by hand."""
 
-import math
 import threading
 import time
 
@@ -143,9 +142,9 @@ def test_without_a_requested_step_the_rank_trains_on_undecided_until_its_hold_st
         time.sleep(0.01)  # a measured pace of at least 10 ms per step
     coord.send(Prepare(1, {"name": "B"}, None, 5.0, 0.5), rank_queue(0))
     vote = coord.recv()
-    assert vote.yes and vote.last_step == 2 and vote.step_s >= 0.01
-    hold = 2 + 1 + math.floor(0.5 / vote.step_s)  # what the coordinator books, worked by hand
-    assert hold > 3, vote.step_s
+    hold = vote.hold_step
+    # 2 + 1 + the whole steps of at least 10 ms (the pace) in the 0.5 s lead
+    assert vote.yes and vote.last_step == 2 and 3 < hold <= 2 + 1 + 50, hold
     for step in range(3, hold):
         p.step_boundary(step)
     assert (p.state, model.recipe, p.boundary_wait_s) == ("voted", "A", 0.0)
@@ -395,8 +394,8 @@ def test_one_slow_step_before_the_vote_does_not_pull_the_hold_step_in(solo, monk
         p.step_boundary(step)
     coord.send(Prepare(1, {"name": "B"}, None, 5.0, 0.5), rank_queue(0))
     vote = coord.recv()
-    assert vote.yes and (vote.last_step, vote.step_s) == (5, 0.125)
-    for step in range(6, 10):  # 5 + 1 + floor(0.5 / 0.125) = 10, as the coordinator books it
+    assert vote.yes and (vote.last_step, vote.hold_step) == (5, 10)  # 5 + 1 + 0.5 s / 0.125 s
+    for step in range(6, 10):
         clock.now += 0.125
         p.step_boundary(step)
     assert (p.state, p.boundary_wait_s) == ("voted", 0.0)
@@ -416,8 +415,33 @@ def test_the_pace_a_vote_reports_counts_only_consecutive_boundaries(solo):
     for _ in range(5):
         p.step_boundary(2)  # a repeated boundary (a retried step) is not a fast step
     p.step_boundary(7)  # nor is a jump
-    vote = vote_after_prepare(coord, p, 1)
-    assert vote.step_s >= 0.02
+    coord.send(Prepare(1, {"name": "B"}, None, 5.0, 0.5), rank_queue(0))
+    vote = coord.recv()
+    assert 8 < vote.hold_step <= 7 + 1 + 25  # a pace of at least 20 ms: at most 25 steps ahead
+
+
+def test_a_rank_that_plans_for_steps_holds_a_step_counted_from_the_prepare(solo, monkeypatch):
+    """The Prepare reaches the rank after step 5 and its plan ends after step 7, at 0.125 s per
+    step with a 0.5 s lead (4 steps): counted from its vote it would hold 7 + 1 + 4 = 12, a step
+    a peer that planned faster and voted after step 5 or 6 could not name; counted from the
+    Prepare, the grid 5 + 1 + 4 + 4 * (2**j - 1) is 10, 14, 22, ...: the first to leave 4 steps
+    after the vote is 14, the step a peer that voted after any of steps 6 to 9 holds as well."""
+    coord, model, p = solo
+    clock = FakeClock()
+    monkeypatch.setattr(participant_module, "time", clock)
+    for step in range(6):
+        clock.now += 0.125
+        p.step_boundary(step)
+    coord.send(Prepare(1, {"name": "B", "sleep_rank": 0, "sleep_s": 0.3}, None, 5.0, 0.5),
+               rank_queue(0))  # fmt: skip
+    deadline = time.monotonic() + 5
+    while p.state != "preparing" and time.monotonic() < deadline:
+        time.sleep(0.005)
+    for step in (6, 7):
+        clock.now += 0.125
+        p.step_boundary(step)
+    vote = coord.recv()
+    assert vote.yes and (vote.last_step, vote.hold_step) == (7, 14)
 
 
 class PopTimeouts(MemoryTransport):

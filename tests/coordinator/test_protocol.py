@@ -28,7 +28,7 @@ EXAMPLES = [
     StatusQuery("r3"),
     Hello(3, "('delayed', 1024)"),
     Prepare(4, {"name": "B"}, None, 1.5),
-    Vote(4, 2, True, "abc", 17, "", 0.25),
+    Vote(4, 2, True, "abc", 17, "", 0.25, 18),
     Vote(4, 3, False, "", None, "RecipeUpdateError: bad role", 0.5),
     Decision(4, True, 18, {}, "commit at step 18"),
     Decision(4, False, None, {1: "late", 3: "no"}, "rank 1: late; rank 3: no"),
@@ -95,7 +95,7 @@ def test_a_message_sealed_with_another_token_is_refused_but_readable_for_the_ref
 
 
 def test_a_tampered_message_is_refused():
-    data = seal(Vote(1, 0, True, "d", 3, "", 0.0), "tok")
+    data = seal(Vote(1, 0, True, "d", 3, "", 0.0, 4), "tok")
     assert b'"yes":true' in data
     with pytest.raises(ProtocolError, match="wrong token"):
         unseal(data.replace(b'"yes":true', b'"yes":false'), "tok")
@@ -139,7 +139,7 @@ def test_the_seal_is_the_hmac_sha256_of_the_message_text_under_its_own_token():
     tokens = ["tok", "another", "k" * 100]
     for i in range(6):
         token = tokens[i % 3]
-        msg = Vote(4, i, True, "d" * 64, 17, "", 0.25)
+        msg = Vote(4, i, True, "d" * 64, 17, "", 0.25, 18)
         data = seal(msg, token)
         text = msg.to_json().encode()
         assert data == b'{"mac":"%s","m":%s}' % (

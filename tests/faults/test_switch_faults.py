@@ -236,7 +236,9 @@ def test_replayed_and_stale_messages_change_nothing(tmp_path):
         for r in range(2):
             observer.push(rank_queue(r), Prepare(1, "current", None, 10.0))
             observer.push(rank_queue(r), Prepare(0, "mxfp8", None, 10.0))
-            observer.push(INBOX, Vote(1, r, True, "replayed", first["step"], "", 0.0))
+            observer.push(
+                INBOX, Vote(1, r, True, "replayed", first["step"], "", 0.0, first["step"] + 1)
+            )
         second = job.request("mxfp8", timeout_s=10.0)
     finally:
         failure = job.stop(after_step=second.step + 2 if second else 0)
