@@ -422,10 +422,10 @@ def test_the_pace_a_vote_reports_counts_only_consecutive_boundaries(solo):
 
 def test_a_rank_that_plans_for_steps_holds_a_step_counted_from_the_prepare(solo, monkeypatch):
     """The Prepare reaches the rank after step 5 and its plan ends after step 7, at 0.125 s per
-    step with a 0.5 s lead (4 steps): counted from its vote it would hold 7 + 1 + 4 = 12, a step
-    a peer that planned faster and voted after step 5 or 6 could not name; counted from the
-    Prepare, the grid 5 + 1 + 4 + 4 * (2**j - 1) is 10, 14, 22, ...: the first to leave 4 steps
-    after the vote is 14, the step a peer that voted after any of steps 6 to 9 holds as well."""
+    step with a 0.5 s lead (4 steps): counted from its vote it would hold 7 + 1 + 4 = 12, and a
+    peer that planned faster and voted after step 5 would hold 10; counted from the Prepare, the
+    grid 5 + 1 + 4 + 4 * (2**j - 1) is 10, 14, 22, ...: 10 leaves 2 steps after the vote, half
+    the lead, so both hold 10."""
     coord, model, p = solo
     clock = FakeClock()
     monkeypatch.setattr(participant_module, "time", clock)
@@ -441,7 +441,7 @@ def test_a_rank_that_plans_for_steps_holds_a_step_counted_from_the_prepare(solo,
         clock.now += 0.125
         p.step_boundary(step)
     vote = coord.recv()
-    assert vote.yes and (vote.last_step, vote.hold_step) == (7, 14)
+    assert vote.yes and (vote.last_step, vote.hold_step) == (7, 10)
 
 
 class PopTimeouts(MemoryTransport):

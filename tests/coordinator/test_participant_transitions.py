@@ -469,13 +469,8 @@ def test_on_planned_votes_yes_with_the_digest_and_the_step_it_votes_at():
         (7, None, 0.0, 0.1, 8),  # no lead: hold the next boundary
         (7, None, 0.5, 0.1, 13),  # 7 + 1 + 0.5 s / 0.1 s
         (7, None, 0.5, 0.0, 8),  # pace not measured yet: the next boundary
-        (
-            6,
-            None,
-            0.5,
-            0.1,
-            17,
-        ),  # voted a step after the Prepare: its grid's next step, 6 + 1 + 5 + 5
+        (6, None, 0.5, 0.1, 12),  # voted a step after the Prepare: 6 + 1 + 5, the grid's first
+        (4, None, 0.5, 0.1, 15),  # 3 steps after: 4 + 1 + 5 leaves 2 (< 3); the next, + 5
         (None, None, 0.5, 0.1, 13),  # no step passed at the Prepare: counted from the vote
         (7, 30, 0.5, 0.1, 30),  # a requested step: trains on undecided up to it
     ],
