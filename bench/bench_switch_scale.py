@@ -296,7 +296,7 @@ def measure(args: argparse.Namespace, world: int) -> list[dict[str, Any]]:
     coordinator books the commit step from the last switch's measured latency instead of its
     estimate by ranks); a row with an `error` ends the list."""
     rows: list[dict[str, Any]] = []
-    row: dict[str, Any] = {"ranks": world, "transport": args.transport}
+    row: dict[str, Any] = {"ranks": world, "transport": args.transport, "plan_ms": args.plan_ms}
     with tempfile.TemporaryDirectory() as tmp:
         bench = None
         try:
@@ -308,7 +308,10 @@ def measure(args: argparse.Namespace, world: int) -> list[dict[str, Any]]:
                 return [row]
             for i in range(args.switches):
                 row = {**attached, "switch": i + 1}
-                row.update(bench.switch((RECIPE_B, RECIPE_A)[i % 2]))
+                recipe = (RECIPE_B, RECIPE_A)[i % 2]
+                row.update(
+                    bench.switch({**recipe, "plan_ms": args.plan_ms} if args.plan_ms else recipe)
+                )
                 rows.append(row)
         except (TimeoutError, RuntimeError, OSError) as e:
             row["error"] = f"{type(e).__name__}: {e}"
@@ -376,6 +379,13 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=20.0,
                         help="the simulated ranks' sleep per step (a real large job's step is "
                         "seconds: BENCHMARKS.md uses 1000)")  # fmt: skip
+    parser.add_argument(
+        "--plan-ms",
+        type=float,
+        default=0.0,
+        help="each simulated rank's plan sleeps its own share of this, spread "
+        "evenly over the ranks (a real plan takes time, unequal across ranks)",
+    )
     parser.add_argument("--switches", type=int, default=1,
                         help="switches per N, one JSON row each")  # fmt: skip
     parser.add_argument("--at-step-ahead", type=int, default=0,

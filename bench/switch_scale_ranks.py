@@ -33,7 +33,8 @@ RECIPE_A, RECIPE_B = {"name": "A"}, {"name": "B"}
 
 
 class StubModel:
-    def __init__(self) -> None:
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
         self.recipe = RECIPE_A["name"]
         self.published_at: float | None = None
 
@@ -55,6 +56,12 @@ def stub_loader(payload: Any) -> dict:
 
 
 def stub_planner(model: StubModel, recipe: dict) -> StubPlan:
+    """The plan, after sleeping the rank's share of the recipe's `plan_ms` (0 if absent): a real
+    model's plan takes time, and not the same on every rank. The share, in [0, 1), is fixed per
+    rank and spread evenly over the ranks (a multiplicative hash), so votes spread over
+    `plan_ms`."""
+    share = (model.rank * 2654435761 % 4096) / 4096
+    time.sleep(recipe.get("plan_ms", 0.0) / 1e3 * share)
     return StubPlan(model, recipe["name"])
 
 
@@ -371,7 +378,7 @@ class Ranks:
                     relay = NodeRelay(connect(way.home), connect(job), token=token, leader=r,
                                       ranks=way.node)  # fmt: skip
                 first = connect(way.home)
-                model = StubModel()
+                model = StubModel(r)
                 part = Participant(
                     model,
                     rank=r,

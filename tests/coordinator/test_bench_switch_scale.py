@@ -81,6 +81,16 @@ def test_bench_runs_each_switch_as_a_row_of_its_own():
         assert row["rank0_messages"] >= 4 * (24 // 4)
 
 
+def test_bench_plan_time_holds_the_decision_until_the_slowest_rank_planned():
+    (row,) = run_bench("--ranks", "24", "--ranks-per-node", "4", "--relays", "--ranks-per-process",
+                       "12", "--step-ms", "50", "--plan-ms", "400")  # fmt: skip
+    assert row.get("error") is None and row["plan_ms"] == 400.0, row
+    # each rank sleeps its own share of 400 ms (the bench's hash of the rank, worked here again)
+    slowest = max(r * 2654435761 % 4096 for r in range(24)) / 4096
+    assert slowest > 0.9 and row["decision_ms"] >= 400 * slowest
+    assert row["commit_step"] > row["request_step"]
+
+
 def test_bench_with_relays_puts_one_connection_per_other_node_on_rank_0s_store():
     ranks, per_node = 24, 4
     (row,) = run_bench("--ranks", str(ranks), "--ranks-per-node", str(per_node), "--relays",
