@@ -102,7 +102,7 @@ def _vote(rank: int, lead_s: float) -> Vote:
     that differ from rank to rank."""
     prepare_s = 0.05 + rank * 1e-7
     step_s = 0.002 + (rank % 1000) * 1e-6
-    hold = hold_step(LAST_STEP, LAST_STEP, step_s, lead_s, None)
+    hold = hold_step(LAST_STEP, step_s, lead_s, None)
     return Vote(1, rank, True, DIGEST, LAST_STEP, "", prepare_s, hold)
 
 

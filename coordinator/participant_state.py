@@ -87,7 +87,6 @@ class Preparing:
     phase: ClassVar[RankPhase] = RankPhase.PREPARING
     switch_id: int
     give_up_at: float  # monotonic time: Prepare received + its timeout + the decision grace
-    prepare_step: int | None  # the last step passed when the Prepare arrived (`hold_step`)
 
 
 @dataclass(frozen=True)
@@ -215,7 +214,7 @@ def on_prepare(
         return Step(
             state, seen, send=Vote(p.switch_id, ledger.rank, False, "", last_step, why, 0.0)
         )
-    return Step(Preparing(p.switch_id, now + p.timeout_s + grace_s, last_step), seen)
+    return Step(Preparing(p.switch_id, now + p.timeout_s + grace_s), seen)
 
 
 def on_planned(
@@ -232,10 +231,9 @@ def on_planned(
     part_digests: dict[str, str] | None = None,
 ) -> Step:
     """Planning for `p` ended (`plan` None: it failed with `error`): VOTED, or IDLE; the vote.
-    VOTED holds at `hold_step`, counted from the step at which the Prepare arrived at the rank's
-    seconds per step `step_s` (0: unknown); the vote carries it, and the coordinator commits at
-    the largest. A plan that ends after its switch was decided (aborted while this rank was still
-    planning) is dropped, with no vote."""
+    VOTED holds at `hold_step`, from the rank's seconds per step `step_s` (0: unknown); the vote
+    carries it, and the coordinator commits at the largest. A plan that ends after its switch was
+    decided (aborted while this rank was still planning) is dropped, with no vote."""
     if not isinstance(state, Preparing) or state.switch_id != p.switch_id:
         note = Note(
             "info", "planning ended after the switch was decided: plan dropped", p.switch_id
@@ -247,7 +245,7 @@ def on_planned(
             p.switch_id, ledger.rank, False, digest, last_step, error, prepare_s, None, parts
         )
         return Step(Idle(), ledger, send=vote)
-    hold = hold_step(state.prepare_step, last_step, step_s, p.lead_s, p.at_step)
+    hold = hold_step(last_step, step_s, p.lead_s, p.at_step)
     vote = Vote(p.switch_id, ledger.rank, True, digest, last_step, error, prepare_s, hold, parts)
     voted = Voted(p.switch_id, plan, last_step, hold, state.give_up_at)
     return Step(voted, ledger, send=vote)

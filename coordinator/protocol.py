@@ -118,7 +118,7 @@ class Prepare(Message):
     recipe: RecipePayload
     at_step: int | None
     timeout_s: float
-    lead_s: float = 0.0  # how long after the Prepare a rank holds the commit step (`hold_step`)
+    lead_s: float = 0.0  # how long ahead of its vote a rank holds the commit step (`hold_step`)
 
 
 @dataclass(frozen=True)

@@ -64,37 +64,16 @@ def pace(intervals: Iterable[float]) -> float:
     return recent[middle] if len(recent) % 2 else (recent[middle - 1] + recent[middle]) / 2
 
 
-def hold_step(
-    prepare_step: int | None, vote_step: int, step_s: float, lead_s: float, at_step: int | None
-) -> int:
-    """The first boundary a rank that voted YES after passing `vote_step` may not pass without
-    the decision: the requested `at_step`, else the first step of a grid counted from
-    `prepare_step` (the last step the rank had passed when the Prepare reached it; None: none
-    yet, then `vote_step`) that leaves the rank half the lead or more after its vote. The lead is
-    `ahead` whole steps of `step_s` seconds (the rank's own pace) in `lead_s`, not rounded up, so
-    a switch decided within a step commits at the next boundary, as it would without a lead; and
-    half of it is one request -> decision time of the job's last switch (`lead_time` books
-    twice that), far more than the coordinator takes from a last vote to the decision.
-
-    The commit step is the largest hold over every rank, so no rank can have passed it
-    undecided, and a rank waits only if it reaches its hold step before the decision arrives.
-    The grid's steps are `prepare_step + 1 + ahead + unit * (2**j - 1)` (j = 0, 1, 2, ...;
-    unit = max(ahead, 1)). They are the same for every rank, since a job's ranks get the Prepare
-    within milliseconds of each other and in step (their collectives hold them together): every
-    rank that votes within half the lead of the Prepare holds the first, the commit step. Their
-    spacing doubles, so when the votes spread further (plans that take longer than the lead; a
-    first switch, whose lead is only an estimate), the later half of the voters or more still
-    hold one step, the commit step. Counted from each rank's own vote instead, a rank that voted
-    k boundaries before the last voter held k boundaries before the commit step and waited there
-    whenever the decision came later than the lead after its own vote."""
+def hold_step(last_step: int, step_s: float, lead_s: float, at_step: int | None) -> int:
+    """The first boundary a rank that voted YES after passing `last_step` may not pass without
+    the decision: the requested `at_step`, else one past `last_step` plus as many whole steps (of
+    `step_s` seconds, the rank's own rate) as fit in `lead_s`. The rank computes it and its vote
+    carries it; the commit step is the largest over every rank, so no rank can have passed it
+    undecided, and a rank waits only if it reaches its hold step before the decision arrives: a
+    decision within `lead_s` of the vote keeps it waiting less than one step. Whole steps, not
+    rounded up: a switch that is decided within a step still commits at the next boundary, as it
+    would without a lead."""
     if at_step is not None:
         return at_step
     ahead = math.floor(lead_s / step_s) if step_s > 0 and lead_s > 0 else 0
-    ahead = min(ahead, MAX_LEAD_STEPS)
-    start = vote_step if prepare_step is None else min(prepare_step, vote_step)
-    hold, unit = start + 1 + ahead, max(ahead, 1)
-    span = unit
-    while hold < vote_step + 1 + (ahead + 1) // 2:
-        hold += span
-        span *= 2
-    return hold
+    return last_step + 1 + min(ahead, MAX_LEAD_STEPS)

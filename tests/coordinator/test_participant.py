@@ -420,30 +420,6 @@ def test_the_pace_a_vote_reports_counts_only_consecutive_boundaries(solo):
     assert 8 < vote.hold_step <= 7 + 1 + 25  # a pace of at least 20 ms: at most 25 steps ahead
 
 
-def test_a_rank_that_plans_for_steps_holds_a_step_counted_from_the_prepare(solo, monkeypatch):
-    """The Prepare reaches the rank after step 5 and its plan ends after step 7, at 0.125 s per
-    step with a 0.5 s lead (4 steps): counted from its vote it would hold 7 + 1 + 4 = 12, and a
-    peer that planned faster and voted after step 5 would hold 10; counted from the Prepare, the
-    grid 5 + 1 + 4 + 4 * (2**j - 1) is 10, 14, 22, ...: 10 leaves 2 steps after the vote, half
-    the lead, so both hold 10."""
-    coord, model, p = solo
-    clock = FakeClock()
-    monkeypatch.setattr(participant_module, "time", clock)
-    for step in range(6):
-        clock.now += 0.125
-        p.step_boundary(step)
-    coord.send(Prepare(1, {"name": "B", "sleep_rank": 0, "sleep_s": 0.3}, None, 5.0, 0.5),
-               rank_queue(0))  # fmt: skip
-    deadline = time.monotonic() + 5
-    while p.state != "preparing" and time.monotonic() < deadline:
-        time.sleep(0.005)
-    for step in (6, 7):
-        clock.now += 0.125
-        p.step_boundary(step)
-    vote = coord.recv()
-    assert vote.yes and (vote.last_step, vote.hold_step) == (7, 10)
-
-
 class PopTimeouts(MemoryTransport):
     """The listener's connection: records the timeout of every pop of its rank's queue."""
 

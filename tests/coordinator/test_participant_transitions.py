@@ -63,7 +63,7 @@ BROKEN = Broken("an earlier reason")
 SAMPLES = [
     (Idle(), ledger()),
     (Idle(), ledger(decided={3: (True, 8)})),
-    (Preparing(3, 10.0, 5), ledger()),
+    (Preparing(3, 10.0), ledger()),
     (VOTED, ledger()),
     (COMMITTING, ledger(decided={3: (True, 8)})),
     (CANCEL_VOTED, ledger(decided={3: (True, 8)})),
@@ -87,7 +87,7 @@ def abort(switch_id=3):
 DECISION_CASES = [
     (
         "ABORT while the rank still plans frees it for the next switch",
-        Preparing(3, 10.0, 5),
+        Preparing(3, 10.0),
         ledger(),
         abort(),
         Idle(),
@@ -177,10 +177,10 @@ DECISION_CASES = [
     ),
     (
         "a late ABORT of a given-up switch while preparing the next leaves it preparing",
-        Preparing(4, 20.0, 5),
+        Preparing(4, 20.0),
         ledger(newest=4, given_up={3}),
         abort(),
-        Preparing(4, 20.0, 5),
+        Preparing(4, 20.0),
         ledger(newest=4),
         None,
     ),
@@ -245,11 +245,11 @@ BOUNDARY_CASES = [
     ("gave up: train on", GaveUp(3), ledger(), 7, 0.0, GaveUp(3), ledger(), Boundary.PASS, 0.0),
     (
         "preparing: the listener plans, train on",
-        Preparing(3, 10.0, 5),
+        Preparing(3, 10.0),
         ledger(),
         7,
         0.0,
-        Preparing(3, 10.0, 5),
+        Preparing(3, 10.0),
         ledger(),
         Boundary.PASS,
         0.0,
@@ -422,8 +422,8 @@ PREPARE = Prepare(4, "current", None, 5.0)
 @pytest.mark.parametrize(
     "state, want, want_vote_reason",
     [
-        (Idle(), Preparing(4, 100.0 + 5.0 + GRACE, 6), None),
-        (GaveUp(3), Preparing(4, 100.0 + 5.0 + GRACE, 6), None),
+        (Idle(), Preparing(4, 100.0 + 5.0 + GRACE), None),
+        (GaveUp(3), Preparing(4, 100.0 + 5.0 + GRACE), None),
         (VOTED, VOTED, "still voted for switch 3"),
         (COMMITTING, COMMITTING, "still committing for switch 3"),
         (BROKEN, BROKEN, "still broken for switch 3"),
@@ -450,7 +450,7 @@ def test_on_prepare_ignores_a_stale_or_replayed_prepare(switch_id):
 
 def test_on_planned_votes_yes_with_the_digest_and_the_step_it_votes_at():
     step = on_planned(
-        Preparing(4, 106.0, 7),
+        Preparing(4, 106.0),
         ledger(newest=4),
         PREPARE,
         plan=PLAN,
@@ -464,23 +464,20 @@ def test_on_planned_votes_yes_with_the_digest_and_the_step_it_votes_at():
 
 
 @pytest.mark.parametrize(
-    "prepared, at_step, lead_s, step_s, hold",
+    "at_step, lead_s, step_s, hold",
     [
-        (7, None, 0.0, 0.1, 8),  # no lead: hold the next boundary
-        (7, None, 0.5, 0.1, 13),  # 7 + 1 + 0.5 s / 0.1 s
-        (7, None, 0.5, 0.0, 8),  # pace not measured yet: the next boundary
-        (6, None, 0.5, 0.1, 12),  # voted a step after the Prepare: 6 + 1 + 5, the grid's first
-        (4, None, 0.5, 0.1, 15),  # 3 steps after: 4 + 1 + 5 leaves 2 (< 3); the next, + 5
-        (None, None, 0.5, 0.1, 13),  # no step passed at the Prepare: counted from the vote
-        (7, 30, 0.5, 0.1, 30),  # a requested step: trains on undecided up to it
+        (None, 0.0, 0.1, 8),  # no lead: hold the next boundary
+        (None, 0.5, 0.1, 13),  # 7 + 1 + 0.5 s / 0.1 s
+        (None, 0.5, 0.0, 8),  # pace not measured yet: the next boundary
+        (30, 0.5, 0.1, 30),  # a requested step: trains on undecided up to it
     ],
 )
-def test_on_planned_holds_a_step_counted_from_the_prepare_at_the_rank_pace(
-    prepared, at_step, lead_s, step_s, hold
+def test_on_planned_holds_the_step_the_lead_reaches_at_the_rank_pace_and_votes_it(
+    at_step, lead_s, step_s, hold
 ):
     prepare = Prepare(4, "current", at_step, 5.0, lead_s)
     step = on_planned(
-        Preparing(4, 106.0, prepared),
+        Preparing(4, 106.0),
         ledger(newest=4),
         prepare,
         plan=PLAN,
@@ -495,7 +492,7 @@ def test_on_planned_holds_a_step_counted_from_the_prepare_at_the_rank_pace(
 
 
 @pytest.mark.parametrize(
-    "state", [Idle(), Preparing(5, 106.0, 5)], ids=["aborted meanwhile", "next switch preparing"]
+    "state", [Idle(), Preparing(5, 106.0)], ids=["aborted meanwhile", "next switch preparing"]
 )
 def test_on_planned_after_the_switch_was_decided_drops_the_plan_without_a_vote(state):
     book = ledger(newest=5, decided={4: (False, None)})
@@ -507,7 +504,7 @@ def test_on_planned_after_the_switch_was_decided_drops_the_plan_without_a_vote(s
 
 def test_on_planned_failure_votes_no_with_the_error_and_goes_idle():
     step = on_planned(
-        Preparing(4, 106.0, 7),
+        Preparing(4, 106.0),
         ledger(newest=4),
         PREPARE,
         plan=None,
@@ -663,7 +660,7 @@ def test_every_step_from_every_state_follows_the_transition_table(state, book):
 def test_the_table_refuses_every_change_it_does_not_list():
     examples = {
         RankPhase.IDLE: Idle(),
-        RankPhase.PREPARING: Preparing(3, 1.0, 5),
+        RankPhase.PREPARING: Preparing(3, 1.0),
         RankPhase.VOTED: VOTED,
         RankPhase.COMMITTING: COMMITTING,
         RankPhase.CANCEL_VOTED: CANCEL_VOTED,
