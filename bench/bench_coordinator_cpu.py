@@ -26,6 +26,10 @@ ack counted (`acked_ms`), the coordinator threads' CPU (`coordinator_cpu_ms`; pe
 moved (`rank0_messages`), the scripted relays' CPU (`voters_cpu_ms`: work a cluster does on the
 other hosts, here on the same cores; with `--hand-down` they also check each Prepare and decision
 and hand it to every rank's queue, as a relay does), with a projection at the issue's network cost.
+The scripted relays are the harness's load, not rank 0's work: with `--voters-apart` their threads
+(`--voter-threads`, 8 by default) run in a process of their own, as relays run on hosts of their
+own, so that they stop taking turns with the coordinator's two threads for one GIL; on two cores
+they still share the CPUs.
 The end-to-end scale benchmark with real participants is bench/bench_switch_scale.py.
 """
 
@@ -36,6 +40,7 @@ import gc
 import hashlib
 import json
 import math
+import multiprocessing
 import tempfile
 import threading
 import time
@@ -168,7 +173,7 @@ def one_switch(ranks: int, tmp: Path, per_node: int = 1, summaries: bool = True)
 
 # -- the issue's harness: the real store transport, instant node voters ----------------------------
 
-VOTER_THREADS = 8  # each stands in for the relays of nodes / 8 nodes, on a connection of its own
+VOTER_THREADS = 8  # by default; each stands in for the relays of nodes / 8 nodes, on a connection
 COSTS_MS = {"in a node": 0.05, "across nodes": 0.5}  # the issue's stated per-message network cost
 
 
@@ -206,15 +211,48 @@ def _voter(
                         raise RuntimeError(f"node {leader} got {msg.kind}, not {expected.kind}")
                     hand_down(transport, nodes[leader], data)
                 if expected is Decision:
-                    got.append(time.perf_counter())
+                    got.append(time.monotonic())
                 transport.push(INBOX, answers[leader])
     finally:
         cpu.append(time.thread_time())
         transport.close()
 
 
+def _voters_apart(
+    endpoint: dict, groups: list[list[int]], votes: dict, acks: dict, nodes: dict | None,
+    ready: Any, results: Any,
+) -> None:  # fmt: skip
+    """The scripted relays' threads, in a process of their own (`--voters-apart`); puts the
+    decisions' arrival times (`time.monotonic`, one clock for every process of the host) and the
+    threads' CPU on `results`."""
+    from dist_quant.coordinator.job_host import connect_endpoint
+
+    got: list[float] = []
+    cpu: list[float] = []
+    threads = [
+        threading.Thread(
+            target=_voter,
+            args=(connect_endpoint(endpoint), group, votes, acks, got, cpu, nodes),
+            daemon=True,
+        )
+        for group in groups
+    ]
+    for t in threads:
+        t.start()
+    ready.set()
+    for t in threads:
+        t.join()
+    results.put((got, cpu))
+
+
 def one_switch_store(
-    ranks: int, tmp: Path, per_node: int, summaries: bool, handing_down: bool = False
+    ranks: int,
+    tmp: Path,
+    per_node: int,
+    summaries: bool,
+    handing_down: bool = False,
+    voters_apart: bool = False,
+    voter_threads: int = VOTER_THREADS,
 ) -> dict[str, Any]:
     # imported here: they import torch, whose objects would make the memory mode's garbage
     # collections (and its CPU figures) heavier than in the runs it is compared with
@@ -241,22 +279,27 @@ def one_switch_store(
     client = connect_endpoint(endpoint)
     got: list[float] = []
     voters_cpu: list[float] = []
-    voters = [
-        threading.Thread(
-            target=_voter,
-            args=(
-                connect_endpoint(endpoint),
-                leaders[i::VOTER_THREADS],
-                votes,
-                acks,
-                got,
-                voters_cpu,
-                dict(zip(leaders, nodes, strict=True)) if handing_down else None,
-            ),
+    groups = [leaders[i::voter_threads] for i in range(min(voter_threads, len(leaders)))]
+    by_leader = dict(zip(leaders, nodes, strict=True)) if handing_down else None
+    apart = None
+    if voters_apart:
+        spawn = multiprocessing.get_context("spawn")
+        ready, results = spawn.Event(), spawn.Queue()
+        apart = spawn.Process(
+            target=_voters_apart,
+            args=(endpoint, groups, votes, acks, by_leader, ready, results),
             daemon=True,
-        )  # fmt: skip
-        for i in range(min(VOTER_THREADS, len(leaders)))
-    ]
+        )
+        voters = []
+    else:
+        voters = [
+            threading.Thread(
+                target=_voter,
+                args=(connect_endpoint(endpoint), group, votes, acks, got, voters_cpu, by_leader),
+                daemon=True,
+            )
+            for group in groups
+        ]
     # A training process that has imported torch holds a large heap: a full garbage collection
     # then costs ~90 ms on this machine and lands on whichever thread allocates. The setup's
     # objects (torch's, the pre-sealed messages) are frozen out of the collector, as a trainer
@@ -266,28 +309,37 @@ def one_switch_store(
     try:
         for t in voters:
             t.start()
+        if apart is not None:
+            apart.start()
+            if not ready.wait(120.0):
+                raise TimeoutError("the scripted relays' process did not start")
         cpu0 = _thread_cpu_s(coordinator_threads)
-        t0 = time.perf_counter()
+        t0 = time.monotonic()
         client.push(INBOX, seal(SwitchRequest("req", {"name": "B"}, None, 600.0), TOKEN))
         replies = [unseal(client.pop(reply_queue("req"), 600.0), TOKEN) for _ in range(2)]
-        t_decided = time.perf_counter()
+        t_decided = time.monotonic()
         result = replies[1].body
         if not result["committed"] or result["step"] != step:
             raise RuntimeError(f"switch {result['summary']}, expected a commit at step {step}")
         while coord.phase.value != "published":
-            if time.perf_counter() - t0 > 600.0:
+            if time.monotonic() - t0 > 600.0:
                 raise TimeoutError(f"not every ack counted: {coord.phase.value}")
             time.sleep(0.0005)
-        t_acked = time.perf_counter()
+        t_acked = time.monotonic()
         cpu1 = _thread_cpu_s(coordinator_threads)
         cpu_by_thread = {name: cpu1[name] - cpu0[name] for name in cpu1}
         # before the Stop that ends the coordinator
         messages = counted.counts["sent"] + counted.counts["received"]
         for t in voters:
             t.join(60.0)
+        if apart is not None:
+            got, voters_cpu = results.get(timeout=60.0)
+            apart.join(60.0)
         handed = _handed_down(connect_endpoint(endpoint), ranks) if handing_down else 0
     finally:
         gc.unfreeze()
+        if apart is not None and apart.is_alive():
+            apart.kill()
         coord.stop()
         client.close()
         server.close()
@@ -305,6 +357,8 @@ def one_switch_store(
         "coordinator_threads_cpu_ms": {name: s * 1e3 for name, s in sorted(cpu_by_thread.items())},
         "rank0_messages": messages,
         "voters_cpu_ms": sum(voters_cpu) * 1e3,
+        "voters_apart": voters_apart,
+        "voter_threads": len(groups),
         "hand_down": handing_down,
         "handed_down": handed,
     }
@@ -359,15 +413,30 @@ def main() -> None:
         help="--store: the scripted relays also check each Prepare and decision against the token "
         "and hand it to every rank's queue of the node, as a relay does",
     )
+    ap.add_argument(
+        "--voters-apart",
+        action="store_true",
+        help="--store: the scripted relays run in a process of their own, as relays run on hosts "
+        "of their own, instead of taking turns with the coordinator for this process's GIL",
+    )
+    ap.add_argument(
+        "--voter-threads",
+        type=int,
+        default=VOTER_THREADS,
+        help="--store: threads of scripted relays, each for an equal share of the nodes",
+    )
     args = ap.parse_args()
     if args.store and args.per_node < 2:
         ap.error("--store scripts node relays: give --per-node 2 or more")
+    if args.voter_threads < 1:
+        ap.error("--voter-threads: give 1 or more")
     with tempfile.TemporaryDirectory() as tmp:
         for n in (int(x) for x in args.ranks.split(",")):
             if args.store:
                 row = one_switch_store(
-                    n, Path(tmp), args.per_node, not args.no_summaries, args.hand_down
-                )
+                    n, Path(tmp), args.per_node, not args.no_summaries, args.hand_down,
+                    args.voters_apart, args.voter_threads,
+                )  # fmt: skip
                 if args.json:
                     print(json.dumps(row), flush=True)
                     continue

@@ -47,3 +47,13 @@ def test_the_memory_mode_reports_cpu_per_rank_and_per_node():
     (row,) = run_bench()
     assert row["cpu_us_per_node"] == pytest.approx(row["cpu_us_per_rank"] * 8)
     assert row["cpu_ms"] > 0 and row["summaries"] is True
+
+
+def test_scripted_relays_in_a_process_of_their_own_do_the_same_work():
+    """--voters-apart: the scripted relays' threads run in a spawned process (off the
+    coordinator's GIL, as relays run on hosts of their own); the switch, rank 0's messages and
+    the relays' down work are those of the in-process run, and their CPU comes back."""
+    (row,) = run_bench("--store", "--voters-apart", "--voter-threads", "3", "--hand-down")
+    assert (row["voters_apart"], row["voter_threads"]) == (True, 3)
+    assert row["rank0_messages"] == 4 * 8 + 3 and row["handed_down"] == 2 * 64
+    assert 0 < row["published_ms"] <= row["acked_ms"] and row["voters_cpu_ms"] > 0
