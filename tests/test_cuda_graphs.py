@@ -52,14 +52,13 @@ def _assert_same_state(eager: torch.nn.Module, graphed: torch.nn.Module, where: 
         assert torch.equal(b_e[name], b_g[name]), f"{where}: {name} differs"
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_graphed_forward_backward_matches_eager_over_six_steps(recipe: str) -> None:
-    eager, graphed = _models(recipe)
-    sample = _batch(0).requires_grad_()
+def _check_forward_backward(eager: torch.nn.Module, graphed: torch.nn.Module, batch) -> None:
+    """Capture `graphed`'s forward+backward, then run both models over STEPS batches."""
+    sample = batch(0).requires_grad_()
     graphed = dq.make_graphed_callables(graphed, (sample,))
     _assert_same_state(eager, graphed, "after capture")  # warm-ups left no amax behind
     for step in range(STEPS):
-        x_e, x_g = _batch(step).requires_grad_(), _batch(step).requires_grad_()
+        x_e, x_g = batch(step).requires_grad_(), batch(step).requires_grad_()
         outs = []
         for model, x in ((eager, x_e), (graphed, x_g)):
             with dq.autocast():
@@ -72,6 +71,39 @@ def test_graphed_forward_backward_matches_eager_over_six_steps(recipe: str) -> N
         _assert_same_state(eager, graphed, f"step {step}")
         for p in (*eager.parameters(), *graphed.parameters()):
             p.grad = None
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_graphed_forward_backward_matches_eager_over_six_steps(recipe: str) -> None:
+    _check_forward_backward(*_models(recipe), _batch)
+
+
+FP8_ATTENTION = {
+    "delayed": dq.DelayedScaling(amax_history_len=4, fp8_dpa=True),
+    "current": dq.Float8CurrentScaling(fp8_dpa=True),
+}
+
+
+@pytest.mark.parametrize("recipe", FP8_ATTENTION)
+def test_graphed_layer_with_fp8_attention_matches_eager_over_six_steps(recipe: str) -> None:
+    """A Llama-style GQA layer whose attention runs the FP8 Triton kernels (head dim 64,
+    causal): their launches, the cast of q/k/v/dO in their storage order and the attention
+    roles' scales replay as the eager step runs them."""
+    torch.manual_seed(0)
+    eager = dq.TransformerLayer(
+        256, 512, 4, num_gqa_groups=2, normalization="RMSNorm", activation="swiglu", bias=False,
+        attn_input_format="bshd", params_dtype=torch.bfloat16, device="cuda",
+    )  # fmt: skip
+    graphed = copy.deepcopy(eager)
+    for m in (eager, graphed):
+        dq.apply_recipe(m, FP8_ATTENTION[recipe])
+
+    def batch(step: int) -> torch.Tensor:
+        g = torch.Generator(device="cuda").manual_seed(20 + step)
+        x = torch.randn(2, 128, 256, device="cuda", dtype=torch.bfloat16, generator=g)
+        return x * (1 + step)
+
+    _check_forward_backward(eager, graphed, batch)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
