@@ -218,18 +218,14 @@ def _voter(
         transport.close()
 
 
-def _voters_apart(
-    endpoint: dict, groups: list[list[int]], votes: dict, acks: dict, nodes: dict | None,
-    ready: Any, results: Any,
-) -> None:  # fmt: skip
-    """The scripted relays' threads, in a process of their own (`--voters-apart`); puts the
-    decisions' arrival times (`time.monotonic`, one clock for every process of the host) and the
-    threads' CPU on `results`."""
+def _voter_threads(
+    endpoint: dict, groups: list[list[int]], votes: dict, acks: dict, got: list, cpu: list,
+    nodes: dict | None,
+) -> list[threading.Thread]:  # fmt: skip
+    """One `_voter` thread per group of leaders, each on a connection of its own."""
     from dist_quant.coordinator.job_host import connect_endpoint
 
-    got: list[float] = []
-    cpu: list[float] = []
-    threads = [
+    return [
         threading.Thread(
             target=_voter,
             args=(connect_endpoint(endpoint), group, votes, acks, got, cpu, nodes),
@@ -237,6 +233,18 @@ def _voters_apart(
         )
         for group in groups
     ]
+
+
+def _voters_apart(
+    endpoint: dict, groups: list[list[int]], votes: dict, acks: dict, nodes: dict | None,
+    ready: Any, results: Any,
+) -> None:  # fmt: skip
+    """The scripted relays' threads, in a process of their own (`--voters-apart`); puts the
+    decisions' arrival times (`time.monotonic`, one clock for every process of the host) and the
+    threads' CPU on `results`."""
+    got: list[float] = []
+    cpu: list[float] = []
+    threads = _voter_threads(endpoint, groups, votes, acks, got, cpu, nodes)
     for t in threads:
         t.start()
     ready.set()
@@ -292,14 +300,7 @@ def one_switch_store(
         )
         voters = []
     else:
-        voters = [
-            threading.Thread(
-                target=_voter,
-                args=(connect_endpoint(endpoint), group, votes, acks, got, voters_cpu, by_leader),
-                daemon=True,
-            )
-            for group in groups
-        ]
+        voters = _voter_threads(endpoint, groups, votes, acks, got, voters_cpu, by_leader)
     # A training process that has imported torch holds a large heap: a full garbage collection
     # then costs ~90 ms on this machine and lands on whichever thread allocates. The setup's
     # objects (torch's, the pre-sealed messages) are frozen out of the collector, as a trainer
