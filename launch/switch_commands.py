@@ -13,6 +13,7 @@ import os
 import re
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -70,11 +71,16 @@ def switch(
         )
         return 0
     print(f"switch {result.switch_id} aborted{took}; every rank keeps its current recipe:")
-    for rank, reason in sorted(result.reasons.items()):
-        print(f"  rank {rank}: {reason}")
-    if not result.reasons and result.summary:
-        print(f"  {result.summary}")
+    _print_reasons(result.reasons, result.summary)
     return 1
+
+
+def _print_reasons(reasons: Mapping[int, str], summary: str) -> None:
+    """Each rank's reason, or the outcome's summary where no rank has one."""
+    for rank, reason in sorted(reasons.items()):
+        print(f"  rank {rank}: {reason}")
+    if not reasons and summary:
+        print(f"  {summary}")
 
 
 def _waiting_message(busy: SwitchBusyError, timeout_s: float) -> str:
@@ -108,10 +114,7 @@ def cancel(
         )
         return 0
     print(f"switch {result.switch_id} not cancelled; every rank switches at step {result.step}:")
-    for rank, reason in sorted(result.reasons.items()):
-        print(f"  rank {rank}: {reason}")
-    if not result.reasons and result.summary:
-        print(f"  {result.summary}")
+    _print_reasons(result.reasons, result.summary)
     return 1
 
 
