@@ -309,3 +309,32 @@ def test_a_switch_waiting_behind_an_open_one_says_it_waits_not_to_retry(monkeypa
         "dist-quant: switch 3 is still open (committed for step 90); waiting for it to end "
         "(up to 5 s, Ctrl-C to stop); `dist-quant cancel 3` cancels it\n"
     )
+
+
+def test_an_aborted_switch_prints_each_ranks_reason_and_exits_1(monkeypatch, capsys):
+    from dist_quant.coordinator.switch_requests import SwitchResult
+    from dist_quant.launch import switch_commands
+
+    aborted = SwitchResult(
+        switch_id=4, committed=False, step=None, reasons={3: "voted no", 1: "no vote"},
+        timings={"total_s": 0.25}, summary="rank 1: no vote; rank 3: voted no",
+    )  # fmt: skip
+    monkeypatch.setattr(switch_commands, "request_switch", lambda *a, **kw: aborted)
+    assert main(["switch", "current", "--timeout", "5"]) == 1
+    assert capsys.readouterr().out == (
+        "switch 4 aborted (decided in 0.250 s); every rank keeps its current recipe:\n"
+        "  rank 1: no vote\n  rank 3: voted no\n"
+    )
+
+
+def test_a_cancel_refused_without_rank_reasons_prints_the_summary(monkeypatch, capsys):
+    from dist_quant.coordinator.results import CancelResult
+    from dist_quant.launch import switch_commands
+
+    kept = CancelResult(4, False, 90, {}, "not cancelled: the cancel was logged after its deadline")
+    monkeypatch.setattr(switch_commands, "cancel_switch", lambda *a, **kw: kept)
+    assert main(["cancel", "4", "--timeout", "5"]) == 1
+    assert capsys.readouterr().out == (
+        "switch 4 not cancelled; every rank switches at step 90:\n"
+        "  not cancelled: the cancel was logged after its deadline\n"
+    )
