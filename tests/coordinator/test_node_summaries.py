@@ -202,6 +202,17 @@ def test_summaries_decide_exactly_as_the_votes_they_stand_for(votes, at_step):
         assert one_by_one.step == max(v.hold_step for v in votes)
 
 
+def test_a_summary_whose_hold_step_is_not_ahead_aborts_naming_each_of_its_ranks():
+    """A relay never sends one (`_agreement` keeps such votes apart); if a faulty one did, its
+    ranks could pass the commit step undecided: the switch aborts, every rank of it named."""
+    votes = Tally(8)
+    votes.add_range(0, 3, VoteSummary(1, 0, 0, 3, D, {}, 10, 10, 0.05))
+    votes.add_range(4, 7, VoteSummary(1, 4, 4, 7, D, {}, 10, 14, 0.05))
+    d = decide(Prepare(1, {"name": "B"}, None, 30.0, 1.0), votes, [(0, 1, 2, 3, 4, 5, 6, 7)], True)
+    why = "hold step 10 not past last step 10 (node summary)"
+    assert (d.commit, d.step, d.reasons) == (False, None, dict.fromkeys(range(4), why))
+
+
 NODES = {0: (0, 1, 2, 3), 4: (4, 5, 6, 7)}
 
 
