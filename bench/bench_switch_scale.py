@@ -2,7 +2,7 @@
 
     python bench/bench_switch_scale.py [--ranks 64 1024 4096 16384] [--ranks-per-node 8]
         [--transport store|ray] [--relays] [--json] [--timeout 600] [--at-step-ahead K]
-        [--step-ms 20] [--switches 1]
+        [--step-ms 20] [--switches 1] [--stop-rank R --lease-s 2]
 
 Real: `Coordinator`, its decision log (fsynced), the transport (`store`: a `StoreServer` in this
 process, every rank connected to it exactly as `attach` connects; `ray`: the coordinator actor's
@@ -38,6 +38,14 @@ flight inside the actor, each a coroutine on its event loop). With `--relays`, e
 node's lowest rank relays its node's messages and, off rank 0's node, serves its node's queues
 from a store of its own (as `attach` wires a job across hosts, node_store.py):
 `leader_connections` is the most any of those stores holds.
+
+With `--stop-rank R` the first switch runs with rank R's listener stopped (it reads nothing, so
+it neither votes nor says it is alive, as a stopped process; its trainer runs on, since in a job
+the collectives would otherwise hold every rank at R's next one). That row (`committed`: false)
+reports `named_ranks` and `reasons` (the abort's), `decision_ms` (request -> the abort) and
+`unblocked_ms` (request -> no simulated rank in the switch any more), the stall keys above, and
+no publish; R then resumes, and the next switch's row shows whether the job switches without a
+restart.
 """
 
 from __future__ import annotations
@@ -158,6 +166,7 @@ class Bench:
                         there,
                         self.relayed,
                         self.args.gil_switch_ms / 1e3,
+                        self.args.stop_rank,
                     ),  # fmt: skip
                     daemon=True,
                 )
@@ -198,12 +207,24 @@ class Bench:
             return self.local.step
         return max(self._ask(conn, "step") for _, conn in self.workers)
 
+    def _stopper(self) -> Any:
+        """The pipe of the worker that holds `--stop-rank`."""
+        return self.workers[self.args.stop_rank // self.args.ranks_per_process][1]
+
+    def _until_nobody_holds(self) -> None:
+        """Poll until every simulated rank is out of the switch (an aborted switch's decision
+        reached them all)."""
+        while sum(self._ask(conn, "holding") for _, conn in self.workers):
+            time.sleep(min(0.02, self._left()))
+
     def _messages(self) -> int:
         if self.server is None:
             return self.gauge["messages"]
         return self.counts["sent"] + self.counts["received"]
 
-    def switch(self, recipe: dict[str, str]) -> dict[str, Any]:
+    def switch(self, recipe: dict[str, str], stopped: bool = False) -> dict[str, Any]:
+        """One switch, measured. `stopped`: with `--stop-rank`'s listener stopped from before
+        the request until the switch is decided and every other rank is out of it."""
         from dist_quant.coordinator.switch_requests import request_switch, status
 
         if self.local is not None:
@@ -222,12 +243,16 @@ class Bench:
         # socket tables (seconds at thousands of ranks), while the ranks train on.
         step = self._step()
         at_step = step + self.args.at_step_ahead if self.args.at_step_ahead else None
+        if stopped:
+            self._ask(self._stopper(), "stop")
         t0 = time.monotonic()
         result = request_switch(
             recipe, at_step=at_step, timeout_s=self.args.vote_timeout,
             token=self.token, transport=client,
         )  # fmt: skip
         decided = time.monotonic()
+        if stopped:
+            return self._aborted(result, t0, decided, measured_from, step0, step, cpu0, moved0)
         if not result.committed:
             raise RuntimeError(f"switch aborted: {result.summary}")
         while True:
@@ -251,6 +276,7 @@ class Bench:
         if self.local is not None:
             ranks_cpu -= cpu  # one process: all but the coordinator's threads (and the client)
         return {
+            "committed": True,
             "decision_ms": 1e3 * (decided - t0),
             "published_ms": 1e3 * (published - t0),
             "max_stall_ms": 1e3 * max(r["max_stall_s"] for r in final),
@@ -265,6 +291,33 @@ class Bench:
             "at_step": at_step,
             "request_step": step,
             # the steps the ranks really took (their sleep, every boundary, the barrier)
+            "step_ms_real": 1e3 * (time.monotonic() - measured_from) / max(last_step - step0, 1),
+            **stall_keys([r["stall"] for r in final], result.step),
+        }
+
+    def _aborted(
+        self, result: Any, t0: float, decided: float, measured_from: float, step0: int,
+        step: int, cpu0: float, moved0: int,
+    ) -> dict[str, Any]:  # fmt: skip
+        """The row of a switch run with a rank stopped: how long until it was decided (aborted,
+        naming the rank, is what the library promises) and until no simulated rank was held by
+        it any more; then the stopped rank resumes."""
+        self._until_nobody_holds()
+        unblocked = time.monotonic()
+        self._ask(self._stopper(), "resume")
+        final = self._reports()
+        last_step = max(r["step"] for r in final)
+        return {
+            "committed": result.committed,
+            "named_ranks": sorted(result.reasons),
+            "reasons": sorted(set(result.reasons.values())),
+            "decision_ms": 1e3 * (decided - t0),
+            "unblocked_ms": 1e3 * (unblocked - t0),
+            "max_stall_ms": 1e3 * max(r["max_stall_s"] for r in final),
+            "coordinator_cpu_ms": 1e3 * (thread_cpu_s(self.coordinator_threads) - cpu0),
+            "rank0_messages": self._messages() - moved0,
+            "commit_step": result.step,
+            "request_step": step,
             "step_ms_real": 1e3 * (time.monotonic() - measured_from) / max(last_step - step0, 1),
             **stall_keys([r["stall"] for r in final], result.step),
         }
@@ -306,12 +359,13 @@ def measure(args: argparse.Namespace, world: int) -> list[dict[str, Any]]:
             if attached["attach_failures"]:
                 row["error"] = f"{attached['attach_failures']} rank(s) failed to attach"
                 return [row]
+            committed = 0
             for i in range(args.switches):
                 row = {**attached, "switch": i + 1}
-                recipe = (RECIPE_B, RECIPE_A)[i % 2]
-                row.update(
-                    bench.switch({**recipe, "plan_ms": args.plan_ms} if args.plan_ms else recipe)
-                )
+                recipe = (RECIPE_B, RECIPE_A)[committed % 2]
+                recipe = {**recipe, "plan_ms": args.plan_ms} if args.plan_ms else recipe
+                row.update(bench.switch(recipe, stopped=i == 0 and args.stop_rank is not None))
+                committed += row.get("committed", True)
                 rows.append(row)
         except (TimeoutError, RuntimeError, OSError) as e:
             row["error"] = f"{type(e).__name__}: {e}"
@@ -404,6 +458,12 @@ def main() -> None:
     parser.add_argument("--relays", action="store_true",
                         help="store: each node's lowest rank relays its node's messages, as "
                         "attach sets up across hosts (rank 0 then handles O(nodes) messages)")  # fmt: skip
+    parser.add_argument("--stop-rank", type=int, default=None,
+                        help="store: this rank's listener stops reading (as a stopped process's "
+                        "would) from before the first switch until it is decided, so that "
+                        "switch's row shows how soon the lease (--lease-s; the library's is 2) "
+                        "aborts it and frees every other rank; the next switch (--switches 2) "
+                        "runs with the rank back")  # fmt: skip
     parser.add_argument("--gil-switch-ms", type=float, default=1e3 * GIL_SWITCH_S,
                         help="store: the GIL switch interval of the simulated ranks' processes "
                         "(CPython's default is 5; switch_scale_ranks.py says why it is longer)")  # fmt: skip
@@ -413,6 +473,11 @@ def main() -> None:
     if args.relays and (args.transport != "store" or args.ranks_per_process % args.ranks_per_node):
         parser.error("--relays needs --transport store and whole nodes per process "
                      "(--ranks-per-process a multiple of --ranks-per-node)")  # fmt: skip
+
+    if args.stop_rank is not None and (
+        args.transport != "store" or not 0 < args.stop_rank < min(args.ranks)
+    ):
+        parser.error("--stop-rank needs --transport store and a rank in [1, smallest --ranks)")
 
     import torch
 
@@ -429,12 +494,17 @@ def main() -> None:
     rows = (row for world in args.ranks for row in measure(args, world))
     for row in rows:
         world = row["ranks"]
-        if "error" not in row:
+        if "error" not in row and row["committed"]:
             largest = row
         if args.json:
             print(json.dumps(row), flush=True)
         elif "error" in row:
             print(f"{world:>6} | {row['error']}", flush=True)
+        elif not row["committed"]:
+            print(f"{world:>6} | aborted in {row['decision_ms']:.1f} ms naming ranks "
+                  f"{row['named_ranks']} ({'; '.join(row['reasons'])}); no rank held after "
+                  f"{row['unblocked_ms']:.1f} ms; longest protocol wait "
+                  f"{row['max_protocol_wait_ms']:.1f} ms", flush=True)  # fmt: skip
         else:
             print(f"{world:>6} | {row['decision_ms']:11.1f} | {row['published_ms']:12.1f} | "
                   f"{row['max_stall_ms']:12.1f} | {row['coordinator_cpu_ms']:12.1f} | "

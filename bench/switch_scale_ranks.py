@@ -116,6 +116,47 @@ class Counted:
         self.inner.close()
 
 
+class Stoppable:
+    """A rank's reading connection whose reader can be stopped: a message that arrives while
+    stopped is held, unread, until `resume()`, as a stopped process leaves its messages in the
+    socket. The rank's listener, the only reader, then neither votes nor says it is alive."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self._running = threading.Event()
+        self._running.set()
+
+    def stop(self) -> None:
+        self._running.clear()
+
+    def resume(self) -> None:
+        self._running.set()
+
+    def push(self, queue: str, data: bytes) -> None:
+        self._running.wait()
+        self.inner.push(queue, data)
+
+    def push_many(self, pushes: list[tuple[str, bytes]]) -> None:
+        self._running.wait()
+        self.inner.push_many(pushes)
+
+    def pop(self, queue: str, timeout: float | None = None) -> bytes | None:
+        data = self.inner.pop(queue, timeout)
+        self._running.wait()
+        return data
+
+    def pop_many(self, queue: str, most: int, timeout: float | None = None) -> list[bytes]:
+        items = self.inner.pop_many(queue, most, timeout)
+        self._running.wait()
+        return items
+
+    def clone(self) -> Any:
+        return self.inner.clone()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 class ActorLoop:
     """The actor's event loop, on a thread of its own, as Ray runs an asyncio actor's calls."""
 
@@ -340,12 +381,15 @@ class Ranks:
         step_s: float,
         barrier: Any = None,
         relayed: tuple[tuple[int, ...], ...] = (),
+        stoppable: int | None = None,
     ) -> None:
         """`relayed`: the job's nodes whose lowest rank runs a `NodeRelay` (as `attach` sets it
         up across hosts): their ranks send upstream through it, its leader runs it and, off
         rank 0's node, serves the node's queues from a store of its own (node_store.py), which
         its ranks connect to instead of rank 0's. `connect(address)` opens a connection to a
-        store; `job` is rank 0's."""
+        store; `job` is rank 0's. Rank `stoppable`'s listener reads through a `Stoppable`
+        (`self.stopper`); its trainer runs on while it is stopped, since in a job the others'
+        collectives would otherwise wait for it."""
         from dist_quant.coordinator.node_relay import NodeRelay
         from dist_quant.coordinator.node_store import NodeStore, node_led_by, route
         from dist_quant.coordinator.participant import Participant
@@ -364,6 +408,7 @@ class Ranks:
         self.max_step_s = 0.0
         self.stall = BoundaryStalls()
         self.node_stores: list[Any] = []
+        self.stopper: Stoppable | None = None
         t0 = time.monotonic()
         stores: dict[int, str] = {}
         leaders = [(r, led) for r in range(lo, hi) if (led := node_led_by(r, relayed)) is not None]
@@ -385,6 +430,8 @@ class Ranks:
                     relay = NodeRelay(connect(way.home), connect(job), token=token, leader=r,
                                       ranks=way.node)  # fmt: skip
                 first = connect(way.home)
+                if r == stoppable:
+                    first = self.stopper = Stoppable(first)
                 model = StubModel(r)
                 part = Participant(
                     model,
@@ -452,6 +499,10 @@ class Ranks:
     def published(self, name: str = RECIPE_B["name"]) -> int:
         return sum(m.recipe == name for m in self.models)
 
+    def holding(self) -> int:
+        """How many of these ranks are in a switch (planning, voted, or committing)."""
+        return sum(p.state != "idle" for p in self.parts)
+
     def last_publish(self) -> float:
         return max((m.published_at or 0.0) for m in self.models) if self.models else 0.0
 
@@ -471,9 +522,11 @@ def worker(
     conn: Any,
     relayed: tuple[tuple[int, ...], ...] = (),
     gil_switch_s: float = GIL_SWITCH_S,
+    stoppable: int | None = None,
 ) -> None:
     """A process of simulated ranks, driven by `conn` (a Pipe): "measure", "step",
-    ("published", recipe name), "report", "exit"."""
+    ("published", recipe name), "holding", "stop" and "resume" (rank `stoppable`'s listener),
+    "report", "exit"."""
     threading.stack_size(THREAD_STACK)
     sys.setswitchinterval(gil_switch_s)
     clock = ThreadClock()
@@ -481,7 +534,7 @@ def worker(
 
     connect = lambda address: connect_endpoint({**endpoint, "address": address})  # noqa: E731
     job = endpoint["address"]
-    ranks = Ranks(lo, hi, connect, job, endpoint["token"], step_s, barrier, relayed)
+    ranks = Ranks(lo, hi, connect, job, endpoint["token"], step_s, barrier, relayed, stoppable)
     ranks.started.wait(60)
     ports = [store.port for store in ranks.node_stores]
     conn.send({"failures": ranks.failures, "connect_s": ranks.connect_s, "step": ranks.step,
@@ -494,6 +547,11 @@ def worker(
             kinds0 = clock.read()
             conn.send(ranks.step)
         elif cmd == "step":
+            conn.send(ranks.step)
+        elif cmd == "holding":
+            conn.send(ranks.holding())
+        elif cmd in ("stop", "resume"):
+            getattr(ranks.stopper, cmd)()
             conn.send(ranks.step)
         elif isinstance(cmd, tuple):  # ("published", recipe name): polled while a switch runs,
             # so no /proc walk under the GIL
