@@ -120,7 +120,7 @@ class Coordinator:
         self._relays = {min(node): tuple(sorted(node)) for node in relayed_nodes}
         relayed = {r for node in relayed_nodes for r in node}
         self._direct = tuple(r for r in range(world_size) if r not in relayed)
-        self._decided: dict[int, Decision] = {}  # switch id -> logged outcome, for queries
+        self._decided: dict[int, Decision] = {}  # switch id -> what ranks were sent, for queries
         self._marks: dict[int, float] = {}  # nonce -> when pushed, of the mark on its way
         self._next_nonce = 1
         self._drained_to = float("-inf")  # every message pushed before then is taken in
@@ -355,10 +355,11 @@ class Coordinator:
         log_s = time.monotonic() - t0
         inject(self._faults, "publish", rank=None, switch_id=switch_id)
         self._history.append({**decision.to_dict(), "published": False})
-        self._decided[switch_id] = decision
+        logged = cs.on_logged(state, decision, log_s=log_s)
+        self._decided[switch_id] = logged.broadcast  # what a rank that asks again is sent
         while len(self._decided) > _HISTORY:
             del self._decided[min(self._decided)]
-        self._apply(cs.on_logged(state, decision, log_s=log_s))
+        self._apply(logged)
         if decision.commit:  # the next switch books its commit step by this one's latency
             self._latency_s = time.monotonic() - state.opened.opened_at
 

@@ -21,7 +21,7 @@ nodes summarize, and O(ranks) at most.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from dist_quant.coordinator.decide import decide
@@ -354,7 +354,7 @@ def on_logged(state: Deciding, decision: Decision, *, log_s: float) -> Step:
     reply = Reply(
         state.opened.request_id, "result", decision.switch_id, "", result_of(settled).to_dict()
     )
-    return Step(nxt, reply=reply, broadcast=decision)
+    return Step(nxt, reply=reply, broadcast=for_ranks(decision))
 
 
 def on_cancel_logged(state: Cancelling, outcome: CancelDecision) -> Step:
@@ -362,7 +362,16 @@ def on_cancel_logged(state: Cancelling, outcome: CancelDecision) -> Step:
     COMMITTED (its acks so far kept); tell every rank and the client."""
     nxt = Cancelled(state.committed.settled) if outcome.cancelled else state.committed
     reply = Reply(state.request_id, "result", outcome.switch_id, "", outcome.to_dict())
-    return Step(nxt, reply=reply, broadcast=outcome)
+    return Step(nxt, reply=reply, broadcast=for_ranks(outcome))
+
+
+def for_ranks(outcome: Decision | CancelDecision) -> Decision | CancelDecision:
+    """What every rank is sent of a logged outcome: all of it but the per-rank reasons, which
+    the client's result and the decision log keep. A rank acts on the switch, the verdict and the
+    step alone, and an abort at scale names thousands of ranks (a lost rack, a job too busy to
+    answer): sent to every rank, those reasons made the decision's bytes grow with N^2 (4,096
+    ranks, ~4,000 named: 30 s before the last rank had read and decoded its copy)."""
+    return replace(outcome, reasons={}) if outcome.reasons else outcome
 
 
 def result_of(settled: Settled) -> SwitchResult:

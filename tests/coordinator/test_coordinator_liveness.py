@@ -8,7 +8,7 @@ import time
 import pytest
 from dist_quant.coordinator.protocol import Alive, StatusQuery, Vote
 from dist_quant.coordinator.transport_memory import MemoryHub, MemoryTransport
-from dist_quant.coordinator.wire import INBOX, reply_queue, seal
+from dist_quant.coordinator.wire import INBOX, rank_queue, reply_queue, seal, unseal
 from test_coordinator import TOKEN, Job
 
 SILENT = "no vote and no sign of life for 2 s: dead, stopped or cut off"
@@ -80,3 +80,28 @@ def test_a_rank_that_keeps_saying_it_is_alive_is_waited_for(job):
         stop.set()
         beats.join()
     assert body["committed"] is True, body["summary"]
+
+
+def test_an_abort_naming_every_rank_reaches_each_rank_without_the_others_reasons(tmp_path):
+    """A lost rack or a job too busy to answer gets thousands of ranks named; the client is told
+    every reason, each rank only the verdict, so a rank's copy does not grow with the ranks
+    named (sent to all N, their reasons made the abort's bytes grow with N^2)."""
+    world = 64
+    job = Job(tmp_path, world=world)
+    try:
+        job.request("r1", timeout_s=60.0)
+        job.prepares()  # and nobody votes: the lease names every rank
+        body = job.result("r1").body
+        assert body["committed"] is False
+        assert body["reasons"] == {str(r): SILENT for r in range(world)}
+        sizes = set()
+        for r in range(world):
+            data = job.s.tx.pop(rank_queue(r), 5.0)
+            decision = unseal(data, TOKEN)
+            assert (decision.switch_id, decision.commit, decision.step) == (1, False, None)
+            assert decision.reasons == {} and decision.summary == body["summary"]
+            sizes.add(len(data))
+        # one sealed copy for all: smaller than the 64 reasons alone would be
+        assert len(sizes) == 1 and sizes.pop() < len(SILENT) * world
+    finally:
+        job.close()

@@ -221,7 +221,9 @@ def test_a_logged_decision_goes_to_every_rank_and_the_result_to_the_client(decis
     deciding = cs.Deciding(OPENED, tally(yes(0), yes(1)), decision, 100.5)
     step = cs.on_logged(deciding, decision, log_s=0.25)
     assert step.state.phase is phase and step.state.settled.log_s == 0.25
-    assert step.broadcast == decision and step.record is None
+    assert step.state.settled.decision == decision and step.record is None
+    # every rank gets the verdict; the per-rank reasons go to the client (below) alone
+    assert step.broadcast == Decision(3, decision.commit, decision.step, {}, decision.summary)
     assert (step.reply.request_id, step.reply.status) == ("req-3", "result")
     body = step.reply.body
     assert (body["committed"], body["step"], body["reasons"]) == (
@@ -263,6 +265,8 @@ def test_a_cancel_is_decided_once_every_rank_voted_and_kept_cancel_returns_to_co
     kept = CancelDecision(3, False, 11, {1: "x"}, "not cancelled: rank 1: x")
     back = cs.on_cancel_logged(every, kept)
     assert back.state is every.committed and back.reply.body["cancelled"] is False
+    assert back.reply.body["reasons"] == {1: "x"}
+    assert back.broadcast == CancelDecision(3, False, 11, {}, "not cancelled: rank 1: x")
 
 
 def every_step(state):
