@@ -414,8 +414,8 @@ def projection(world: int, rpn: int, measured: dict[str, Any] | None) -> list[st
         )
     lines.append(
         "not simulated: network round trips (every rank shares this host), liveness at the "
-        "library's 2 s lease (a live rank sharing 2 cores with thousands can be silent longer), "
-        "planning time (the "
+        "library's 2 s lease beyond ~2,048 ranks (--stop-rank with --lease-s 2 measures it; a live "
+        "rank sharing 2 cores with thousands can be silent longer), planning time (the "
         "stub plans in microseconds; bench/bench_switch.py measures plan_model), GPU work and "
         "the collectives between steps (a barrier per step stands in for them)."
     )
