@@ -175,28 +175,53 @@ def rank_ranges(ranks: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
+# A job with more TP groups than this shows their shape, not each group.
+_GROUPS_SHOWN = 8
+
+
+def describe_tp_groups(groups: Any) -> str:
+    """The job's TP groups in a line whatever its size: each group of a small job; a large one's
+    count and shape (2,048 groups of 8 consecutive ranks print as that, not as 16,384 numbers)."""
+    if not isinstance(groups, list):
+        return "TP groups: ?"
+    if all(len(g) == 1 for g in groups):
+        return "no tensor parallelism"  # each rank its own group: data parallel only
+    if len(groups) <= _GROUPS_SHOWN:
+        return f"TP groups: {groups}"
+    sizes = sorted({len(g) for g in groups})
+    consecutive = all(list(g) == list(range(g[0], g[0] + len(g))) for g in groups if g)
+    shape = f"of {sizes[0]}" if len(sizes) == 1 else f"of {sizes[0]}-{sizes[-1]}"
+    return f"{len(groups)} TP groups {shape}{' consecutive' if consecutive else ''} ranks"
+
+
+def recipe_key_lines(keys: dict[str, str], world_size: Any) -> list[str]:
+    """One line per recipe key with the ranks that reported it, as runs, then the ranks not
+    heard from: a job of any size in as many lines as it has keys (during a switch, two)."""
+    by_key: dict[str, list[int]] = {}
+    for r, k in keys.items():
+        by_key.setdefault(short_recipe_key(k), []).append(int(r))
+    lines = [
+        f"  {'rank' if len(ranks) == 1 else 'ranks'} {rank_ranges(ranks)}: {key}"
+        for key, ranks in sorted(by_key.items(), key=lambda kv: min(kv[1]))
+    ]
+    if isinstance(world_size, int):
+        silent = sorted(set(range(world_size)) - {int(r) for r in keys})
+        if silent and keys:
+            lines.append(f"  not reported yet: {len(silent)} rank(s): {rank_ranges(silent)}")
+    return lines or ["  (no rank has reported yet)"]
+
+
 def format_status(info: dict[str, Any]) -> list[str]:
     """Human-readable lines for a status reply (see `Coordinator._status` for its fields)."""
-    groups = info.get("tp_groups")
-    if isinstance(groups, list) and all(len(g) == 1 for g in groups):
-        parallel = "no tensor parallelism"  # each rank its own group: data parallel only
-    else:
-        parallel = f"TP groups: {groups if groups is not None else '?'}"
     lines = [f"state: {info.get('phase_text') or info.get('phase', '?')}"]
     waiting = info.get("waiting_for") or []
     if waiting:  # what holds the open switch up (votes, acks or cancel votes still due)
         lines.append(f"waiting for {len(waiting)} rank(s): {rank_ranges(waiting)}")
     lines += [
-        f"ranks: {info.get('world_size', '?')}, {parallel}",
+        f"ranks: {info.get('world_size', '?')}, {describe_tp_groups(info.get('tp_groups'))}",
         "recipe key per rank:",
     ]
-    keys = info.get("recipe_keys") or {}
-    lines += [
-        f"  rank {r}: {short_recipe_key(k)}"
-        for r, k in sorted(keys.items(), key=lambda kv: int(kv[0]))
-    ]
-    if not keys:
-        lines.append("  (no rank has reported yet)")
+    lines += recipe_key_lines(info.get("recipe_keys") or {}, info.get("world_size"))
     decisions = info.get("decisions") or []
     lines.append("last decisions:" if decisions else "last decisions: none yet")
     for d in decisions[-5:]:

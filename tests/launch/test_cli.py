@@ -263,7 +263,35 @@ def test_status_json_gives_recipe_keys_in_the_form_the_text_prints(monkeypatch, 
     assert got["recipe_key_reprs"] == {"0": key, "1": key}
     assert main(["status"]) == 0
     text = capsys.readouterr().out
-    assert f"  rank 0: {short}" in text and "ranks: 2, TP groups: [[0, 1]]" in text
+    assert f"  ranks 0-1: {short}" in text and "ranks: 2, TP groups: [[0, 1]]" in text
+
+
+def test_status_of_16384_ranks_is_a_line_per_recipe_key_not_per_rank() -> None:
+    """Mid-switch on 2,048 nodes: node 1 has published the new recipe, rank 100 has not been
+    heard from; the text names each key's ranks as runs and the groups by their shape."""
+    from dist_quant.launch.switch_commands import format_status
+
+    import dist_quant as dq
+
+    old, new = (repr(dq.recipe_from_dict(name).key()) for name in ("delayed", "current"))
+    keys = {str(r): (new if 8 <= r < 16 else old) for r in range(16384) if r != 100}
+    info = {"phase_text": "switch 2: committed for step 40", "world_size": 16384,
+            "tp_groups": [list(range(g, g + 8)) for g in range(0, 16384, 8)],
+            "recipe_keys": keys, "waiting_for": list(range(16, 16384))}  # fmt: skip
+    short_old = f"DelayedScaling:{dq.recipe_from_dict('delayed').digest()[:8]}"
+    short_new = f"Float8CurrentScaling:{dq.recipe_from_dict('current').digest()[:8]}"
+    assert format_status(info) == [
+        "state: switch 2: committed for step 40",
+        "waiting for 16368 rank(s): 16-16383",
+        "ranks: 16384, 2048 TP groups of 8 consecutive ranks",
+        "recipe key per rank:",
+        f"  ranks 0-7, 16-99, 101-16383: {short_old}",
+        f"  ranks 8-15: {short_new}",
+        "  not reported yet: 1 rank(s): 100",
+        "last decisions: none yet",
+    ]
+    uneven = [[0, 1], [2, 3, 4], *([r] for r in range(5, 12))]
+    assert "9 TP groups of 1-3 consecutive ranks" in format_status({"tp_groups": uneven})[1]
 
 
 def test_status_of_a_data_parallel_job_shows_no_tp_groups(monkeypatch, capsys) -> None:
