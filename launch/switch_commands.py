@@ -165,9 +165,9 @@ def short_recipe_key(text: str) -> str:
 
 
 def rank_ranges(ranks: list[int]) -> str:
-    """Sorted ranks as runs: [0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"."""
+    """Ranks as runs, each once: [8, 0, 1, 2, 2, 5, 7] -> "0-2, 5, 7-8"."""
     runs: list[list[int]] = []
-    for r in sorted(ranks):
+    for r in sorted(set(ranks)):
         if runs and r == runs[-1][1] + 1:
             runs[-1][1] = r
         else:
@@ -216,7 +216,7 @@ def format_status(info: dict[str, Any]) -> list[str]:
     lines = [f"state: {info.get('phase_text') or info.get('phase', '?')}"]
     waiting = info.get("waiting_for") or []
     if waiting:  # what holds the open switch up (votes, acks or cancel votes still due)
-        lines.append(f"waiting for {len(waiting)} rank(s): {rank_ranges(waiting)}")
+        lines.append(f"waiting for {len(set(waiting))} rank(s): {rank_ranges(waiting)}")
     lines += [
         f"ranks: {info.get('world_size', '?')}, {describe_tp_groups(info.get('tp_groups'))}",
         "recipe key per rank:",

@@ -230,6 +230,8 @@ def test_status_names_the_ranks_an_open_switch_waits_for_as_runs() -> None:
     lines = format_status(info)
     assert lines[:2] == ["state: switch 4: ranks are voting", "waiting for 6 rank(s): 0-2, 5, 7-8"]
     assert not any(line.startswith("waiting") for line in format_status({"waiting_for": []}))
+    # a rank listed twice is one rank of its run, not the end of one run and the start of another
+    assert format_status({"waiting_for": [16, 17, 17, 18]})[1] == "waiting for 3 rank(s): 16-18"
 
 
 def _fake_status(monkeypatch, tp_groups: list[list[int]]) -> str:
