@@ -76,9 +76,13 @@ def switch(
 
 
 def _print_reasons(reasons: Mapping[int, str], summary: str) -> None:
-    """Each rank's reason, or the outcome's summary where no rank has one."""
-    for rank, reason in sorted(reasons.items()):
-        print(f"  rank {rank}: {reason}")
+    """A line per reason with the ranks that gave it, as runs (an abort that names thousands of
+    ranks for one cause is one line), or the outcome's summary where no rank has one."""
+    by_reason: dict[str, list[int]] = {}
+    for rank, reason in reasons.items():
+        by_reason.setdefault(reason, []).append(rank)
+    for reason, ranks in sorted(by_reason.items(), key=lambda kv: min(kv[1])):
+        print(f"  {'rank' if len(ranks) == 1 else 'ranks'} {rank_ranges(ranks)}: {reason}")
     if not reasons and summary:
         print(f"  {summary}")
 

@@ -357,6 +357,24 @@ def test_an_aborted_switch_prints_each_ranks_reason_and_exits_1(monkeypatch, cap
     )
 
 
+def test_an_abort_naming_thousands_of_ranks_prints_a_line_per_reason(monkeypatch, capsys):
+    from dist_quant.coordinator.switch_requests import SwitchResult
+    from dist_quant.launch import switch_commands
+
+    silent = "no vote and no sign of life for 2 s: dead, stopped or cut off"
+    reasons = {r: silent for r in range(4096) if r not in (370, 371)}
+    reasons[370] = "ValueError: bad role"
+    aborted = SwitchResult(switch_id=2, committed=False, step=None, reasons=reasons,
+                           timings={"total_s": 3.0}, summary="node 0-7 ...")  # fmt: skip
+    monkeypatch.setattr(switch_commands, "request_switch", lambda *a, **kw: aborted)
+    assert main(["switch", "current", "--timeout", "5"]) == 1
+    assert capsys.readouterr().out == (
+        "switch 2 aborted (decided in 3.000 s); every rank keeps its current recipe:\n"
+        f"  ranks 0-369, 372-4095: {silent}\n"
+        "  rank 370: ValueError: bad role\n"
+    )
+
+
 def test_a_cancel_refused_without_rank_reasons_prints_the_summary(monkeypatch, capsys):
     from dist_quant.coordinator.results import CancelResult
     from dist_quant.launch import switch_commands
