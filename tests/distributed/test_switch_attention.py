@@ -33,7 +33,7 @@ pytestmark = pytest.mark.distributed
 
 SEQ, BATCH, HEADS, KV_HEADS, HEAD_DIM, FFN = 8, 2, 8, 2, 4, 64
 HIDDEN = HEADS * HEAD_DIM
-STEPS, FP8_AT, BF16_AT = 50, 20, 35
+STEPS, FP8_AT, BF16_AT = 55, 20, 40
 
 
 def layer(group) -> dq.TransformerLayer:
