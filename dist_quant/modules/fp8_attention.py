@@ -23,6 +23,13 @@ What each slot does here:
   it is all-reduced over the quantizer's amax group like an amax;
 - `dqkv` rounds dq, dk and dv on their way back (a fake quantization, as for the emulation).
 The casts inside the kernels are not seen by cast observers (telemetry's per-role statistics).
+
+Two GPU paths. Where the `o` and `dqkv` slots are delayed-scaling FP8 (scales known before the
+tensors exist) and cuDNN takes the call (``kernels/attention_cudnn.py``: Hopper or newer, head dim
+128, no padding mask, the `cudnn` extra installed), cuDNN's fused FP8 SDPA runs: it writes the
+output in the `o` slot's FP8 and the gradients in the `dqkv` slot's, the rounding those slots
+would give, done inside the kernel, and folds their amaxes into the slots. Everywhere else the
+Triton kernels (or their definition) run and the `o` and `dqkv` slots round the results after.
 """
 
 from __future__ import annotations
@@ -35,6 +42,11 @@ import torch
 from dist_quant import kernels as fp8_kernels
 from dist_quant.forward import enrol_backward_from
 from dist_quant.kernels.attention import fp8_attention_bwd, fp8_attention_fwd
+from dist_quant.kernels.attention_cudnn import (
+    cudnn_runs,
+    fp8_attention_bwd_cudnn,
+    fp8_attention_fwd_cudnn,
+)
 from dist_quant.modules.functional import fake_quantize
 from dist_quant.quantizers import (
     Float8CurrentScalingQuantizer,
@@ -63,10 +75,16 @@ class AttentionSlots:
     """The module's enrolment key (its tag tensor in a traced plan), for the backward's groups."""
     flash: bool = field(init=False)
     """qkv, s, do and dp are all per-tensor FP8: `flash_fp8_attention` runs (decided at plan)."""
+    fp8_results: bool = field(init=False)
+    """o and dqkv are delayed-scaling FP8 as well: cuDNN may write the output and gradients in
+    their formats (the call's shapes and device decide the rest)."""
 
     def __post_init__(self) -> None:
         inner = (self.qkv, self.s, self.do, self.dp)
-        object.__setattr__(self, "flash", all(type(q) in _PER_TENSOR for q in inner))
+        flash = all(type(q) in _PER_TENSOR for q in inner)
+        object.__setattr__(self, "flash", flash)
+        results = all(type(q) is Float8Quantizer for q in (self.o, self.dqkv))
+        object.__setattr__(self, "fp8_results", flash and results)
 
 
 class _FakeQuant(torch.autograd.Function):
@@ -157,32 +175,34 @@ class _FlashFP8Attention(torch.autograd.Function):
         pad_mask: torch.Tensor | None,
         causal: bool,
         slots: AttentionSlots,
+        on_cudnn: bool,
     ) -> torch.Tensor:
         # each cast keeps its input's storage order (the kernels read any of them in place): a
         # (b, heads, s, d) view of (s, b, heads, d) activations is cast without a transposing copy
         casts = [slots.qkv.cast(t, transpose=False) for t in (q, k, v)]
+        operands = (*(c.data for c in casts), *(c.scale_inv for c in casts))
         s_scale, s_amax = _inner_scale(slots.s, None, q.device)
-        out, lse, s_scale_fwd = fp8_attention_fwd(
-            *(c.data for c in casts),
-            *(c.scale_inv for c in casts),
-            s_scale,
-            s_amax,
-            slots.s.fp8_dtype,
-            pad_mask,
-            causal,
-            q.dtype,
-        )
+        if on_cudnn:
+            o = slots.o
+            out8, lse, s_scale_fwd, out_scale_inv = fp8_attention_fwd_cudnn(
+                *operands, s_scale, s_amax, o.scale, o.amax, o.fp8_dtype, causal
+            )
+            out = fp8_kernels.dequantize(out8, out_scale_inv, q.dtype)
+            saved_out = (out8, out_scale_inv)
+        else:
+            out, lse, s_scale_fwd = fp8_attention_fwd(
+                *operands, s_scale, s_amax, slots.s.fp8_dtype, pad_mask, causal, q.dtype
+            )
+            saved_out = (out,)
         # the backward rounds P with the forward's scale (a copy: see kernels/attention.py)
-        ctx.save_for_backward(
-            *(c.data for c in casts), *(c.scale_inv for c in casts), out, lse, s_scale_fwd, pad_mask
-        )
-        ctx.causal, ctx.slots = causal, slots
+        ctx.save_for_backward(*operands, *saved_out, lse, s_scale_fwd, pad_mask)
+        ctx.causal, ctx.slots, ctx.on_cudnn = causal, slots, on_cudnn
         ctx.dtypes = (q.dtype, k.dtype, v.dtype)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        q8, k8, v8, q_si, k_si, v_si, out, lse, s_scale, pad_mask = ctx.saved_tensors
+        q8, k8, v8, q_si, k_si, v_si, *saved_out, lse, s_scale, pad_mask = ctx.saved_tensors
         slots = ctx.slots
         do = slots.do.cast(grad, transpose=False)
         if slots.bwd_groups:
@@ -192,12 +212,28 @@ class _FlashFP8Attention(torch.autograd.Function):
         if not isinstance(slots.dp, Float8Quantizer):
             bound = _ds_bound(do.data, do.scale_inv, v8, v_si, slots.dp)
         dp_scale, dp_amax = _inner_scale(slots.dp, bound, grad.device)
+        operands = (q8, k8, v8)
+        scale_invs = (q_si, k_si, v_si, do.scale_inv)
+        if ctx.on_cudnn:
+            out8, out_scale_inv = saved_out
+            g = slots.dqkv
+            grads8 = fp8_attention_bwd_cudnn(
+                *operands, out8, out_scale_inv, do.data, *scale_invs, lse, s_scale, dp_scale,
+                dp_amax, g.scale, g.amax, g.fp8_dtype, ctx.causal,
+            )  # fmt: skip
+            grad_scale_inv = torch.reciprocal(g.scale)
+            dq, dk, dv = (
+                fp8_kernels.dequantize(g8, grad_scale_inv, dtype)
+                for g8, dtype in zip(grads8, ctx.dtypes)
+            )
+            return dq, dk, dv, None, None, None, None
+        (out,) = saved_out
         grads = fp8_attention_bwd(
-            q8, k8, v8, out, do.data, q_si, k_si, v_si, do.scale_inv, lse, s_scale,
-            slots.s.fp8_dtype, dp_scale, dp_amax, slots.dp.fp8_dtype, pad_mask, ctx.causal,
+            *operands, out, do.data, *scale_invs, lse, s_scale, slots.s.fp8_dtype, dp_scale,
+            dp_amax, slots.dp.fp8_dtype, pad_mask, ctx.causal,
         )  # fmt: skip
         dq, dk, dv = (fake_quantize(slots.dqkv, g).to(dtype) for g, dtype in zip(grads, ctx.dtypes))
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def flash_fp8_attention(
@@ -205,10 +241,13 @@ def flash_fp8_attention(
     slots: AttentionSlots,
 ) -> torch.Tensor:  # fmt: skip
     """FP8 attention on (batch, heads, seq, head_dim) tensors, k and v at KV-head shape; output in
-    q's dtype, then rounded through the `o` slot. `pad_mask` True where a key is masked out
-    (broadcastable to (b, 1, sq, sk)); `causal` top-left aligned."""
+    q's dtype, rounded through the `o` slot (by cuDNN itself where it runs). `pad_mask` True where
+    a key is masked out (broadcastable to (b, 1, sq, sk)); `causal` top-left aligned."""
+    on_cudnn = slots.fp8_results and cudnn_runs(q, k, pad_mask, slots.s.fp8_dtype)
+    if on_cudnn:
+        return _FlashFP8Attention.apply(q, k, v, pad_mask, causal, slots, True)
     if slots.dqkv is not None:
         # set here, outside the Function, where torch.compile may trace the change
         slots.dqkv.set_usage(rowwise=True, columnwise=False)
-    out = _FlashFP8Attention.apply(q, k, v, pad_mask, causal, slots)
+    out = _FlashFP8Attention.apply(q, k, v, pad_mask, causal, slots, False)
     return round_slots(out, slots.o, None, slots)
