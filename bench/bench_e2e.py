@@ -10,6 +10,8 @@ The stacks (`--model`, see `e2e_models.py`): "8b" (Llama-3-8B layer dims, 2 laye
     dq-{delayed,current,mxfp8,block}          the blocks' Linears swapped by dq.convert_model, compiled
     dq-{...}-eager                            the same, eager
     dq-layer-delayed[-fp8attn]                dq.TransformerLayer (num_gqa_groups), eager; with FP8 attention
+                                              (cuDNN's where it runs, else the Triton kernels)
+    dq-layer-delayed-fp8attn-triton           the same on the Triton kernels
     te-layer-delayed, te-linear-delayed       TE's TransformerLayer / te.Linear swapped in, eager
     te-layer-delayed-fp8dpa                   TE's TransformerLayer with its FP8 attention (fp8_dpa)
 
@@ -151,7 +153,7 @@ def worker(args: argparse.Namespace) -> None:
 
 # ---- the driver ---------------------------------------------------------------------------------
 def spawn(name: str, argv: list[str], device: str, timeout_s: float) -> dict:
-    env = dict(os.environ)
+    env = dict(os.environ) | dict(VARIANTS[name].env)
     if device == "cpu":
         env.setdefault("TRITON_INTERPRET", "1")  # no GPU: Triton kernels run in its interpreter
     cmd = [sys.executable, os.path.abspath(__file__), *argv, "--worker", name]

@@ -5,14 +5,17 @@ attention). Three rows, each timed back to back (median of CUDA events, no sync 
 
 - `bf16 sdpa`: `F.scaled_dot_product_attention(..., is_causal=True, enable_gqa=True)` fwd+bwd;
 - `fp8 kernels`: the forward and backward launchers on ready FP8 operands (attention alone);
+- `cudnn ops`: cuDNN's fused FP8 SDPA (``kernels/attention_cudnn.py``) on the same operands,
+  writing its output and gradients in FP8 (where cuDNN runs: the `cudnn` extra, Hopper, d 128);
 - `fp8 module`: `DotProductAttention` under `DelayedScaling(fp8_dpa=True)` fwd+bwd from bf16
-  inputs, casts and the `o`/`dqkv` slots included (what a layer pays).
+  inputs, casts and the `o`/`dqkv` slots included (what a layer pays): cuDNN where it runs;
+- `fp8 module triton`: the same with the Triton kernels (`DIST_QUANT_FP8_ATTENTION=triton`).
 
 It prints ms, the ratio over BF16 SDPA (target >= 1.3x for the kernels) and the host time to
 issue one step (wall time of the Python calls, measured separately with the GPU kept busy).
 
     python bench/bench_fp8_attention.py [--seq 8192] [--heads 32] [--kv-heads 8] [--dim 128]
-        [--batch 1] [--no-causal] [--rows "bf16 sdpa,fp8 kernels,fp8 module"] [--sweep]
+        [--batch 1] [--no-causal] [--rows "bf16 sdpa,fp8 kernels,cudnn ops,fp8 module"] [--sweep]
 """
 
 from __future__ import annotations
@@ -24,7 +27,13 @@ import torch
 import torch.nn.functional as F
 from bench_linear import cuda_median_ms, cuda_profile
 from dist_quant.kernels import attention as attn_kernels
+from dist_quant.kernels import attention_cudnn
 from dist_quant.kernels.attention import attention_bwd_triton, attention_fwd_triton
+from dist_quant.kernels.attention_cudnn import (
+    cudnn_runs,
+    fp8_attention_bwd_cudnn,
+    fp8_attention_fwd_cudnn,
+)
 
 import dist_quant as dq
 
@@ -64,21 +73,21 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def check(dpa, q, k, v, do, causal: bool) -> None:
-    """One step of the module under current scaling (no history to warm up) against BF16 SDPA:
-    FP8 rounding noise, ~1e-2 to 5e-2; anything near 1 is a broken kernel."""
+def check(dpa, q, k, v, do, causal: bool, recipe) -> None:
+    """One step of the module against BF16 SDPA: FP8 rounding noise, ~1e-2 to 5e-2; anything
+    near 1 is a broken kernel."""
     leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
     F.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=True).backward(do)
     ref = [F.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=True).detach()]
     ref += [t.grad for t in leaves]
     b, h, s, d = q.shape
     qm, km, vm = (t.detach().transpose(1, 2).contiguous().requires_grad_(True) for t in (q, k, v))
-    with dq.autocast(recipe=dq.Float8CurrentScaling(fp8_dpa=True)):
+    with dq.autocast(recipe=recipe):
         out = dpa(qm, km, vm)
     out.backward(do.transpose(1, 2).reshape(b, s, h * d))
     got = [out.reshape(b, s, h, d).transpose(1, 2)] + [t.grad.transpose(1, 2) for t in (qm, km, vm)]
     errs = "  ".join(f"{n} {rel(a, r):.2e}" for n, a, r in zip(("out", "dq", "dk", "dv"), got, ref))
-    print(f"fp8 module (current scaling) vs bf16 sdpa, relative error: {errs}")
+    print(f"fp8 module ({type(recipe).__name__}) vs bf16 sdpa, relative error: {errs}")
 
 
 def main() -> None:
@@ -89,7 +98,9 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--no-causal", action="store_true")
-    ap.add_argument("--rows", default="bf16 sdpa,fp8 kernels,fp8 module")
+    ap.add_argument(
+        "--rows", default="bf16 sdpa,fp8 kernels,cudnn ops,fp8 module,fp8 module triton"
+    )
     ap.add_argument("--profile", action="store_true", help="CUDA time per kernel of 5 steps")
     ap.add_argument("--sweep", action="store_true", help="time each tile config of SWEEP first")
     args = ap.parse_args()
@@ -137,6 +148,25 @@ def main() -> None:
             out = dpa(qm, km, vm)
         out.backward(dom)
 
+    o_scale, g_scale = torch.tensor([64.0], device=dev), torch.tensor([2.0**12], device=dev)
+    result_amax = torch.zeros(2, device=dev)
+
+    def cudnn_step():
+        out8, lse, _, o_si = fp8_attention_fwd_cudnn(
+            q8, k8, v8, qs, ks, vs, s_scale, amax[:1], o_scale, result_amax[:1], e4, causal
+        )
+        fp8_attention_bwd_cudnn(
+            q8, k8, v8, out8, o_si, do8, qs, ks, vs, dos, lse, s_scale, dp_scale, amax[1:],
+            g_scale, result_amax[1:], e5, causal,
+        )  # fmt: skip
+
+    def module_step_triton():
+        attention_cudnn.FORCED_TRITON = True
+        try:
+            module_step()
+        finally:
+            attention_cudnn.FORCED_TRITON = False
+
     def fwd_only():
         attention_fwd_triton(
             q8, k8, v8, qs, ks, vs, s_scale, amax[:1], e4, None, causal, torch.bfloat16
@@ -169,10 +199,17 @@ def main() -> None:
     if args.profile:
         prof = cuda_profile(kernel_step, warmup=1, iters=5)
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
-    check(dpa, q, k, v, do, causal)
+    on_cudnn = cudnn_runs(q8, k8, None, e4)
+    print(f"cuDNN's FP8 attention runs here: {on_cudnn}")
+    check(dpa, q, k, v, do, causal, dq.Float8CurrentScaling(fp8_dpa=True))
+    check(dpa, q, k, v, do, causal, recipe)
     base = None
-    rows = {"bf16 sdpa": sdpa_step, "fp8 kernels": kernel_step, "fp8 module": module_step}
+    rows = {"bf16 sdpa": sdpa_step, "fp8 kernels": kernel_step, "cudnn ops": cudnn_step,
+            "fp8 module": module_step, "fp8 module triton": module_step_triton}  # fmt: skip
     for name in args.rows.split(","):
+        if name == "cudnn ops" and not on_cudnn:
+            print(f"{name:12s} skipped: cuDNN's FP8 attention does not run here")
+            continue
         fn = rows[name]
         ms = cuda_median_ms(fn, iters=20, warmup=5)
         base = base or ms

@@ -55,6 +55,7 @@ class Variant:
     quant: str | None  # what quantizes the GEMMs: None (BF16), "torchao-*", "te", "dq-*"
     compiled: bool  # each block torch.compile'd (torchtitan's way); else eager
     requires: str | None = None  # an optional package the variant needs
+    env: tuple[tuple[str, str], ...] = ()  # set in the variant's process before it imports us
 
 
 DQ_RECIPES: dict[str, Callable[[], dq.Recipe]] = {
@@ -73,6 +74,10 @@ VARIANTS: dict[str, Variant] = {
     **{f"dq-{r}-eager": Variant("torch", f"dq-{r}", False) for r in DQ_RECIPES},
     "dq-layer-delayed": Variant("dq-layer", "dq-delayed", False),
     "dq-layer-delayed-fp8attn": Variant("dq-layer", "dq-delayed-fp8attn", False),
+    # the Triton kernels where cuDNN's FP8 attention would run (kernels/attention_cudnn.py)
+    "dq-layer-delayed-fp8attn-triton": Variant(
+        "dq-layer", "dq-delayed-fp8attn", False, env=(("DIST_QUANT_FP8_ATTENTION", "triton"),)
+    ),
     "te-layer-delayed": Variant("te-layer", "te", False, "transformer_engine"),
     "te-layer-delayed-fp8dpa": Variant("te-layer", "te-fp8attn", False, "transformer_engine"),
     "te-linear-delayed": Variant("torch", "te", False, "transformer_engine"),

@@ -20,6 +20,7 @@ wider for the forward's output (docs/fp8_attention.md).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import threading
@@ -49,16 +50,17 @@ if cudnn is not None:
     }
 
 
-def _backend_version() -> int:
+@functools.cache
+def _device_runs_it(index: int) -> bool:
+    """sm90+ under cuDNN >= 9.14 (asked once per device)."""
     try:
-        return int(cudnn.backend_version())
+        version = int(cudnn.backend_version())
     except Exception:  # the frontend found no libcudnn it can call
-        return 0
+        return False
+    return torch.cuda.get_device_capability(index)[0] >= 9 and version >= MIN_CUDNN
 
 
-def cudnn_runs(
-    q: Tensor, k: Tensor, pad_mask: Tensor | None, s_dtype: torch.dtype
-) -> bool:
+def cudnn_runs(q: Tensor, k: Tensor, pad_mask: Tensor | None, s_dtype: torch.dtype) -> bool:
     """Whether cuDNN's FP8 SDPA takes this call (the slots' part, FP8 `o` and `dqkv` of known
     scale, is the module's to check): CUDA on sm90+, the frontend installed over cuDNN >= 9.14,
     head dim 128, no padding mask, P in E4M3, and not forced off."""
@@ -70,8 +72,7 @@ def cudnn_runs(
         and k.shape[-1] == HEAD_DIM
         and pad_mask is None
         and s_dtype == torch.float8_e4m3fn
-        and torch.cuda.get_device_capability(q.device)[0] >= 9
-        and _backend_version() >= MIN_CUDNN
+        and _device_runs_it(_index(q.device))
     )
 
 
@@ -79,9 +80,13 @@ def cudnn_runs(
 _local = threading.local()  # one cuDNN handle per thread and device (the backward's thread too)
 
 
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _handle(device: torch.device) -> Any:
     handles = _local.__dict__.setdefault("handles", {})
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _index(device)
     if index not in handles:
         with torch.cuda.device(index):
             handles[index] = cudnn.create_handle()

@@ -18,6 +18,7 @@ import pytest
 import torch
 from dist_quant.kernels import reference as ref
 from dist_quant.kernels._op import register_op
+from dist_quant.kernels.attention_cudnn import fp8_attention_fwd_cudnn
 
 # every file of the package (an op in a new file is found too)
 MODULES = [
@@ -94,9 +95,14 @@ def _kernel_ops() -> dict:
     return {f.op._qualname.removeprefix("dist_quant::"): f for f in ops}
 
 
+# no CPU kernel: gemm.py emulates block_scaled_gemm; cuDNN's FP8 attention runs only where
+# `attention_cudnn.cudnn_runs` says (tests/kernels/test_cudnn_attention_gpu.py). Their fakes are
+# traced on the GPU.
+CUDA_ONLY = ["block_scaled_gemm", "fp8_attention_fwd_cudnn", "fp8_attention_bwd_cudnn"]
+
+
 def test_every_op_of_the_package_has_a_case_here() -> None:
-    # block_scaled_gemm has no CPU kernel (gemm.py emulates it): its fake is traced on the GPU
-    assert sorted(_kernel_ops()) == sorted([*_cases(), "block_scaled_gemm"])
+    assert sorted(_kernel_ops()) == sorted([*_cases(), *CUDA_ONLY])
 
 
 @pytest.mark.parametrize("name", sorted(_cases()))
@@ -153,3 +159,7 @@ def test_an_op_without_a_cpu_kernel_refuses_cpu_tensors_naming_the_op() -> None:
     q, s = ref.block_cast(torch.randn(4, 128), E4M3, block_dim=1)
     with pytest.raises(RuntimeError, match="block_scaled_gemm.*no kernel for cpu tensors"):
         K.block_scaled_gemm(q, s, 1, q, s, 1, out_dtype=torch.float32)
+    x = torch.zeros(1, 2, 16, 128).to(E4M3)
+    one = torch.ones(1)
+    with pytest.raises(RuntimeError, match="fp8_attention_fwd_cudnn.*no kernel for cpu tensors"):
+        fp8_attention_fwd_cudnn(x, x, x, one, one, one, one, one, one, one, E4M3, True)
