@@ -208,7 +208,9 @@ def attention_fwd_cudnn(
     tensors |= {"amax_s": amaxes[0], "amax_o": amaxes[1]}
     tensors |= {n: _one(t) for n, t in zip(_FWD_SCALARS, scalars)}
     _run(graph, handle, tensors, q.device)
-    s_amax.copy_(torch.maximum(s_amax, amaxes[0].reshape(1)))
+    # cuDNN rounds exp(logit - running row max) <= 1 and reports the normalised softmax's max
+    # instead: the max of what it rounds is 1 (every row sees a key: no padding mask here)
+    s_amax.copy_(torch.maximum(s_amax, torch.ones_like(s_amax)))
     o_amax.copy_(torch.maximum(o_amax, amaxes[1].reshape(1)))
     return out, stats.view(b, h, sq).mul(LOG2E)
 
@@ -260,17 +262,20 @@ def attention_bwd_cudnn(
 
     key = ("bwd", *map(_layout, (q, k, v, out, do, dq, dk)), causal, q.device.index)
     graph = _built(key, make, handle)
+    # cuDNN rounds dS / sqrt(d) (the softmax scale applied before the rounding, its amax says
+    # so): a scale sqrt(d) larger puts the codes on the definition's, those of dS * dp_scale
+    ds_scale = dp_scale * math.sqrt(d)
     scalars = (
         q_scale_inv, k_scale_inv, v_scale_inv, out_scale_inv, do_scale_inv,
-        torch.reciprocal(s_scale), torch.reciprocal(dp_scale), s_scale,
-        grad_scale, grad_scale, grad_scale, dp_scale,
+        torch.reciprocal(s_scale), torch.reciprocal(ds_scale), s_scale,
+        grad_scale, grad_scale, grad_scale, ds_scale,
     )  # fmt: skip
     tensors = {"q": q, "k": k, "v": v, "o": out, "dO": do, "stats": stats}
     tensors |= {"dQ": dq, "dK": dk, "dV": dv}
     tensors |= dict(zip(("amax_dQ", "amax_dK", "amax_dV", "amax_dP"), amaxes))
     tensors |= {n: _one(t) for n, t in zip(_BWD_SCALARS, scalars)}
     _run(graph, handle, tensors, q.device)
-    dp_amax.copy_(torch.maximum(dp_amax, amaxes[3].reshape(1)))
+    dp_amax.copy_(torch.maximum(dp_amax, amaxes[3].reshape(1) * math.sqrt(d)))
     grad_amax.copy_(torch.maximum(grad_amax, amaxes[:3].amax().reshape(1)))
     return dq, dk, dv
 

