@@ -10,8 +10,8 @@ The stacks (`--model`, see `e2e_models.py`): "8b" (Llama-3-8B layer dims, 2 laye
     dq-{delayed,current,mxfp8,block}          the blocks' Linears swapped by dq.convert_model, compiled
     dq-{...}-eager                            the same, eager
     dq-layer-delayed[-fp8attn]                dq.TransformerLayer (num_gqa_groups), eager; with FP8 attention
-                                              (cuDNN's where it runs, else the Triton kernels)
-    dq-layer-delayed-fp8attn-triton           the same on the Triton kernels
+                                              (the default path: docs/fp8_attention.md)
+    dq-layer-delayed-fp8attn-{cudnn,triton}   the same on cuDNN's FP8 attention / the Triton kernels
     te-layer-delayed, te-linear-delayed       TE's TransformerLayer / te.Linear swapped in, eager
     te-layer-delayed-fp8dpa                   TE's TransformerLayer with its FP8 attention (fp8_dpa)
 

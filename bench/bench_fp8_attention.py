@@ -7,15 +7,15 @@ attention). Three rows, each timed back to back (median of CUDA events, no sync 
 - `fp8 kernels`: the forward and backward launchers on ready FP8 operands (attention alone);
 - `cudnn ops`: cuDNN's fused FP8 SDPA (``kernels/attention_cudnn.py``) on the same operands,
   writing its output and gradients in FP8 (where cuDNN runs: the `cudnn` extra, Hopper, d 128);
-- `fp8 module`: `DotProductAttention` under `DelayedScaling(fp8_dpa=True)` fwd+bwd from bf16
-  inputs, casts and the `o`/`dqkv` slots included (what a layer pays): cuDNN where it runs;
-- `fp8 module triton`: the same with the Triton kernels (`DIST_QUANT_FP8_ATTENTION=triton`).
+- `fp8 module cudnn`, `fp8 module triton`: `DotProductAttention` under
+  `DelayedScaling(fp8_dpa=True)` fwd+bwd from bf16 inputs, casts and the `o`/`dqkv` slots
+  included (what a layer pays), on cuDNN (where it runs) and on the Triton kernels.
 
 It prints ms, the ratio over BF16 SDPA (target >= 1.3x for the kernels) and the host time to
 issue one step (wall time of the Python calls, measured separately with the GPU kept busy).
 
     python bench/bench_fp8_attention.py [--seq 8192] [--heads 32] [--kv-heads 8] [--dim 128]
-        [--batch 1] [--no-causal] [--rows "bf16 sdpa,fp8 kernels,cudnn ops,fp8 module"] [--sweep]
+        [--batch 1] [--no-causal] [--rows "bf16 sdpa,cudnn ops,fp8 module cudnn"] [--sweep]
 """
 
 from __future__ import annotations
@@ -160,12 +160,15 @@ def main() -> None:
             g_scale, result_amax[1:], e5, causal,
         )  # fmt: skip
 
-    def module_step_triton():
-        attention_cudnn.FORCED_TRITON = True
-        try:
-            module_step()
-        finally:
-            attention_cudnn.FORCED_TRITON = False
+    def module_step_on(backend: str):
+        def step():
+            preferred, attention_cudnn.BACKEND = attention_cudnn.BACKEND, backend
+            try:
+                module_step()
+            finally:
+                attention_cudnn.BACKEND = preferred
+
+        return step
 
     def fwd_only():
         attention_fwd_triton(
@@ -199,15 +202,18 @@ def main() -> None:
     if args.profile:
         prof = cuda_profile(kernel_step, warmup=1, iters=5)
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+    attention_cudnn.BACKEND, preferred = "cudnn", attention_cudnn.BACKEND
     on_cudnn = cudnn_runs(q8, k8, None, e4)
+    attention_cudnn.BACKEND = preferred
     print(f"cuDNN's FP8 attention runs here: {on_cudnn}")
     check(dpa, q, k, v, do, causal, dq.Float8CurrentScaling(fp8_dpa=True))
     check(dpa, q, k, v, do, causal, recipe)
     base = None
     rows = {"bf16 sdpa": sdpa_step, "fp8 kernels": kernel_step, "cudnn ops": cudnn_step,
-            "fp8 module": module_step, "fp8 module triton": module_step_triton}  # fmt: skip
+            "fp8 module cudnn": module_step_on("cudnn"),
+            "fp8 module triton": module_step_on("triton")}  # fmt: skip
     for name in args.rows.split(","):
-        if name == "cudnn ops" and not on_cudnn:
+        if "cudnn" in name and not on_cudnn:
             print(f"{name:12s} skipped: cuDNN's FP8 attention does not run here")
             continue
         fn = rows[name]

@@ -74,10 +74,13 @@ VARIANTS: dict[str, Variant] = {
     **{f"dq-{r}-eager": Variant("torch", f"dq-{r}", False) for r in DQ_RECIPES},
     "dq-layer-delayed": Variant("dq-layer", "dq-delayed", False),
     "dq-layer-delayed-fp8attn": Variant("dq-layer", "dq-delayed-fp8attn", False),
-    # the Triton kernels where cuDNN's FP8 attention would run (kernels/attention_cudnn.py)
-    "dq-layer-delayed-fp8attn-triton": Variant(
-        "dq-layer", "dq-delayed-fp8attn", False, env=(("DIST_QUANT_FP8_ATTENTION", "triton"),)
-    ),
+    # each GPU path of FP8 attention (kernels/attention_cudnn.py)
+    **{
+        f"dq-layer-delayed-fp8attn-{path}": Variant(
+            "dq-layer", "dq-delayed-fp8attn", False, env=(("DIST_QUANT_FP8_ATTENTION", path),)
+        )
+        for path in ("cudnn", "triton")
+    },
     "te-layer-delayed": Variant("te-layer", "te", False, "transformer_engine"),
     "te-layer-delayed-fp8dpa": Variant("te-layer", "te-fp8attn", False, "transformer_engine"),
     "te-linear-delayed": Variant("torch", "te", False, "transformer_engine"),

@@ -15,7 +15,8 @@ where it rounds P are its own (it does not round P against an integer row max as
 does), so its results are held to the definition by a tolerance, as the Triton kernels' are,
 wider for the forward's output (docs/fp8_attention.md).
 
-``DIST_QUANT_FP8_ATTENTION=triton`` (read at import) keeps every call on the Triton kernels.
+``DIST_QUANT_FP8_ATTENTION`` (read at import): ``cudnn`` (the default) or ``triton``, which
+keeps every call on the Triton kernels.
 """
 
 from __future__ import annotations
@@ -40,7 +41,12 @@ HEAD_DIM = 128
 """The one head dim cuDNN's FP8 backward takes on Hopper."""
 MIN_CUDNN = 91400
 """cuDNN 9.14: the first release cudnn-frontend's own FP8 SDPA tests run on."""
-FORCED_TRITON = os.environ.get("DIST_QUANT_FP8_ATTENTION", "") == "triton"
+BACKENDS = ("cudnn", "triton")
+BACKEND = os.environ.get("DIST_QUANT_FP8_ATTENTION", "cudnn")
+"""Which GPU path FP8 attention prefers (read at import): "cudnn" where cuDNN takes the call,
+"triton" always the Triton kernels."""
+if BACKEND not in BACKENDS:
+    raise ValueError(f"DIST_QUANT_FP8_ATTENTION={BACKEND!r}: expected one of {BACKENDS}")
 
 _FP8_TYPES = {}
 if cudnn is not None:
@@ -63,10 +69,10 @@ def _device_runs_it(index: int) -> bool:
 def cudnn_runs(q: Tensor, k: Tensor, pad_mask: Tensor | None, s_dtype: torch.dtype) -> bool:
     """Whether cuDNN's FP8 SDPA takes this call (the slots' part, FP8 `o` and `dqkv` of known
     scale, is the module's to check): CUDA on sm90+, the frontend installed over cuDNN >= 9.14,
-    head dim 128, no padding mask, P in E4M3, and not forced off."""
+    head dim 128, no padding mask, P in E4M3, and `BACKEND` "cudnn"."""
     return (
         cudnn is not None
-        and not FORCED_TRITON
+        and BACKEND == "cudnn"
         and q.device.type == "cuda"
         and q.shape[-1] == HEAD_DIM
         and k.shape[-1] == HEAD_DIM
