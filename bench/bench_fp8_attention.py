@@ -99,7 +99,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--no-causal", action="store_true")
     ap.add_argument(
-        "--rows", default="bf16 sdpa,fp8 kernels,cudnn ops,fp8 module,fp8 module triton"
+        "--rows", default="bf16 sdpa,fp8 kernels,cudnn ops,fp8 module cudnn,fp8 module triton"
     )
     ap.add_argument("--profile", action="store_true", help="CUDA time per kernel of 5 steps")
     ap.add_argument("--sweep", action="store_true", help="time each tile config of SWEEP first")
