@@ -71,7 +71,7 @@ def _device_runs_it(index: int) -> bool:
 
 def cudnn_runs(q: Tensor, k: Tensor, pad_mask: Tensor | None, s_dtype: torch.dtype) -> bool:
     """Whether cuDNN's FP8 SDPA takes this call (the slots' part, FP8 `o` and `dqkv` of known
-    scale, is the module's to check): CUDA on sm90+, the frontend installed over cuDNN >= 9.14,
+    scale and dS in dO's format, is the module's to check: `AttentionSlots.fp8_results`): CUDA on sm90+, the frontend installed over cuDNN >= 9.14,
     head dim 128, no padding mask, P in E4M3, and `BACKEND` "cudnn"."""
     return (
         cudnn is not None

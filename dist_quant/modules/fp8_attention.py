@@ -24,9 +24,10 @@ What each slot does here:
 - `dqkv` rounds dq, dk and dv on their way back (a fake quantization, as for the emulation).
 The casts inside the kernels are not seen by cast observers (telemetry's per-role statistics).
 
-Two GPU paths. Where the `o` and `dqkv` slots are delayed-scaling FP8 (scales known before the
-tensors exist) and cuDNN takes the call (``kernels/attention_cudnn.py``: Hopper or newer, head dim
-128, no padding mask, the `cudnn` extra installed), cuDNN's fused FP8 SDPA runs: it writes the
+Two GPU paths. Opted in (``DIST_QUANT_FP8_ATTENTION=cudnn``), where the `o` and `dqkv` slots are
+delayed-scaling FP8 (scales known before the tensors exist), the `dp` slot holds the `do` slot's
+format, and cuDNN takes the call (``kernels/attention_cudnn.py``: Hopper or newer, head dim 128,
+no padding mask, the `cudnn` extra installed), cuDNN's fused FP8 SDPA runs: it writes the
 output in the `o` slot's FP8 and the gradients in the `dqkv` slot's, the rounding those slots
 would give, done inside the kernel, and folds their amaxes into the slots. Everywhere else the
 Triton kernels (or their definition) run and the `o` and `dqkv` slots round the results after.
