@@ -2,6 +2,7 @@
 
     python bench/bench_coordinator_cpu.py [--ranks 1024,4096,16384] [--per-node 8] [--json]
     python bench/bench_coordinator_cpu.py --store [--ranks 1024,16384] [--per-node 8] [--json]
+        [--silent-rank R]
 
 A real `Coordinator` (memory transport, a real fsynced decision log in a temp dir) runs one switch
 for N ranks whose votes and acks are sealed beforehand and pushed the moment the Prepare is out,
@@ -30,6 +31,12 @@ The scripted relays are the harness's load, not rank 0's work: with `--voters-ap
 (`--voter-threads`, 8 by default) run in a process of their own, as relays run on hosts of their
 own, so that they stop taking turns with the coordinator's two threads for one GIL; on two cores
 they still share the CPUs.
+With `--silent-rank R` rank R never votes and its relay never says it is alive (a rank stopped
+before the Prepare behind a live relay): the coordinator aborts at the library's lease
+(`timing.LEASE_S`), and the row gives request -> the abort at the client (`decision_ms`), the
+ranks it names, and request -> every node has the ABORT (`unblocked_ms`: a relay that has it
+hands it to its ranks, which then leave the switch), the liveness target at any N with the
+ranks' own work taken out (bench_switch_scale.py --stop-rank measures it with real ranks).
 The end-to-end scale benchmark with real participants is bench/bench_switch_scale.py.
 """
 
@@ -88,16 +95,19 @@ def _reply(hub: MemoryHub, request_id: str, limit_s: float = 600.0):
 
 
 def _batched(msgs: list, per_node: int, summaries: bool = True) -> list[bytes]:
-    """Each message sealed on its own, or (`per_node` > 1) one sealed Bundle per node, as its
-    relay sends it (`summarized`: a node whose votes or acks agree as one summary; without
+    """Each message sealed on its own, or (`per_node` > 1) one sealed Bundle per node that sent
+    any (ranks `leader` .. `leader + per_node - 1`), as its relay sends it (`summarized`: a node whose votes or acks agree as one summary; without
     `summaries`, every rank's message in the bundle, as before summaries)."""
     if per_node <= 1:
         return [seal(m, TOKEN) for m in msgs]
+    by_leader: dict[int, list] = {}
+    for m in msgs:
+        by_leader.setdefault(m.rank - m.rank % per_node, []).append(m)
     bundles = []
-    for i in range(0, len(msgs), per_node):
-        node, held = range(i, min(i + per_node, len(msgs))), msgs[i : i + per_node]
-        sent = summarized(i, node, held) if summaries else held
-        bundles.append(seal(Bundle.of(i, sent), TOKEN))
+    for leader, held in sorted(by_leader.items()):
+        node = range(leader, leader + per_node)
+        sent = summarized(leader, node, held) if summaries else held
+        bundles.append(seal(Bundle.of(leader, sent), TOKEN))
     return bundles
 
 
@@ -196,7 +206,8 @@ def _voter(
 ) -> None:
     """The relays of `leaders`' nodes, scripted: each node's ready votes once its Prepare is
     there, then its ready acks once its decision is; `got` gets the time of the last decision,
-    `cpu` this thread's CPU (on a cluster, the relays' work runs on their own hosts). With
+    `cpu` this thread's CPU (on a cluster, the relays' work runs on their own hosts); a node
+    without an entry in `votes` (`acks`) sends none. With
     `nodes` (leader -> its ranks), each Prepare and decision is also checked against the token
     and handed to every rank's queue of its node, as a relay's down thread does, before the
     node counts as having it."""
@@ -212,7 +223,8 @@ def _voter(
                     hand_down(transport, nodes[leader], data)
                 if expected is Decision:
                     got.append(time.monotonic())
-                transport.push(INBOX, answers[leader])
+                if leader in answers:  # an ABORT is not acked
+                    transport.push(INBOX, answers[leader])
     finally:
         cpu.append(time.thread_time())
         transport.close()
@@ -261,7 +273,11 @@ def one_switch_store(
     handing_down: bool = False,
     voters_apart: bool = False,
     voter_threads: int = VOTER_THREADS,
+    silent_rank: int | None = None,
 ) -> dict[str, Any]:
+    """One switch; with `silent_rank` that rank never votes and its relay never says it is
+    alive (a rank stopped before the Prepare behind a live relay): the coordinator aborts it at
+    the library's lease, and the row reports when every node had the ABORT."""
     # imported here: they import torch, whose objects would make the memory mode's garbage
     # collections (and its CPU figures) heavier than in the runs it is compared with
     from dist_quant.coordinator.job_host import connect_endpoint
@@ -272,11 +288,12 @@ def one_switch_store(
     # the commit step the coordinator will book (no switch before: the lead is its estimate),
     # so that the acks can be sealed before the switch like the votes
     lead_s = lead_time(ranks, None)
-    sent = [_vote(r, lead_s) for r in range(ranks)]
+    sent = [_vote(r, lead_s) for r in range(ranks) if r != silent_rank]
     step = max(v.hold_step or 0 for v in sent)
     voted = _batched(sent, per_node, summaries)
     acked = _batched([Ack(1, r, step, True, "", "B") for r in range(ranks)], per_node, summaries)
-    votes, acks = dict(zip(leaders, voted, strict=True)), dict(zip(leaders, acked, strict=True))
+    votes = dict(zip(leaders, voted, strict=True))
+    acks = {} if silent_rank is not None else dict(zip(leaders, acked, strict=True))
     server = StoreServer()
     endpoint = {"transport": "store", "address": server.address, "token": TOKEN}
     counted = Counted(connect_endpoint(endpoint))
@@ -320,9 +337,13 @@ def one_switch_store(
         replies = [unseal(client.pop(reply_queue("req"), 600.0), TOKEN) for _ in range(2)]
         t_decided = time.monotonic()
         result = replies[1].body
-        if not result["committed"] or result["step"] != step:
+        if silent_rank is not None:
+            if result["committed"] or list(result["reasons"]) != [str(silent_rank)]:
+                raise RuntimeError(f"switch {result['summary']}, expected an abort naming "
+                                   f"rank {silent_rank} alone")  # fmt: skip
+        elif not result["committed"] or result["step"] != step:
             raise RuntimeError(f"switch {result['summary']}, expected a commit at step {step}")
-        while coord.phase.value != "published":
+        while silent_rank is None and coord.phase.value != "published":
             if time.monotonic() - t0 > 600.0:
                 raise TimeoutError(f"not every ack counted: {coord.phase.value}")
             time.sleep(0.0005)
@@ -344,15 +365,21 @@ def one_switch_store(
         coord.stop()
         client.close()
         server.close()
+    every_node_ms = (max(got) - t0) * 1e3
+    reached = {"published_ms": every_node_ms, "acked_ms": (t_acked - t0) * 1e3}
+    if silent_rank is not None:  # nothing publishes or acks: every node has the ABORT
+        reached = {"committed": False, "named_ranks": [int(r) for r in result["reasons"]],
+                   "reasons": sorted(set(result["reasons"].values())),
+                   "unblocked_ms": every_node_ms}  # fmt: skip
     return {
         "ranks": ranks,
         "per_node": per_node,
         "nodes": len(leaders),
         "summaries": summaries,
         "transport": "store",
+        "silent_rank": silent_rank,
         "decision_ms": (t_decided - t0) * 1e3,
-        "published_ms": (max(got) - t0) * 1e3,
-        "acked_ms": (t_acked - t0) * 1e3,
+        **reached,
         "coordinator_cpu_ms": sum(cpu_by_thread.values()) * 1e3,
         # the pump reads and unseals the inbox; main counts, decides, logs and sends
         "coordinator_threads_cpu_ms": {name: s * 1e3 for name, s in sorted(cpu_by_thread.items())},
@@ -426,7 +453,16 @@ def main() -> None:
         default=VOTER_THREADS,
         help="--store: threads of scripted relays, each for an equal share of the nodes",
     )
+    ap.add_argument(
+        "--silent-rank",
+        type=int,
+        default=None,
+        help="--store: this rank never votes nor says it is alive (stopped before the Prepare): "
+        "the row is the abort at the library's lease, and when every node has it",
+    )
     args = ap.parse_args()
+    if args.silent_rank is not None and not args.store:
+        ap.error("--silent-rank needs --store")
     if args.store and args.per_node < 2:
         ap.error("--store scripts node relays: give --per-node 2 or more")
     if args.voter_threads < 1:
@@ -436,10 +472,18 @@ def main() -> None:
             if args.store:
                 row = one_switch_store(
                     n, Path(tmp), args.per_node, not args.no_summaries, args.hand_down,
-                    args.voters_apart, args.voter_threads,
+                    args.voters_apart, args.voter_threads, args.silent_rank,
                 )  # fmt: skip
                 if args.json:
                     print(json.dumps(row), flush=True)
+                    continue
+                if args.silent_rank is not None:
+                    print(
+                        f"{n:>6} ranks on {row['nodes']} nodes (store), rank {args.silent_rank} "
+                        f"silent: request->abort {row['decision_ms']:7.1f} ms naming "
+                        f"{row['named_ranks']}, -> every node has it {row['unblocked_ms']:7.1f} ms",
+                        flush=True,
+                    )
                     continue
                 print(
                     f"{n:>6} ranks on {row['nodes']} nodes (store): request->decision "

@@ -2,7 +2,7 @@
 
     python bench/bench_switch_scale.py [--ranks 64 1024 4096 16384] [--ranks-per-node 8]
         [--transport store|ray] [--relays] [--json] [--timeout 600] [--at-step-ahead K]
-        [--step-ms 20] [--switches 1] [--stop-rank R --lease-s 2]
+        [--step-ms 20] [--switches 1] [--stop-rank R --lease-s 1.5]
 
 Real: `Coordinator`, its decision log (fsynced), the transport (`store`: a `StoreServer` in this
 process, every rank connected to it exactly as `attach` connects; `ray`: the coordinator actor's
@@ -414,7 +414,7 @@ def projection(world: int, rpn: int, measured: dict[str, Any] | None) -> list[st
         )
     lines.append(
         "not simulated: network round trips (every rank shares this host), liveness at the "
-        "library's 2 s lease beyond ~2,048 ranks (--stop-rank with --lease-s 2 measures it; a live "
+        "library's 1.5 s lease beyond ~2,048 ranks (--stop-rank with --lease-s 1.5 measures it; a live "
         "rank sharing 2 cores with thousands can be silent longer), planning time (the "
         "stub plans in microseconds; bench/bench_switch.py measures plan_model), GPU work and "
         "the collectives between steps (a barrier per step stands in for them)."
@@ -452,7 +452,7 @@ def main() -> None:
         help="simulated ranks per worker process (their threads share its GIL)",
     )
     parser.add_argument("--lease-s", type=float, default=30.0,
-                        help="store: the coordinator's liveness lease; the library's 2 s assumes "
+                        help="store: the coordinator's liveness lease; the library's 1.5 s assumes "
                         "each rank has a CPU of its own, here thousands share 2 cores and a live "
                         "rank can wait seconds to read the Prepare")  # fmt: skip
     parser.add_argument("--relays", action="store_true",
@@ -461,7 +461,7 @@ def main() -> None:
     parser.add_argument("--stop-rank", type=int, default=None,
                         help="store: this rank's listener stops reading (as a stopped process's "
                         "would) from before the first switch until it is decided, so that "
-                        "switch's row shows how soon the lease (--lease-s; the library's is 2) "
+                        "switch's row shows how soon the lease (--lease-s; the library's is 1.5) "
                         "aborts it and frees every other rank; the next switch (--switches 2) "
                         "runs with the rank back")  # fmt: skip
     parser.add_argument("--gil-switch-ms", type=float, default=1e3 * GIL_SWITCH_S,

@@ -65,7 +65,7 @@ MAX_BUNDLE = 4096  # messages per Bundle; a node holds far fewer ranks
 _DOWN_BATCH = 16  # the coordinator's messages to a node come a few per switch
 # how long a vote or ack waits for the rest of its node: a node's ranks plan and publish the same
 # model at the same step, so they answer within milliseconds of each other; a rank that does not
-# (slow, dead) delays its node's others by this much, far inside the coordinator's 2 s lease
+# (slow, dead) delays its node's others by this much, far inside the coordinator's 1.5 s lease
 GATHER_S = 0.02
 # one per rank per switch (a sign of life: per rank per beat): the rounds worth gathering
 _GATHERED = (Vote, Ack, Alive)

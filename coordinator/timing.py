@@ -12,7 +12,11 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 
 BEAT_S = 0.5  # a rank planning a switch says it is alive this often (`Alive`)
-LEASE_S = 2.0  # a rank silent this long while a vote is due is dead, stopped or cut off
+# A rank silent this long while a vote is due is dead, stopped or cut off. Short enough that a
+# hung rank's switch is aborted and every rank is out of it within 2 s (the abort takes a few
+# hundred ms more to reach thousands of ranks: BENCHMARKS.md, issue 32); long enough that a
+# live rank, which beats BEAT_S after the Prepare reaches it, is heard with 1 s to spare.
+LEASE_S = 1.5
 
 
 def silent_ranks(

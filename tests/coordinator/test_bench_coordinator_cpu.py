@@ -1,7 +1,8 @@
 """bench/bench_coordinator_cpu.py at a few nodes, so the coordinator benchmark cannot rot: both
 modes commit a switch of relayed nodes, and the store mode's rank 0 moves one message per node
 per round (Prepare, votes, decision, acks) plus the client's three, summaries or not, and with
---hand-down leaves the Prepare and the decision in every rank's queue."""
+--hand-down leaves the Prepare and the decision in every rank's queue; with a silent rank it
+aborts at the lease."""
 
 import json
 import subprocess
@@ -57,3 +58,16 @@ def test_scripted_relays_in_a_process_of_their_own_do_the_same_work():
     assert (row["voters_apart"], row["voter_threads"]) == (True, 3)
     assert row["rank0_messages"] == 4 * 8 + 3 and row["handed_down"] == 2 * 64
     assert 0 < row["published_ms"] <= row["acked_ms"] and row["voters_cpu_ms"] > 0
+
+
+def test_a_silent_rank_is_aborted_at_the_lease_and_every_node_gets_the_abort():
+    """--silent-rank: rank 13 never votes and its relay never says it is alive; the coordinator
+    aborts at the library's lease (counted from the Prepare, which follows the request) naming
+    it alone, every node gets the ABORT, and rank 0 moves three messages per node (Prepare,
+    votes, decision: an ABORT is not acked), the client's three and the mark it pushes into its
+    own inbox and reads back to judge the silence only once every queued message is in."""
+    (row,) = run_bench("--store", "--silent-rank", "13")
+    assert (row["committed"], row["named_ranks"], row["silent_rank"]) == (False, [13], 13)
+    assert row["reasons"] == ["no vote and no sign of life for 1.5 s: dead, stopped or cut off"]
+    assert row["decision_ms"] >= 1500 and row["unblocked_ms"] >= 1500
+    assert "published_ms" not in row and row["rank0_messages"] == 3 * 8 + 3 + 2

@@ -11,7 +11,7 @@ from dist_quant.coordinator.transport_memory import MemoryHub, MemoryTransport
 from dist_quant.coordinator.wire import INBOX, rank_queue, reply_queue, seal, unseal
 from test_coordinator import TOKEN, Job
 
-SILENT = "no vote and no sign of life for 2 s: dead, stopped or cut off"
+SILENT = "no vote and no sign of life for 1.5 s: dead, stopped or cut off"
 
 
 class SlowInbox(MemoryTransport):

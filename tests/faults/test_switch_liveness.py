@@ -1,5 +1,5 @@
 """Liveness of the cluster-wide switch with real rank processes: a rank that stops answering is
-found silent within the lease (2 s) however long the vote deadline, and a rank whose plan never
+found silent within the lease (1.5 s) however long the vote deadline, and a rank whose plan never
 ends is freed by the ABORT; either way the next switch commits without a restart.
 
 The vote deadlines here (30 s, 3 s) are far from the lease, so the abort's reason tells which rule
@@ -17,7 +17,7 @@ from test_switch_faults import CURRENT, Job, check_survivors
 
 pytestmark = pytest.mark.distributed
 
-SILENT = "no vote and no sign of life for 2 s: dead, stopped or cut off"
+SILENT = "no vote and no sign of life for 1.5 s: dead, stopped or cut off"
 
 
 def test_a_stopped_rank_aborts_the_switch_at_its_lease_and_once_resumed_the_next_commits(

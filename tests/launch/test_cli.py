@@ -361,7 +361,7 @@ def test_an_abort_naming_thousands_of_ranks_prints_a_line_per_reason(monkeypatch
     from dist_quant.coordinator.switch_requests import SwitchResult
     from dist_quant.launch import switch_commands
 
-    silent = "no vote and no sign of life for 2 s: dead, stopped or cut off"
+    silent = "no vote and no sign of life for 1.5 s: dead, stopped or cut off"
     reasons = {r: silent for r in range(4096) if r not in (370, 371)}
     reasons[370] = "ValueError: bad role"
     aborted = SwitchResult(switch_id=2, committed=False, step=None, reasons=reasons,
