@@ -235,3 +235,37 @@ def test_a_node_leader_dying_around_the_commit_leaves_no_rank_half_switched(
     decisions = [json.loads(line) for line in (run_dirs[0] / "decisions.jsonl").open()]
     outcome = [(d["switch_id"], d["commit"]) for d in decisions if d["event"] == "decision"]
     assert outcome == [(1, committed)]
+
+
+def test_a_hung_rank_behind_its_node_leader_is_named_alone_and_once_resumed_the_next_switch_commits(
+    hosts, tmp_path
+):
+    """2 nodes x 3 ranks; rank 4, behind rank 3's relay and store, is stopped (SIGSTOP) before the
+    switch: its listener reads nothing, and its collectives hold every other rank at their next
+    step. Rank 3's relay speaks for ranks 3 and 5, so the switch aborts at the lease naming
+    rank 4 alone; resumed, rank 4 reads the ABORT, and the next switch commits on all six ranks
+    at one step."""
+    cfg, run_dirs = start_job(hosts, tmp_path, nproc=3)
+    wait_for((run_dirs[1] / "pid.rank4").exists, 30, "rank 4's pid")
+    rank4 = int((run_dirs[1] / "pid.rank4").read_text())
+    os.kill(rank4, signal.SIGSTOP)
+    try:
+        first = cli(hosts, 0, run_dirs[0], "switch", "current", "--timeout", "30")
+    finally:
+        os.kill(rank4, signal.SIGCONT)
+    assert first.returncode == 1, first.stdout + first.stderr + logs(tmp_path)
+    (silent,) = [line for line in first.stdout.splitlines() if "no sign of life" in line]
+    assert (
+        silent.strip() == "rank 4: no vote and no sign of life for 1.5 s: dead, stopped or cut off"
+    )
+    second = cli(hosts, 0, run_dirs[0], "switch", "current", "--timeout", "30")
+    assert second.returncode == 0, second.stdout + second.stderr + logs(tmp_path)
+    step = int(re.search(r"from step (\d+)", second.stdout).group(1))
+    Path(cfg["stop_file"]).write_text(str(step + 3))
+    for r, res in node_results(run_dirs, range(6)).items():
+        keys = res["keys"]
+        assert all("Delayed" in k for k in keys[:step]), (r, keys[:step])
+        assert all("Current" in k for k in keys[step:]) and len(keys) > step, (r, keys[step:])
+    decisions = [json.loads(line) for line in (run_dirs[0] / "decisions.jsonl").open()]
+    outcome = [(d["switch_id"], d["commit"]) for d in decisions if d["event"] == "decision"]
+    assert outcome == [(1, False), (2, True)]
