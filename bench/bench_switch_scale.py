@@ -2,7 +2,7 @@
 
     python bench/bench_switch_scale.py [--ranks 64 1024 4096 16384] [--ranks-per-node 8]
         [--transport store|ray] [--relays] [--json] [--timeout 600] [--at-step-ahead K]
-        [--step-ms 20] [--switches 1] [--stop-rank R --lease-s 1.5]
+        [--step-ms 20] [--switches 1] [--stop-rank R --lease-s 1.5] [--real-ranks K]
 
 Real: `Coordinator`, its decision log (fsynced), the transport (`store`: a `StoreServer` in this
 process, every rank connected to it exactly as `attach` connects; `ray`: the coordinator actor's
@@ -46,6 +46,14 @@ reports `named_ranks` and `reasons` (the abort's), `decision_ms` (request -> the
 `unblocked_ms` (request -> no simulated rank in the switch any more), the stall keys above, and
 no publish; R then resumes, and the next switch's row shows whether the job switches without a
 restart.
+
+With `--real-ranks K` (and `--relays`) only the last K ranks are real participants; the nodes
+before them are scripted relays whose ranks plan, read and publish instantly
+(`switch_scale_scripted.py`), in a process of their own that steps in lockstep with the rest. The
+coordinator then carries the whole job's load (one bundle per node and round, N ranks counted),
+while the two cores run only K ranks' threads: thousands of real ranks' own work on two cores no
+longer sets the latencies. The stall keys and `ranks_cpu_ms` are then the K real ranks' (plus
+`scripted`, the scripted relays' CPU).
 """
 
 from __future__ import annotations
@@ -77,6 +85,7 @@ from switch_scale_ranks import (
     thread_cpu_s,
     worker,
 )
+from switch_scale_scripted import scripted_worker
 
 COSTS_MS = {"in a node": 0.05, "across nodes": 0.5}
 
@@ -98,6 +107,8 @@ class Bench:
         tp_groups = [tuple(range(g, min(g + rpn, world))) for g in range(0, world, rpn)]
         # a node = a TP group; with --relays its lowest rank relays the node's messages
         self.relayed = tuple(g for g in tp_groups if len(g) > 1) if args.relays else ()
+        # --real-ranks K: the last K ranks are real participants, the nodes before them scripted
+        self.first_real = world - args.real_ranks if args.real_ranks else 0
         self.counts: dict[str, int] = {"sent": 0, "received": 0}
         # ray: every message crosses the actor once (a push in, or a pop out)
         self.gauge = {"now": 0, "peak": 0, "messages": 0}
@@ -152,8 +163,11 @@ class Bench:
         if self.args.transport == "store":
             ctx = mp.get_context("spawn")
             per = self.args.ranks_per_process
-            self.barrier = barrier = ctx.Barrier(math.ceil(self.world / per))
-            for lo in range(0, self.world, per):
+            first_real = self.first_real
+            scripted = [n for n in self.relayed if n[-1] < first_real]
+            real_workers = math.ceil((self.world - first_real) / per)
+            self.barrier = barrier = ctx.Barrier(real_workers + bool(scripted))
+            for lo in range(first_real, self.world, per):
                 here, there = ctx.Pipe()
                 proc = ctx.Process(
                     target=worker,
@@ -170,6 +184,12 @@ class Bench:
                     ),  # fmt: skip
                     daemon=True,
                 )
+                proc.start()
+                self.workers.append((proc, here))
+            if scripted:  # last, so that `_stopper` finds a real rank's worker by its index
+                here, there = ctx.Pipe()
+                proc = ctx.Process(target=scripted_worker, daemon=True,
+                                   args=(scripted, self.endpoint, step_s, barrier, there))  # fmt: skip
                 proc.start()
                 self.workers.append((proc, here))
             hellos = [self._ask(conn, None) for _, conn in self.workers]
@@ -209,7 +229,8 @@ class Bench:
 
     def _stopper(self) -> Any:
         """The pipe of the worker that holds `--stop-rank`."""
-        return self.workers[self.args.stop_rank // self.args.ranks_per_process][1]
+        index = (self.args.stop_rank - self.first_real) // self.args.ranks_per_process
+        return self.workers[index][1]
 
     def _until_nobody_holds(self) -> None:
         """Poll until every simulated rank is out of the switch (an aborted switch's decision
@@ -349,7 +370,8 @@ def measure(args: argparse.Namespace, world: int) -> list[dict[str, Any]]:
     coordinator books the commit step from the last switch's measured latency instead of its
     estimate by ranks); a row with an `error` ends the list."""
     rows: list[dict[str, Any]] = []
-    row: dict[str, Any] = {"ranks": world, "transport": args.transport, "plan_ms": args.plan_ms}
+    row: dict[str, Any] = {"ranks": world, "transport": args.transport, "plan_ms": args.plan_ms,
+                           "real_ranks": args.real_ranks or world}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         bench = None
         try:
@@ -464,6 +486,11 @@ def main() -> None:
                         "switch's row shows how soon the lease (--lease-s; the library's is 1.5) "
                         "aborts it and frees every other rank; the next switch (--switches 2) "
                         "runs with the rank back")  # fmt: skip
+    parser.add_argument("--real-ranks", type=int, default=0,
+                        help="store, --relays: only the last this many ranks are real "
+                        "participants; the nodes before them are scripted relays whose ranks "
+                        "plan instantly (switch_scale_scripted.py), so the real ones meet the "
+                        "coordinator's load at full N (0: every rank real)")  # fmt: skip
     parser.add_argument("--gil-switch-ms", type=float, default=1e3 * GIL_SWITCH_S,
                         help="store: the GIL switch interval of the simulated ranks' processes "
                         "(CPython's default is 5; switch_scale_ranks.py says why it is longer)")  # fmt: skip
@@ -478,6 +505,20 @@ def main() -> None:
         args.transport != "store" or not 0 < args.stop_rank < min(args.ranks)
     ):
         parser.error("--stop-rank needs --transport store and a rank in [1, smallest --ranks)")
+    if args.real_ranks and (
+        not args.relays
+        or args.real_ranks % args.ranks_per_node
+        or args.real_ranks >= min(args.ranks)
+    ):
+        parser.error("--real-ranks needs --relays and a multiple of --ranks-per-node below the "
+                     "smallest --ranks (the scripted nodes come first)")  # fmt: skip
+    if (
+        args.real_ranks
+        and args.stop_rank is not None
+        and (any(args.stop_rank < n - args.real_ranks for n in args.ranks))
+    ):
+        parser.error("--stop-rank with --real-ranks K: a real rank, one of the last K of "
+                     "every --ranks")  # fmt: skip
 
     import torch
 

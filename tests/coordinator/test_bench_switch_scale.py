@@ -138,3 +138,21 @@ def test_the_rank_profile_splits_a_switchs_cpu_by_kind_of_thread():
     for kind in ("listener", "planner", "relay.up", "relay.down", "trainer"):
         assert f" {kind} " in switch, (kind, switch)
     assert "us/rank" in switch and "'push'" in switch
+
+
+def test_bench_with_scripted_nodes_switches_the_real_ranks_and_names_a_stopped_one():
+    """--real-ranks 8 of 32: the first six nodes are scripted relays and the last two run real
+    participants; both switches reach all 32 ranks (the scripted ones publish at the commit
+    step too), then with rank 29 stopped the switch aborts at the lease naming it alone and
+    the next commits."""
+    common = ("--ranks", "32", "--ranks-per-node", "4", "--relays", "--real-ranks", "8",
+              "--ranks-per-process", "4", "--step-ms", "50", "--switches", "2")  # fmt: skip
+    rows = run_bench(*common)
+    assert [r.get("error") for r in rows] == [None, None], rows
+    for row in rows:
+        assert row["real_ranks"] == 8 and row["committed"] and row["published_ms"] > 0
+        # one message per node and round, the client's three and the bench's status polls
+        assert row["rank0_messages"] >= 4 * 8 + 3
+    stopped, after = run_bench(*common, "--stop-rank", "29", "--lease-s", "1.5")
+    assert (stopped["committed"], stopped["named_ranks"]) == (False, [29]), stopped
+    assert stopped["decision_ms"] >= 1500 and after["committed"] and after.get("error") is None
