@@ -47,6 +47,7 @@ from dist_quant.coordinator.node_relay import NodeRelay, relayed_nodes
 from dist_quant.coordinator.node_store import NodeStore, Route, node_led_by, route
 from dist_quant.coordinator.participant import Participant
 from dist_quant.coordinator.switch_requests import request_switch
+from dist_quant.coordinator.timing import LEASE_S, check_lease
 from dist_quant.coordinator.transport import (
     PairedTransport,
     Transport,
@@ -78,6 +79,7 @@ def attach(
     decision_grace_s: float = 1.0,
     stats_interval: int = 0,
     guard: PrecisionGuard | None = None,
+    lease_s: float = LEASE_S,
 ) -> Participant:
     """Attach this rank's `model` to the job's coordinator; call on every rank of `group`.
 
@@ -88,8 +90,13 @@ def attach(
     `stats_interval` > 0: FP8 telemetry every that many steps, reduced over `group`, written by
     rank 0 to `<run_dir>/fp8_stats.jsonl`. `guard`: a `PrecisionGuard` that rank 0 runs on what
     `participant.observe` reports (see coordinator/guard.py). Both need `participant.observe(step,
-    loss=..., grad_norm=...)` after every step's backward, on every rank.
+    loss=..., grad_norm=...)` after every step's backward, on every rank. `lease_s`: a rank
+    that owes its vote on a switch and has not been heard from for this long (no vote, no sign
+    of life) is taken for dead, stopped or cut off, and the switch aborts naming it (rank 0's
+    value is the job's; at least 1 s). Raise it for a job whose training thread can hold the
+    GIL for a second or more (a long C call that does not release it) while a switch is asked.
     """
+    check_lease(lease_s)
     if guard is not None and not isinstance(guard, PrecisionGuard):
         raise ValueError(f"attach: guard must be a PrecisionGuard or None, got {guard!r}")
     telemetry = Telemetry(model, stats_interval=stats_interval, group=group, run_dir=run_dir)
@@ -150,7 +157,7 @@ def attach(
         relay_links, problem = _open_relay_links(endpoint, way, rank, localities)
     if host_side is not None and not problem:
         problem = host_side.connect_coordinator(
-            tp_groups, tuple(faults), decision_grace_s / 2, nodes
+            tp_groups, tuple(faults), decision_grace_s / 2, nodes, lease_s
         )
     # Collective 3: did every rank reach the coordinator (and its node leader's store)? Every
     # rank fails together, or none.

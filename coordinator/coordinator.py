@@ -51,7 +51,7 @@ from dist_quant.coordinator.protocol import (
 )
 from dist_quant.coordinator.switch_log import SwitchLog
 from dist_quant.coordinator.tally import RankValues
-from dist_quant.coordinator.timing import BEAT_S, LEASE_S, lead_time
+from dist_quant.coordinator.timing import BEAT_S, LEASE_S, check_lease, lead_time
 from dist_quant.coordinator.transport import Transport, TransportError
 from dist_quant.coordinator.wire import (
     INBOX,
@@ -93,6 +93,7 @@ class Coordinator:
         to every rank goes to those relays once per node, the other ranks get it directly."""
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
+        check_lease(lease_s)
         self._out = transport
         self._inbox = transport.clone()
         self._token = token

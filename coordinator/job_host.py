@@ -14,6 +14,7 @@ from dist_quant.coordinator.decision_log import DecisionLog, resume_schedule
 from dist_quant.coordinator.endpoint import LOG_FILE, remove_endpoint, write_endpoint
 from dist_quant.coordinator.faults import Fault
 from dist_quant.coordinator.node_store import drain
+from dist_quant.coordinator.timing import LEASE_S
 from dist_quant.coordinator.transport import Transport, TransportError, TransportKind
 from dist_quant.coordinator.transport_ray import (
     RayTransport,
@@ -116,6 +117,7 @@ class JobHost:
         faults: tuple[Fault, ...],
         commit_window_s: float,
         relayed: tuple[tuple[int, ...], ...] = (),
+        lease_s: float = LEASE_S,
     ) -> str:
         """Make the coordinator and open its connections (not yet started), inside attach's
         all-or-none window; returns the problem text, or ""."""
@@ -130,7 +132,7 @@ class JobHost:
             *(node_queue(0) for node in relayed if 0 in node),
         )
         self._start_args = (self.endpoint["token"], world, tp_groups, str(log_path), faults,
-                            commit_window_s)  # fmt: skip
+                            commit_window_s, lease_s)  # fmt: skip
         if self.kind is TransportKind.RAY:
             return ""  # the coordinator lives in the actor, beside its queues
         try:
@@ -143,6 +145,7 @@ class JobHost:
                 faults=faults,
                 commit_window_s=commit_window_s,
                 relayed_nodes=relayed,
+                lease_s=lease_s,
             )
         except TransportError as e:
             return (

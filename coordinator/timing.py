@@ -19,6 +19,17 @@ BEAT_S = 0.5  # a rank planning a switch says it is alive this often (`Alive`)
 LEASE_S = 1.5
 
 
+def check_lease(lease_s: float) -> None:
+    """Raises ValueError unless `lease_s` spans at least two beats: a shorter lease would count a
+    live planning rank, which says it is alive every BEAT_S, as silent."""
+    number = isinstance(lease_s, (int, float)) and not isinstance(lease_s, bool)
+    if not (number and lease_s >= 2 * BEAT_S):
+        raise ValueError(
+            f"lease_s={lease_s!r}: must be a number of seconds >= {2 * BEAT_S:g} (two beats of "
+            f"a planning rank's {BEAT_S:g} s signs of life); the default is {LEASE_S:g}"
+        )
+
+
 def silent_ranks(
     owing: Sequence[int], heard: Mapping[int, float], *, since: float, drained_to: float,
     lease_s: float,

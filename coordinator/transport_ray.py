@@ -23,6 +23,7 @@ from typing import Any
 from dist_quant.coordinator.coordinator import Coordinator
 from dist_quant.coordinator.decision_log import DecisionLog
 from dist_quant.coordinator.faults import Fault
+from dist_quant.coordinator.timing import LEASE_S
 from dist_quant.coordinator.transport import TransportError
 from dist_quant.coordinator.transport_memory import MemoryHub, MemoryTransport
 
@@ -49,6 +50,7 @@ class _CoordinatorActor:
         log_path: str,
         faults: Sequence[Fault],
         commit_window_s: float,
+        lease_s: float = LEASE_S,
     ) -> None:
         self._coordinator = Coordinator(
             MemoryTransport(self._hub),
@@ -58,6 +60,7 @@ class _CoordinatorActor:
             log=DecisionLog(log_path),
             faults=faults,
             commit_window_s=commit_window_s,
+            lease_s=lease_s,
         )
         self._coordinator.start()
 
@@ -173,9 +176,12 @@ def start_coordinator_in_actor(
     log_path: str,
     faults: Sequence[Fault],
     commit_window_s: float,
+    lease_s: float = LEASE_S,
 ) -> None:
     groups = [list(g) for g in tp_groups]
-    _ray().get(actor.start.remote(token, world_size, groups, log_path, faults, commit_window_s))
+    started = actor.start.remote(token, world_size, groups, log_path, faults, commit_window_s,
+                                 lease_s)  # fmt: skip
+    _ray().get(started)
 
 
 def stop_coordinator_actor(actor: Any) -> None:

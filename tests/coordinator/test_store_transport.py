@@ -149,6 +149,19 @@ def test_attach_refuses_an_uninitialised_process_group():
         attach(FakeModel(0))
 
 
+@pytest.mark.parametrize("lease_s", [0.9, 0, -1.0, float("nan"), "2", True])
+def test_attach_refuses_a_lease_shorter_than_two_beats_before_touching_the_job(
+    single_rank, lease_s
+):
+    """A lease under two beats (a planning rank says it is alive every 0.5 s) would abort
+    switches on live ranks: refused, naming the argument, and nothing is started (no
+    coordinator.json in the run dir)."""
+    run_dir = single_rank.parent / "run"
+    with pytest.raises(ValueError, match=r"lease_s=.*must be a number of seconds >= 1 "):
+        attach(FakeModel(0), run_dir=run_dir, transport="store", lease_s=lease_s, **FAKE_HOOKS)
+    assert not (run_dir / "coordinator.json").exists()
+
+
 @pytest.mark.parametrize(
     "claims,error",
     [

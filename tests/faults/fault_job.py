@@ -95,6 +95,7 @@ def fault_worker(rank: int, world: int, cfg: dict) -> dict:
         run_dir=run_dir,
         faults=tuple(cfg.get("faults", ())),
         decision_grace_s=cfg.get("grace_s", 0.5),
+        **({"lease_s": cfg["lease_s"]} if "lease_s" in cfg else {}),
     )
     record = {"rank": rank, "recipes": [], "twin_equal": [], "kinds": [], "error": None}
     step, stop_after = 0, None

@@ -17,13 +17,18 @@ from test_switch_faults import CURRENT, Job, check_survivors
 
 pytestmark = pytest.mark.distributed
 
-SILENT = "no vote and no sign of life for 1.5 s: dead, stopped or cut off"
+SILENT = "no vote and no sign of life for {} s: dead, stopped or cut off"
 
 
+@pytest.mark.parametrize(
+    ("lease", "named"),
+    [({}, "1.5"), ({"lease_s": 3.0}, "3")],
+    ids=["the default lease", "attach(lease_s=3)"],
+)
 def test_a_stopped_rank_aborts_the_switch_at_its_lease_and_once_resumed_the_next_commits(
-    tmp_path,
+    tmp_path, lease, named
 ):
-    job = Job(tmp_path, 3)
+    job = Job(tmp_path, 3, **lease)
     pid = int((job.run_dir / "ready1").read_text())
     first = second = None
     try:
@@ -36,7 +41,9 @@ def test_a_stopped_rank_aborts_the_switch_at_its_lease_and_once_resumed_the_next
     finally:
         failure = job.stop(after_step=second.step + 2 if second and second.committed else 0)
     assert failure is None, failure
-    assert not first.committed and first.reasons == {1: SILENT}, first
+    assert not first.committed and first.reasons == {1: SILENT.format(named)}, first
+    # the lease counts from the Prepare, which follows "open"
+    assert first.timings["votes_s"] >= float(named)
     assert second.committed, second
     check_survivors(job.records(), [0, 1, 2], [(second.step, CURRENT)])
 
