@@ -64,7 +64,7 @@ from dist_quant.coordinator.protocol import (
     Stop,
 )
 from dist_quant.coordinator.switch_log import SwitchLog
-from dist_quant.coordinator.timing import BEAT_S, LEASE_S, PACE_STEPS, pace
+from dist_quant.coordinator.timing import BEAT_S, FIRST_BEAT_S, LEASE_S, PACE_STEPS, pace
 from dist_quant.coordinator.transport import Transport, TransportError
 from dist_quant.coordinator.wire import CLOSED, INBOX, rank_queue, seal, unseal
 
@@ -137,6 +137,7 @@ class Participant:
         self._home_lost = False  # the leader's store is gone: `_rx` is a connection to rank 0's
         self._closed = False
         self._say = SwitchLog(rank)
+        self._alive_sent_for: int | None = None  # the switch this listener last said Alive in
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         # Guarded by _lock:
@@ -350,13 +351,13 @@ class Participant:
 
     def _beat(self, state: State) -> float | None:
         """How long the listener may wait for a message: forever, except while it plans (it says
-        it is alive every BEAT_S) or, behind a node relay, while it holds a YES vote: once
+        it is alive FIRST_BEAT_S after the Prepare, then every BEAT_S) or, behind a node relay, while it holds a YES vote: once
         training waits at the hold step, a rank that can reach the coordinator asks it for the
         decision every BEAT_S; a rank behind its leader's store checks every PROBE_S that the
         store still answers (a timed pop it does not answer within the connection's timeout
         fails)."""
         if isinstance(state, Preparing):
-            return BEAT_S
+            return BEAT_S if self._alive_sent_for == state.switch_id else FIRST_BEAT_S
         if isinstance(state, Voted) and self._upstream != INBOX:
             return BEAT_S if self._open_direct is None or self._home_lost else PROBE_S
         return None
@@ -367,6 +368,7 @@ class Participant:
             return
         if isinstance(state, Preparing):
             self._send(self._rx, Alive(state.switch_id, self.rank))
+            self._alive_sent_for = state.switch_id
         elif isinstance(state, Voted) and (self._last_step or 0) >= state.hold_step:
             # Waiting at the hold step: the node's relay may be gone with its leader. Behind a
             # leader's store, that store goes with it (`_read_rank_0_instead`): until then the

@@ -13,7 +13,7 @@ Message flow of one switch (see README.md for the diagram):
     client      -> coordinator : SwitchRequest
     coordinator -> every rank  : Prepare
     every rank  -> coordinator : Vote   (planned and cast off the training thread; while the
-                                         plan runs, Alive every BEAT_S)
+                                         plan runs, Alive at FIRST_BEAT_S, then every BEAT_S)
     coordinator -> decision log: Decision (flushed and fsynced first)
     coordinator -> every rank  : Decision
     coordinator -> client      : Reply(result)
@@ -188,7 +188,8 @@ class Stop(Message):
 
 @dataclass(frozen=True)
 class Alive(Message):
-    """Rank -> coordinator, every `BEAT_S` while the rank plans a switch it has not voted on yet:
+    """Rank -> coordinator, `FIRST_BEAT_S` after the Prepare reached it, then every `BEAT_S`,
+    while the rank plans a switch it has not voted on yet:
     the process is alive and its listener reads. A rank heard from neither this nor a vote for
     `lease_s` is dead, stopped or cut off, and the switch aborts without waiting for its deadline."""
 

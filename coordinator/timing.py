@@ -12,10 +12,13 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 
 BEAT_S = 0.5  # a rank planning a switch says it is alive this often (`Alive`)
+# ... and first this long after the Prepare reached it, unless it voted by then: a rank slow to
+# plan (or to get the CPU) is heard early in the lease, at no cost to one that votes at once
+FIRST_BEAT_S = 0.2
 # A rank silent this long while a vote is due is dead, stopped or cut off. Short enough that a
 # hung rank's switch is aborted and every rank is out of it within 2 s (the abort takes a few
 # hundred ms more to reach thousands of ranks: BENCHMARKS.md, issue 32); long enough that a
-# live rank, which beats BEAT_S after the Prepare reaches it, is heard with 1 s to spare.
+# live rank, which beats FIRST_BEAT_S after the Prepare reaches it, is heard with 1.3 s to spare.
 LEASE_S = 1.5
 
 

@@ -11,7 +11,7 @@ from dist_quant.coordinator import participant as participant_module
 from dist_quant.coordinator.decision_log import DecisionLog
 from dist_quant.coordinator.participant import PROBE_S, Participant
 from dist_quant.coordinator.protocol import Ack, Alive, Decision, Hello, Prepare, Vote
-from dist_quant.coordinator.timing import BEAT_S
+from dist_quant.coordinator.timing import BEAT_S, FIRST_BEAT_S
 from dist_quant.coordinator.transport_memory import MemoryHub, MemoryTransport
 from dist_quant.coordinator.wire import node_queue, rank_queue
 from switch_harness import (
@@ -219,9 +219,14 @@ def test_injected_prepare_fault_becomes_a_no_vote():
 def test_prepare_before_the_first_boundary_votes_once_training_has_started(solo):
     coord, model, p = solo
     coord.send(Prepare(1, {"name": "B"}, None, 5.0), rank_queue(0))
-    assert coord.silent(wait=0.2)  # no vote yet: no step known
+    time.sleep(0.5)
     p.step_boundary(100)
-    vote = coord.recv()
+    heard = [coord.recv()]
+    while not isinstance(heard[-1], Vote):
+        heard.append(coord.recv())
+    # no vote before a step was known; meanwhile the rank, still planning, said it was alive
+    assert set(heard[:-1]) == {Alive(1, 0)}
+    vote = heard[-1]
     assert vote.yes and vote.last_step == 100
 
 
@@ -461,8 +466,30 @@ def test_a_yes_voter_behind_a_relay_wakes_every_probe_behind_a_store_every_beat_
         wait_for(lambda: rx.timeouts[-1] is None, 10, "the idle pop")
     finally:
         p.close()
-    # idle, planning (the beat), then as many voted pops as the wait took, then idle again
+    # idle, planning (the first beat), then as many voted pops as the wait took, then idle again
     waits = rx.timeouts
-    assert waits[:2] == [None, BEAT_S]
+    assert waits[:2] == [None, FIRST_BEAT_S]
     assert set(waits[2:-1]) == {voted_beat}
     assert waits[-1] is None
+
+
+def test_a_planning_rank_first_says_it_is_alive_after_the_first_beat_then_every_beat():
+    """A plan of 0.8 s: the listener waits FIRST_BEAT_S after the Prepare, says Alive, then
+    waits BEAT_S between signs of life until the vote; a rank slow to plan is heard early in the
+    coordinator's lease."""
+    hub = MemoryHub()
+    rx = PopTimeouts(hub, rank=0)
+    p = Participant(FakeModel(0), rank=0, transport=rx, token=TOKEN, **FAKE_HOOKS).start()
+    coord = Script(MemoryTransport(hub), TOKEN)
+    try:
+        assert isinstance(coord.recv(), Hello)
+        p.step_boundary(0)
+        coord.send(Prepare(1, {"name": "B", "sleep_rank": 0, "sleep_s": 0.8}, None, 30.0),
+                   rank_queue(0))  # fmt: skip
+        heard = [coord.recv()]
+        while not isinstance(heard[-1], Vote):
+            heard.append(coord.recv())
+    finally:
+        p.close()
+    assert heard[:2] == [Alive(1, 0), Alive(1, 0)] and heard[-1].yes
+    assert rx.timeouts[:3] == [None, FIRST_BEAT_S, BEAT_S]
