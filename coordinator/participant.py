@@ -352,10 +352,10 @@ class Participant:
     def _beat(self, state: State) -> float | None:
         """How long the listener may wait for a message: forever, except while it plans (it says
         it is alive FIRST_BEAT_S after the Prepare, then every BEAT_S) or, behind a node relay,
-        while it holds a YES vote: once training waits at the hold step, a rank that can reach the coordinator asks it for the
-        decision every BEAT_S; a rank behind its leader's store checks every PROBE_S that the
-        store still answers (a timed pop it does not answer within the connection's timeout
-        fails)."""
+        while it holds a YES vote: once training waits at the hold step, a rank that can reach
+        the coordinator asks it for the decision every BEAT_S; a rank behind its leader's store
+        checks every PROBE_S that the store still answers (a timed pop it does not answer within
+        the connection's timeout fails)."""
         if isinstance(state, Preparing):
             return BEAT_S if self._alive_sent_for == state.switch_id else FIRST_BEAT_S
         if isinstance(state, Voted) and self._upstream != INBOX:
