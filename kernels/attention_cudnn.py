@@ -42,9 +42,10 @@ HEAD_DIM = 128
 MIN_CUDNN = 91400
 """cuDNN 9.14: the first release cudnn-frontend's own FP8 SDPA tests run on."""
 BACKENDS = ("cudnn", "triton")
-# "triton" until cuDNN's gradients are as close to the definition as the Triton kernels' (its dq
-# is 6e-2 off on a sharp softmax on the H200, theirs 1.1e-2; tests/modules/test_attention_gpu.py
-# fails on it under delayed scaling at head dim 128): docs/fp8_attention.md
+# "triton" until cuDNN's gradients are as close to the definition as the Triton kernels' (on a
+# sharp softmax on the H200 its E5M2 dq is 6e-2 from the definition's rounding, about 2.5e-2
+# before it against their 1.1e-2; tests/modules/test_attention_gpu.py fails on it under delayed
+# scaling at head dim 128): docs/fp8_attention.md
 BACKEND = os.environ.get("DIST_QUANT_FP8_ATTENTION", "triton")
 """Which GPU path FP8 attention takes (read at import): "cudnn" where cuDNN takes the call,
 "triton" always the Triton kernels."""
