@@ -172,7 +172,8 @@ def _code_steps(got: torch.Tensor, exact: torch.Tensor) -> tuple[float, float, f
     from it, and further. A result whose error before its own E5M2 rounding is small differs
     from the definition's rounding by single steps where the two straddle a rounding boundary,
     which the relative Frobenius error weighs at a quarter of the value each."""
-    codes = lambda x: x.float().clamp(-57344, 57344).to(E5M2).view(torch.uint8)  # noqa: E731
+    limit = torch.finfo(E5M2).max
+    codes = lambda x: x.float().clamp(-limit, limit).to(E5M2).view(torch.uint8)  # noqa: E731
     g, e = codes(got).to(torch.int16), codes(exact).to(torch.int16)
     # E5M2 bytes: sign bit, then a magnitude whose integer order is the value order
     signed = lambda c: torch.where(c >= 128, -(c - 128), c)  # noqa: E731
